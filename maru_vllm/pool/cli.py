@@ -1,0 +1,189 @@
+"""`maru-dynamo pool serve|status`: run the pool service or inspect a running one."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import grp
+import json
+import logging
+import os
+import stat
+import sys
+from typing import Any
+
+from maru_vllm.pool.address import parse_address
+from maru_vllm.pool.errors import InvalidArgument, PoolError
+from maru_vllm.pool.region import BACKENDS, RegionError, parse_size, validate_pool_name
+
+logger = logging.getLogger(__name__)
+
+
+def _arg_type(fn: Any, what: str) -> Any:
+    def convert(text: str) -> Any:
+        try:
+            return fn(text)
+        except (ValueError, PoolError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    convert.__name__ = what
+    return convert
+
+
+def _name(text: str) -> str:
+    return validate_pool_name(text)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise ValueError(f"invalid port {text!r}: use an integer 0-65535 (0 picks a free port)")
+    return int(text)
+
+
+def _nats_url(text: str) -> str:
+    if not text.startswith(("nats://", "tls://", "ws://", "wss://")):
+        raise ValueError(f"invalid NATS URL {text!r}: use nats://host:port (or tls://, ws://, wss://)")
+    return text
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"invalid duration {text!r}: use a number of seconds > 0")
+    return value
+
+
+def _group(text: str) -> int:
+    if text.isdigit():
+        return int(text)
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError as exc:
+        raise ValueError(f"invalid group {text!r}: no such group (use a group name or a numeric gid)") from exc
+
+
+def _address(text: str) -> str:
+    parse_address(text)
+    return text
+
+
+def register(subparsers: Any) -> None:
+    pool = subparsers.add_parser("pool", help="run or inspect the shared KV-cache pool (Maru)")
+    psub = pool.add_subparsers(dest="pool_command", metavar="POOL_COMMAND")
+    pool.set_defaults(func=lambda args: _help(pool))
+
+    serve = psub.add_parser("serve", help="run a pool service in the foreground")
+    serve.add_argument("--name", required=True, type=_arg_type(_name, "pool name"), help="pool name")
+    serve.add_argument("--size", required=True, type=_arg_type(parse_size, "size"), help="region size: bytes, 512M, 4G")
+    serve.add_argument("--backend", choices=BACKENDS, default="shm", help="where the region lives (default shm)")
+    serve.add_argument("--path", help="region path: /dev/shm/<file> (shm), /dev/daxX.Y (dax), a file on a DAX or hugetlbfs mount (file)")
+    serve.add_argument("--listen", action="append", type=_arg_type(_address, "address"), default=[],
+                       help="unix:///path.sock (default under $XDG_RUNTIME_DIR or /tmp) or tcp://host:port; repeatable")
+    serve.add_argument("--nats", type=_arg_type(_nats_url, "NATS URL"), help="publish stored/removed events to this NATS server")
+    serve.add_argument("--metrics-port", type=_arg_type(_port, "port"), help="serve Prometheus metrics on this port")
+    serve.add_argument("--metrics-host", default="127.0.0.1", help="metrics bind address (default 127.0.0.1)")
+    serve.add_argument("--token-file", help="file holding the shared-secret token clients must present (required for tcp)")
+    serve.add_argument("--keep-region", action="store_true", help="leave the region file in place at exit")
+    serve.add_argument("--lease-seconds", type=_arg_type(_seconds, "seconds"), default=30.0,
+                       help="release a silent client's reservations and pins after this long (default 30)")
+    serve.add_argument("--group", type=_arg_type(_group, "group"), help="make the region and socket group-accessible (0660)")
+    serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    serve.set_defaults(func=cmd_serve)
+
+    status = psub.add_parser("status", help="show a running pool's capacity, usage and counters")
+    status.add_argument("--address", required=True, type=_arg_type(_address, "address"), help="the pool's address")
+    status.add_argument("--token-file", help="token file (tcp pools)")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--timeout", type=_arg_type(_seconds, "seconds"), default=5.0)
+    status.set_defaults(func=cmd_status)
+
+
+def _help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def _read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+        token = open(path, encoding="utf-8").read().strip()
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read token file {path!r}: {exc.strerror}") from exc
+    if not token:
+        raise InvalidArgument(f"token file {path!r} is empty")
+    if st.st_mode & stat.S_IROTH:
+        logger.warning("token file %s is world-readable; chmod 600 it", path)
+    return token
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from maru_vllm.pool.service import ServiceConfig, serve
+
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = ServiceConfig(
+            name=args.name, size=args.size, backend=args.backend, path=args.path, listen=args.listen,
+            nats=args.nats, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+            token=_read_token(args.token_file), keep_region=args.keep_region, lease_s=args.lease_seconds,
+            group=args.group,
+        )
+        return asyncio.run(serve(cfg))
+    except (RegionError, PoolError, OSError) as exc:
+        print(f"maru-dynamo pool serve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from maru_vllm.pool.client import PoolClient
+
+    try:
+        with PoolClient.connect(args.address, _read_token(args.token_file), timeout=args.timeout, heartbeat=False) as c:
+            st = c.stats()
+    except PoolError as exc:
+        print(f"maru-dynamo pool status: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+    else:
+        print(format_status(st))
+    return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_status(st: dict[str, Any]) -> str:
+    cap = st.get("capacity_bytes", 0) or 1
+    lookups = st.get("hits", 0) + st.get("misses", 0)
+    rows = [
+        ("pool", st.get("pool")),
+        ("incarnation", st.get("incarnation")),
+        ("region", f"{st.get('region_path')} ({st.get('backend')})"),
+        ("capacity", _human(st.get("capacity_bytes", 0))),
+        ("allocated", f"{_human(st.get('allocated_bytes', 0))} ({100 * st.get('allocated_bytes', 0) / cap:.1f}%)"),
+        ("objects", f"{st.get('objects', 0)} ({_human(st.get('object_bytes', 0))})"),
+        ("reserved", f"{st.get('reserved', 0)} ({_human(st.get('reserved_bytes', 0))})"),
+        ("pinned", st.get("pinned", 0)),
+        ("sessions", st.get("sessions", 0)),
+        ("hits / misses", f"{st.get('hits', 0)} / {st.get('misses', 0)}"
+         + (f" ({100 * st.get('hits', 0) / lookups:.1f}% hit)" if lookups else "")),
+        ("stores", st.get("stores", 0)),
+        ("evictions", st.get("evictions", 0)),
+        ("duplicate commits", st.get("duplicate_commits", 0)),
+        ("corrupt reads", st.get("corrupt_reads", 0)),
+        ("events", f"seq {st.get('event_seq', 0)}, nats {st.get('nats') or 'off'}"
+         + (" (connected)" if st.get("nats_connected") else "")),
+        ("uptime", f"{st.get('uptime_s', 0):.0f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

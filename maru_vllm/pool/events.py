@@ -1,0 +1,178 @@
+"""Publishing pool events (`stored` / `removed`) and serving snapshots over NATS.
+
+Payloads are JSON (msgspec.json; bytes in `meta` become base64 strings)::
+
+    {"type": "stored"|"removed", "seq": 7, "incarnation": "<hex>", "pool": "<name>",
+     "namespace": "default", "key": "<hex>", "size": 123, "meta": {...}, "ts": 1.7e9}
+
+`seq` starts at 1 for each incarnation and has no gaps. Ops never wait on NATS: events go
+into an in-process queue that a background task drains. While NATS is unreachable the queue
+holds events (up to `max_queue`) and they are published in order after reconnecting; if the
+queue overflows, the oldest events are dropped (counted in `dropped`), which subscribers see
+as a gap in `seq` - they then resync with a snapshot (request on `maru.<pool>.snapshot`, or the
+socket `snapshot` op), which carries the `seq` it is consistent with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+logger = logging.getLogger(__name__)
+
+_json = msgspec.json.Encoder()
+
+
+def events_subject(pool_name: str) -> str:
+    """The NATS subject a pool publishes its stored/removed events on."""
+    return f"maru.{pool_name}.events"
+
+
+def snapshot_subject(pool_name: str) -> str:
+    """The NATS request subject that answers with the pool's current object set."""
+    return f"maru.{pool_name}.snapshot"
+
+
+class EventPublisher:
+    """Queue + background NATS publisher; `emit` never blocks and never raises."""
+
+    def __init__(
+        self,
+        url: str,
+        pool: str,
+        snapshot: Callable[[str | None], dict[str, Any]],
+        *,
+        max_queue: int = 200_000,
+    ) -> None:
+        self.url = url
+        self.pool = pool
+        self.subject = events_subject(pool)
+        self._snapshot = snapshot
+        self._queue: collections.deque[bytes] = collections.deque()
+        self._max_queue = max_queue
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._nc: Any = None
+        self._stopping = False
+        self.published = 0
+        self.dropped = 0
+        self.connected = False
+
+    def emit(self, event: dict[str, Any]) -> None:
+        if len(self._queue) >= self._max_queue:
+            self._queue.popleft()
+            self.dropped += 1
+        self._queue.append(_json.encode(event))
+        self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="maru-events")
+
+    async def _connect(self) -> None:
+        import nats  # imported here so the pool works without touching NATS at all
+
+        backoff = 0.2
+        while not self._stopping:
+            try:
+                self._nc = await nats.connect(
+                    servers=[self.url],
+                    name=f"maru-pool-{self.pool}",
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    connect_timeout=2,
+                    disconnected_cb=self._on_disconnect,
+                    reconnected_cb=self._on_reconnect,
+                    error_cb=self._on_error,
+                )
+                await self._nc.subscribe(snapshot_subject(self.pool), cb=self._on_snapshot_request)
+                self.connected = True
+                logger.info("publishing pool events to %s on %s", self.url, self.subject)
+                return
+            except Exception as exc:  # nats-py raises its own error types as well as OSError
+                logger.warning("cannot connect to NATS at %s (%s); retrying in %.1fs", self.url, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _run(self) -> None:
+        await self._connect()
+        while not self._stopping:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            payload = self._queue[0]
+            try:
+                await self._nc.publish(self.subject, payload)
+            except Exception as exc:  # nats-py: outbound buffer full / connection closed
+                logger.debug("event publish deferred: %s", exc)
+                await asyncio.sleep(0.2)
+                continue
+            self._queue.popleft()
+            self.published += 1
+            if self.published % 256 == 0:
+                await asyncio.sleep(0)  # let ops run between large bursts
+
+    async def _on_snapshot_request(self, msg: Any) -> None:
+        ns = None
+        if msg.data:
+            try:
+                ns = msgspec.json.decode(msg.data).get("namespace")
+            except (msgspec.DecodeError, AttributeError):
+                ns = None
+        body = _json.encode(self._snapshot(ns))
+        max_payload = getattr(self._nc, "max_payload", 1 << 20)
+        if len(body) > max_payload:
+            body = _json.encode(
+                {"error": "too_large", "message": "snapshot exceeds the NATS max payload; use the socket snapshot op"}
+            )
+        try:
+            await msg.respond(body)
+        except Exception as exc:  # the requester may be gone
+            logger.debug("snapshot reply failed: %s", exc)
+
+    async def _on_disconnect(self) -> None:
+        self.connected = False
+        logger.warning("NATS disconnected; events are queued until it is back")
+
+    async def _on_reconnect(self) -> None:
+        self.connected = True
+        logger.info("NATS reconnected; resuming event publishing")
+
+    async def _on_error(self, exc: Exception) -> None:
+        logger.debug("NATS error: %s", exc)
+
+    async def close(self, flush_timeout: float = 2.0) -> None:
+        """Publish what is queued (bounded by `flush_timeout`), then disconnect."""
+        if self._nc is not None and self.connected:
+            try:
+                await asyncio.wait_for(self._drain_queue(), flush_timeout)
+            except asyncio.TimeoutError:
+                logger.warning("%d events not published at shutdown", len(self._queue))
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._nc is not None:
+            try:
+                await asyncio.wait_for(self._nc.close(), flush_timeout)
+            except Exception as exc:
+                logger.debug("NATS close: %s", exc)
+
+    async def _drain_queue(self) -> None:
+        while self._queue:
+            await asyncio.sleep(0.01)
+        await self._nc.flush(timeout=1)

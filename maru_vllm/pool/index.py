@@ -1,0 +1,321 @@
+"""The pool's metadata state machine: objects, LRU, pins, reservations and sessions.
+
+Pure in-memory logic with no I/O, so it is unit-testable and the service stays a thin shell.
+Object life cycle::
+
+    reserve -> RESERVED (owned by one session, invisible, never evictable)
+        commit  -> COMMITTED (visible; in the LRU while nobody pins it)
+        abort / session gone -> freed
+    COMMITTED -> evicted (LRU, unpinned only) or doomed (a reader found it corrupt: hidden at
+                 once, freed when the last pin goes)
+
+Only unpinned committed objects are in the LRU, so eviction is O(1) per victim and pinned or
+in-flight objects can never be chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from maru_vllm.pool.allocator import Allocation, Allocator
+from maru_vllm.pool.objects import OBJ_HEADER_SIZE
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class Obj:
+    oid: int
+    ns: str
+    key: bytes
+    size: int
+    alloc: Allocation
+    data_offset: int  # absolute region offset of the data area
+    session: int
+    meta: dict[str, Any] | None = None
+    committed: bool = False
+    pins: int = 0
+    doomed: bool = False
+
+    @property
+    def header_offset(self) -> int:
+        return self.data_offset + self.alloc.offset
+
+    @property
+    def payload_offset(self) -> int:
+        return self.header_offset + OBJ_HEADER_SIZE
+
+    def describe(self) -> dict[str, Any]:
+        return {"namespace": self.ns, "key": self.key.hex(), "size": self.size, "meta": self.meta}
+
+
+@dataclass(slots=True)
+class Session:
+    sid: int
+    client: str
+    last_seen: float
+    reservations: dict[int, Obj] = field(default_factory=dict)
+    pins: dict[int, int] = field(default_factory=dict)  # oid -> pin count held by this session
+
+
+EventSink = Callable[[str, Obj], None]
+
+
+class PoolIndex:
+    """All metadata of one pool incarnation. Not thread-safe: the service runs it on one loop."""
+
+    def __init__(self, allocator: Allocator, data_offset: int, on_event: EventSink | None = None) -> None:
+        self.alloc = allocator
+        self.data_offset = data_offset
+        self.on_event = on_event
+        self.objects: dict[tuple[str, bytes], Obj] = {}
+        self.live: dict[int, Obj] = {}  # every allocated object by oid (reserved, committed, doomed)
+        self.lru: OrderedDict[int, Obj] = OrderedDict()
+        self.sessions: dict[int, Session] = {}
+        self._next_oid = 1
+        self._next_sid = 1
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("hits", "misses", "stores", "duplicate_commits", "evictions", "corrupt_reads",
+             "reserve_failures", "aborts", "sessions_expired"),
+            0,
+        )
+
+    # -- sessions ---------------------------------------------------------------------------
+    def open_session(self, client: str = "") -> int:
+        sid = self._next_sid
+        self._next_sid += 1
+        self.sessions[sid] = Session(sid, client, time.monotonic())
+        return sid
+
+    def touch_session(self, sid: int) -> None:
+        self.sessions[sid].last_seen = time.monotonic()
+
+    def close_session(self, sid: int) -> tuple[int, int]:
+        """Drop a session: free its reservations, drop its pins. Returns (reservations, pins)."""
+        s = self.sessions.pop(sid, None)
+        if s is None:
+            return (0, 0)
+        for obj in s.reservations.values():
+            self._free(obj)
+        npins = 0
+        for oid, count in s.pins.items():
+            npins += count
+            obj = self.live.get(oid)
+            if obj is not None:
+                self._unpin(obj, count)
+        return (len(s.reservations), npins)
+
+    def expired_sessions(self, lease_s: float) -> list[int]:
+        deadline = time.monotonic() - lease_s
+        return [sid for sid, s in self.sessions.items() if s.last_seen < deadline]
+
+    # -- reads ------------------------------------------------------------------------------
+    def lookup(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
+        out = []
+        for k in keys:
+            obj = self.objects.get((ns, k))
+            out.append(obj is not None)
+            if obj is not None:
+                self._touch(obj)
+        self._count(out)
+        return out
+
+    def lookup_prefix(self, ns: str, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            obj = self.objects.get((ns, k))
+            if obj is None:
+                break
+            self._touch(obj)
+            n += 1
+        self.counters["hits"] += n
+        self.counters["misses"] += 1 if n < len(keys) else 0
+        return n
+
+    def acquire(self, sid: int, ns: str, keys: Sequence[bytes]) -> list[Obj | None]:
+        s = self.sessions[sid]
+        out: list[Obj | None] = []
+        for k in keys:
+            obj = self.objects.get((ns, k))
+            if obj is not None:
+                if obj.pins == 0:
+                    self.lru.pop(obj.oid, None)
+                obj.pins += 1
+                s.pins[obj.oid] = s.pins.get(obj.oid, 0) + 1
+            out.append(obj)
+        self._count([o is not None for o in out])
+        return out
+
+    def release(self, sid: int, oids: Sequence[int], bad: Sequence[int] = ()) -> int:
+        """Drop one pin per oid; oids in `bad` failed validation and are removed. Returns count."""
+        s = self.sessions[sid]
+        for oid in bad:
+            obj = self.live.get(oid)
+            if obj is not None and obj.committed and not obj.doomed and oid in s.pins:
+                logger.warning("object %s/%s reported corrupt by session %d; removing it", obj.ns, obj.key.hex(), sid)
+                self.counters["corrupt_reads"] += 1
+                self.counters["hits"] -= 1
+                self.counters["misses"] += 1
+                self._hide(obj, "removed")
+        released = 0
+        for oid in oids:
+            held = s.pins.get(oid, 0)
+            if held == 0:
+                continue
+            if held == 1:
+                del s.pins[oid]
+            else:
+                s.pins[oid] = held - 1
+            obj = self.live.get(oid)
+            if obj is not None:
+                self._unpin(obj, 1)
+            released += 1
+        return released
+
+    # -- writes -----------------------------------------------------------------------------
+    def reserve(self, sid: int, ns: str, items: Sequence[tuple[bytes, int]]) -> list[Obj | None]:
+        s = self.sessions[sid]
+        out: list[Obj | None] = []
+        for key, size in items:
+            if (ns, key) in self.objects:
+                out.append(None)
+                continue
+            a = self._alloc_evicting(OBJ_HEADER_SIZE + size)
+            if a is None:
+                self.counters["reserve_failures"] += 1
+                out.append(None)
+                continue
+            obj = Obj(self._next_oid, ns, key, size, a, self.data_offset, sid)
+            self._next_oid += 1
+            self.live[obj.oid] = obj
+            s.reservations[obj.oid] = obj
+            out.append(obj)
+        return out
+
+    def commit(
+        self,
+        sid: int,
+        oids: Sequence[int],
+        metas: Sequence[dict[str, Any] | None],
+        verify: Callable[[Obj], str | None],
+    ) -> list[bool]:
+        s = self.sessions[sid]
+        out = []
+        for oid, meta in zip(oids, metas):
+            obj = s.reservations.pop(oid, None)
+            if obj is None:
+                out.append(False)  # not ours, already committed/aborted, or from an old session
+                continue
+            if (obj.ns, obj.key) in self.objects:
+                self.counters["duplicate_commits"] += 1
+                self._free(obj)
+                out.append(False)
+                continue
+            problem = verify(obj)
+            if problem is not None:
+                logger.warning("commit of %s/%s rejected: %s", obj.ns, obj.key.hex(), problem)
+                self._free(obj)
+                out.append(False)
+                continue
+            obj.committed = True
+            obj.meta = meta
+            self.objects[(obj.ns, obj.key)] = obj
+            self.lru[oid] = obj
+            self.counters["stores"] += 1
+            self._emit("stored", obj)
+            out.append(True)
+        return out
+
+    def abort(self, sid: int, oids: Sequence[int]) -> int:
+        s = self.sessions[sid]
+        n = 0
+        for oid in oids:
+            obj = s.reservations.pop(oid, None)
+            if obj is not None:
+                self._free(obj)
+                n += 1
+        self.counters["aborts"] += n
+        return n
+
+    # -- views ------------------------------------------------------------------------------
+    def snapshot(self, ns: str | None = None) -> list[dict[str, Any]]:
+        return [o.describe() for o in self.objects.values() if ns is None or o.ns == ns]
+
+    def stats(self) -> dict[str, Any]:
+        reserved = [o for s in self.sessions.values() for o in s.reservations.values()]
+        st: dict[str, Any] = dict(self.counters)
+        st.update(self.alloc.stats())
+        st.update(
+            objects=len(self.objects),
+            object_bytes=sum(o.size for o in self.objects.values()),
+            reserved=len(reserved),
+            reserved_bytes=sum(o.alloc.capacity for o in reserved),
+            pinned=sum(1 for o in self.live.values() if o.pins),
+            pins=sum(o.pins for o in self.live.values()),
+            doomed=sum(1 for o in self.live.values() if o.doomed),
+            # allocator bytes accounted to live objects; equals allocated_bytes unless space leaked
+            live_object_alloc_bytes=sum(o.alloc.capacity for o in self.live.values()),
+            sessions=len(self.sessions),
+        )
+        try:
+            self.alloc.check()
+            st["allocator_consistent"] = True
+        except AssertionError as exc:
+            logger.error("allocator inconsistency: %s", exc)
+            st["allocator_consistent"] = False
+        return st
+
+    # -- internals --------------------------------------------------------------------------
+    def _count(self, hits: list[bool]) -> None:
+        n = sum(hits)
+        self.counters["hits"] += n
+        self.counters["misses"] += len(hits) - n
+
+    def _touch(self, obj: Obj) -> None:
+        if obj.oid in self.lru:
+            self.lru.move_to_end(obj.oid)
+
+    def _alloc_evicting(self, nbytes: int) -> Allocation | None:
+        if nbytes > self.alloc.capacity:
+            return None
+        a = self.alloc.alloc(nbytes)
+        while a is None and self.lru:
+            _, victim = self.lru.popitem(last=False)
+            self.counters["evictions"] += 1
+            self._hide(victim, "removed")
+            a = self.alloc.alloc(nbytes)
+        return a
+
+    def _hide(self, obj: Obj, event: str) -> None:
+        """Make a committed object invisible; free it now if nobody pins it."""
+        self.lru.pop(obj.oid, None)
+        if self.objects.get((obj.ns, obj.key)) is obj:
+            del self.objects[(obj.ns, obj.key)]
+        self._emit(event, obj)
+        if obj.pins == 0:
+            self._free(obj)
+        else:
+            obj.doomed = True
+
+    def _unpin(self, obj: Obj, count: int) -> None:
+        obj.pins -= count
+        if obj.pins > 0:
+            return
+        obj.pins = 0
+        if obj.doomed:
+            self._free(obj)
+        elif obj.committed:
+            self.lru[obj.oid] = obj  # a read counts as use: most recently used end
+
+    def _free(self, obj: Obj) -> None:
+        if self.live.pop(obj.oid, None) is not None:
+            self.alloc.free(obj.alloc)
+
+    def _emit(self, kind: str, obj: Obj) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, obj)

@@ -1,0 +1,83 @@
+"""Prometheus metrics for the pool service.
+
+Gauges and counters are read from the index at scrape time (a custom collector), so the op
+path only pays for the latency histogram observation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+logger = logging.getLogger(__name__)
+
+_GAUGES = {
+    "capacity_bytes": "Bytes of the data area objects can use",
+    "allocated_bytes": "Bytes allocated to reserved, committed and still-pinned removed objects",
+    "object_bytes": "Payload bytes of visible (committed) objects",
+    "objects": "Visible (committed) objects",
+    "reserved": "Reservations not yet committed or aborted",
+    "pinned": "Objects pinned by at least one reader",
+    "sessions": "Connected client sessions",
+    "event_queue": "Events waiting to be published to NATS",
+}
+_COUNTERS = {
+    "hits": "Lookups/acquires that found the key",
+    "misses": "Lookups/acquires that did not find the key (or found it corrupt)",
+    "stores": "Objects committed",
+    "duplicate_commits": "Commits that lost the write-once race",
+    "evictions": "Objects evicted (LRU)",
+    "corrupt_reads": "Objects a reader found corrupt",
+    "reserve_failures": "Reservations that found no space",
+    "sessions_expired": "Sessions closed by lease expiry",
+    "events_dropped": "Events dropped because the NATS queue overflowed",
+}
+
+
+class _StatsCollector:
+    def __init__(self, pool: str, stats: Callable[[], dict[str, Any]]) -> None:
+        self.pool = pool
+        self.stats = stats
+
+    def collect(self):  # noqa: ANN201 - prometheus collector protocol
+        st = self.stats()
+        for name, doc in _GAUGES.items():
+            g = GaugeMetricFamily(f"maru_pool_{name}", doc, labels=["pool"])
+            g.add_metric([self.pool], float(st.get(name, 0)))
+            yield g
+        for name, doc in _COUNTERS.items():
+            c = CounterMetricFamily(f"maru_pool_{name}", doc, labels=["pool"])
+            c.add_metric([self.pool], float(st.get(name, 0)))
+            yield c
+
+
+class PoolMetrics:
+    def __init__(self, pool: str, stats: Callable[[], dict[str, Any]]) -> None:
+        self.pool = pool
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatsCollector(pool, stats))
+        self.op_latency = Histogram(
+            "maru_pool_op_latency_seconds",
+            "Service-side time to handle one request, by op",
+            ["pool", "op"],
+            registry=self.registry,
+            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0),
+        )
+        self._children: dict[str, Any] = {}
+
+    def observe(self, op: str, seconds: float) -> None:
+        child = self._children.get(op)
+        if child is None:
+            child = self._children[op] = self.op_latency.labels(self.pool, op)
+        child.observe(seconds)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        result = start_http_server(port, addr=host, registry=self.registry)
+        if isinstance(result, tuple):  # prometheus-client >= 0.20 returns (server, thread)
+            port = result[0].server_address[1]
+        logger.info("metrics on http://%s:%d/metrics", host, port)
+        return port

@@ -1,0 +1,57 @@
+"""The per-object header written in front of every payload in the region.
+
+The writer (the client) fills it in at commit; the service checks it before making the object
+visible, and every reader checks it again before using the bytes. Any mismatch - wrong magic,
+object id, length, key digest or checksum - makes the read a miss, never bad data. The object
+id is unique per incarnation, so a block that was freed and reused for another object can
+never validate against stale metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+
+OBJ_MAGIC = 0x4A424F4D  # "MOBJ"
+OBJ_VERSION = 1
+FLAG_CHECKSUM = 1
+OBJ_HEADER_SIZE = 64  # keeps payloads 64-byte aligned
+# magic, version, flags, object id, length, key digest, crc32
+_OBJ = struct.Struct("<IHHQQ16sI")
+
+
+def key_digest(namespace: str, key: bytes) -> bytes:
+    return hashlib.blake2b(namespace.encode() + b"\0" + key, digest_size=16).digest()
+
+
+def write_header(
+    buf: memoryview, oid: int, length: int, digest: bytes, payload: memoryview | None, checksum: bool
+) -> None:
+    """Write the header into `buf` (the OBJ_HEADER_SIZE bytes just before the payload)."""
+    crc = zlib.crc32(payload) if (checksum and payload is not None) else 0
+    flags = FLAG_CHECKSUM if checksum else 0
+    _OBJ.pack_into(buf, 0, 0, OBJ_VERSION, flags, oid, length, digest, crc)
+    struct.pack_into("<I", buf, 0, OBJ_MAGIC)  # magic last: a torn header never validates
+
+
+def clear_header(buf: memoryview) -> None:
+    struct.pack_into("<I", buf, 0, 0)
+
+
+def validate(
+    header: memoryview, payload: memoryview, oid: int, length: int, digest: bytes, *, check_crc: bool = True
+) -> str | None:
+    """None when the object is intact, else the reason it is not (for logs and counters)."""
+    magic, version, flags, h_oid, h_len, h_digest, crc = _OBJ.unpack_from(header, 0)
+    if magic != OBJ_MAGIC or version != OBJ_VERSION:
+        return "bad object magic/version"
+    if h_oid != oid:
+        return f"object id {h_oid} != expected {oid}"
+    if h_len != length or len(payload) != length:
+        return f"length {h_len} != expected {length}"
+    if h_digest != digest:
+        return "key digest mismatch"
+    if check_crc and flags & FLAG_CHECKSUM and zlib.crc32(payload) != crc:
+        return "checksum mismatch"
+    return None

@@ -1,0 +1,159 @@
+"""Wire protocol between pool clients and the service (control plane only; no payloads).
+
+Framing: a 4-byte big-endian length, then a msgpack body (msgspec). A request is the array
+``[version, id, op, args]``; a reply is ``[version, id, ok, result, error]``. Each op's args are
+a typed struct decoded and validated by msgspec (lengths, non-negative sizes), so a bad request
+becomes a clean error reply and the connection keeps working. Frames above MAX_FRAME are
+refused and that connection is closed (its byte stream can no longer be trusted).
+
+Versioning: ``PROTOCOL_VERSION`` is checked on every request; a different version gets a
+``bad_version`` error naming the versions the service speaks.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 16 * 1024 * 1024
+MAX_KEY = 256
+MAX_NAMESPACE = 128
+MAX_BATCH = 65536
+MAX_META_BYTES = 16 * 1024
+LEN = struct.Struct(">I")
+
+Key = Annotated[bytes, msgspec.Meta(max_length=MAX_KEY)]
+Namespace = Annotated[str, msgspec.Meta(max_length=MAX_NAMESPACE)]
+Size = Annotated[int, msgspec.Meta(ge=0, le=1 << 50)]
+Oid = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Request(msgspec.Struct, array_like=True):
+    v: int
+    id: int
+    op: str
+    args: msgspec.Raw = msgspec.Raw(b"\x80")  # empty map
+
+
+class ErrorInfo(msgspec.Struct, array_like=True):
+    code: str
+    message: str
+
+
+class Reply(msgspec.Struct, array_like=True):
+    v: int
+    id: int
+    ok: bool
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+# -- per-op arguments -----------------------------------------------------------------------
+class HelloArgs(msgspec.Struct, forbid_unknown_fields=False):
+    token: str | None = None
+    client: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    pid: int = 0
+
+
+class EmptyArgs(msgspec.Struct):
+    pass
+
+
+class KeysArgs(msgspec.Struct):
+    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_BATCH)]
+    ns: Namespace = "default"
+
+
+class ReserveArgs(msgspec.Struct):
+    items: Annotated[list[tuple[Key, Size]], msgspec.Meta(max_length=MAX_BATCH)]
+    ns: Namespace = "default"
+
+
+class CommitArgs(msgspec.Struct):
+    oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_BATCH)]
+    metas: list[dict[str, Any] | None] | None = None
+
+
+class OidsArgs(msgspec.Struct):
+    oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_BATCH)]
+    bad: Annotated[list[Oid], msgspec.Meta(max_length=MAX_BATCH)] = []
+
+
+class SnapshotArgs(msgspec.Struct):
+    ns: Namespace | None = None
+
+
+OP_ARGS: dict[str, type[msgspec.Struct]] = {
+    "hello": HelloArgs,
+    "ping": EmptyArgs,
+    "lookup": KeysArgs,
+    "lookup_prefix": KeysArgs,
+    "reserve": ReserveArgs,
+    "commit": CommitArgs,
+    "abort": OidsArgs,
+    "acquire": KeysArgs,
+    "release": OidsArgs,
+    "stats": EmptyArgs,
+    "snapshot": SnapshotArgs,
+}
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_arg_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in OP_ARGS.items()}
+
+
+class FrameError(Exception):
+    """A frame or body that cannot be decoded; carries the error code for the reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def frame(body: bytes) -> bytes:
+    return LEN.pack(len(body)) + body
+
+
+def encode_request(req_id: int, op: str, args: dict[str, Any] | None = None) -> bytes:
+    body = _encoder.encode((PROTOCOL_VERSION, req_id, op, args or {}))
+    return frame(body)
+
+
+def encode_reply(reply: Reply) -> bytes:
+    return frame(_encoder.encode(reply))
+
+
+def error_reply(req_id: int, code: str, message: str) -> Reply:
+    return Reply(PROTOCOL_VERSION, req_id, False, None, ErrorInfo(code, message))
+
+
+def decode_request(body: bytes) -> Request:
+    try:
+        return _request_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError("bad_frame", f"malformed request frame: {exc}") from exc
+
+
+def decode_args(op: str, raw: msgspec.Raw) -> msgspec.Struct:
+    dec = _arg_decoders.get(op)
+    if dec is None:
+        raise FrameError("unknown_op", f"unknown op {op!r}; known ops: {', '.join(sorted(OP_ARGS))}")
+    try:
+        return dec.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError("bad_request", f"invalid arguments for {op!r}: {exc}") from exc
+
+
+def decode_reply(body: bytes) -> Reply:
+    try:
+        return _reply_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError("bad_frame", f"malformed reply frame: {exc}") from exc
+
+
+def encode_meta(meta: dict[str, Any] | None) -> bytes:
+    return _encoder.encode(meta)

@@ -1,0 +1,338 @@
+"""The pool service: an asyncio server that owns the region and the metadata index.
+
+It handles metadata only - clients write and read payload bytes directly in the shared region.
+Each connection is one session; when the connection closes (the client exited or was killed)
+its reservations and pins are released at once, and a lease (refreshed by any request,
+including the client's idle pings) releases a session whose peer went silent without closing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from maru_vllm.pool import protocol as P
+from maru_vllm.pool.address import Address, default_listen, parse_address
+from maru_vllm.pool.allocator import Allocator
+from maru_vllm.pool.errors import PoolError
+from maru_vllm.pool.events import EventPublisher
+from maru_vllm.pool.index import Obj, PoolIndex
+from maru_vllm.pool.metrics import PoolMetrics
+from maru_vllm.pool.objects import OBJ_HEADER_SIZE, key_digest, validate
+from maru_vllm.pool.region import Region
+
+logger = logging.getLogger(__name__)
+
+READY_LINE = "maru-pool serving on {address}"
+
+
+@dataclass
+class ServiceConfig:
+    name: str
+    size: int
+    backend: str = "shm"
+    path: str | None = None
+    listen: list[str] = field(default_factory=list)
+    nats: str | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    token: str | None = None
+    keep_region: bool = False
+    lease_s: float = 30.0
+    group: int | None = None
+
+
+class PoolService:
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.addresses: list[Address] = [parse_address(a) for a in cfg.listen] or [default_listen(cfg.name)]
+        if any(a.kind == "tcp" for a in self.addresses) and not cfg.token:
+            raise PoolError("a tcp listen address needs a shared-secret token (--token-file)")
+        self.region: Region | None = None
+        self.index: PoolIndex | None = None
+        self.metrics = PoolMetrics(cfg.name, self._stats)
+        self.publisher: EventPublisher | None = None
+        self.seq = 0
+        self.started = time.time()
+        self._servers: list[asyncio.AbstractServer] = []
+        self._conns: dict[int, asyncio.StreamWriter] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stopped = asyncio.Event()
+        self.metrics_port: int | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> list[str]:
+        for a in self.addresses:
+            if a.kind == "unix":
+                _refuse_live_socket(a.path)
+        self.region = Region.create(
+            self.cfg.name, self.cfg.size, backend=self.cfg.backend, path=self.cfg.path, group=self.cfg.group
+        )
+        data_offset = self.region.info.data_offset
+        self.index = PoolIndex(Allocator(self.region.size - data_offset), data_offset, self._on_event)
+        if self.cfg.nats:
+            self.publisher = EventPublisher(self.cfg.nats, self.cfg.name, self._snapshot)
+            self.publisher.start()
+        served = []
+        try:
+            for a in self.addresses:
+                if a.kind == "unix":
+                    srv = await asyncio.start_unix_server(self._handle, path=a.path, limit=P.MAX_FRAME)
+                    os.chmod(a.path, 0o660 if self.cfg.group is not None else 0o600)
+                    if self.cfg.group is not None:
+                        os.chown(a.path, -1, self.cfg.group)
+                    served.append(str(a))
+                else:
+                    srv = await asyncio.start_server(self._handle, host=a.host, port=a.port, limit=P.MAX_FRAME)
+                    port = srv.sockets[0].getsockname()[1]
+                    served.append(str(Address("tcp", host=a.host, port=port)))
+                self._servers.append(srv)
+            if self.cfg.metrics_port is not None:
+                self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
+        except BaseException:
+            await self.stop()
+            raise
+        self._spawn(self._lease_sweeper())
+        return served
+
+    async def stop(self) -> None:
+        for srv in self._servers:
+            srv.close()
+        for w in list(self._conns.values()):
+            w.transport.abort()
+        for t in list(self._tasks):
+            t.cancel()
+        if self.publisher is not None:
+            await self.publisher.close()
+        for a in self.addresses:
+            if a.kind == "unix":
+                try:
+                    os.unlink(a.path)
+                except FileNotFoundError:
+                    pass
+        if self.region is not None:
+            self.region.close(unlink=not self.cfg.keep_region)
+            self.region = None
+        self._stopped.set()
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _lease_sweeper(self) -> None:
+        period = max(0.05, min(1.0, self.cfg.lease_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            assert self.index is not None
+            for sid in self.index.expired_sessions(self.cfg.lease_s):
+                res, pins = self.index.close_session(sid)
+                self.index.counters["sessions_expired"] += 1
+                logger.warning("session %d lease expired: released %d reservations, %d pins", sid, res, pins)
+                w = self._conns.pop(sid, None)
+                if w is not None:
+                    w.transport.abort()
+
+    # -- connections ------------------------------------------------------------------------
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self.index is not None
+        sid: int | None = None
+        peer = writer.get_extra_info("peername") or "unix"
+        try:
+            while True:
+                n = P.LEN.unpack(await reader.readexactly(4))[0]
+                if n > P.MAX_FRAME:
+                    writer.write(P.encode_reply(P.error_reply(0, "too_large", f"frame of {n} bytes exceeds {P.MAX_FRAME}")))
+                    await writer.drain()
+                    break
+                body = await reader.readexactly(n)
+                t0 = time.perf_counter()
+                reply, keep, op = self._dispatch(body, sid)
+                if op == "hello" and reply.ok and sid is None:
+                    sid = reply.result["session"]
+                    self._conns[sid] = writer
+                writer.write(P.encode_reply(reply))
+                if writer.transport.get_write_buffer_size() > (1 << 20):
+                    await writer.drain()
+                self.metrics.observe(op, time.perf_counter() - t0)
+                if not keep:
+                    await writer.drain()
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            if sid is not None:
+                self._conns.pop(sid, None)
+                res, pins = self.index.close_session(sid)
+                if res or pins:
+                    logger.info("client %s gone: released %d reservations and %d pins", peer, res, pins)
+            writer.transport.abort()
+
+    def _dispatch(self, body: bytes, sid: int | None) -> tuple[P.Reply, bool, str]:
+        """(reply, keep the connection open, op label for metrics)."""
+        assert self.index is not None
+        try:
+            req = P.decode_request(body)
+        except P.FrameError as exc:
+            return P.error_reply(0, exc.code, str(exc)), True, "invalid"
+        if req.v != P.PROTOCOL_VERSION:
+            msg = f"protocol version {req.v} is not supported; this service speaks version {P.PROTOCOL_VERSION}"
+            return P.error_reply(req.id, "bad_version", msg), True, "invalid"
+        op = req.op if req.op in P.OP_ARGS else "invalid"
+        try:
+            args = P.decode_args(req.op, req.args)
+            if sid is None:
+                if req.op != "hello":
+                    return P.error_reply(req.id, "auth_required", "the first request must be hello"), False, op
+                reply, keep = self._hello(req.id, args)  # type: ignore[arg-type]
+                return reply, keep, op
+            if sid not in self.index.sessions:
+                return P.error_reply(req.id, "session_expired", "session lease expired; reconnect"), False, op
+            if req.op == "hello":
+                return P.error_reply(req.id, "bad_request", "hello was already done on this connection"), True, op
+            self.index.touch_session(sid)
+            result = getattr(self, f"_op_{req.op}")(sid, args)
+            return P.Reply(P.PROTOCOL_VERSION, req.id, True, result), True, op
+        except P.FrameError as exc:
+            if sid is None:  # nothing but a valid hello is accepted before authentication
+                return P.error_reply(req.id, exc.code, str(exc)), False, op
+            return P.error_reply(req.id, exc.code, str(exc)), True, op
+        except Exception as exc:  # a bug must not take the service down; the client gets it
+            logger.exception("op %r failed", req.op)
+            return P.error_reply(req.id, "internal", f"{req.op} failed: {type(exc).__name__}: {exc}"), True, op
+
+    def _hello(self, req_id: int, args: P.HelloArgs) -> tuple[P.Reply, bool]:
+        assert self.index is not None and self.region is not None
+        if self.cfg.token is not None:
+            if args.token is None:
+                return P.error_reply(req_id, "auth_required", "this pool requires a token"), False
+            if not hmac.compare_digest(args.token.encode(), self.cfg.token.encode()):
+                return P.error_reply(req_id, "auth_failed", "invalid token"), False
+        sid = self.index.open_session(f"{args.client}:{args.pid}")
+        info = self.region.info
+        return P.Reply(P.PROTOCOL_VERSION, req_id, True, {
+            "session": sid, "pool": self.cfg.name, "incarnation": info.incarnation,
+            "region_uuid": info.region_uuid, "region_path": info.path, "region_size": info.size,
+            "data_offset": info.data_offset, "backend": info.backend, "lease_s": self.cfg.lease_s,
+            "protocol": P.PROTOCOL_VERSION,
+        }), True
+
+    # -- ops --------------------------------------------------------------------------------
+    def _op_ping(self, sid: int, args: P.EmptyArgs) -> str:
+        return "pong"
+
+    def _op_lookup(self, sid: int, args: P.KeysArgs) -> list[bool]:
+        return self.index.lookup(args.ns, args.keys)  # type: ignore[union-attr]
+
+    def _op_lookup_prefix(self, sid: int, args: P.KeysArgs) -> int:
+        return self.index.lookup_prefix(args.ns, args.keys)  # type: ignore[union-attr]
+
+    def _op_reserve(self, sid: int, args: P.ReserveArgs) -> list[Any]:
+        objs = self.index.reserve(sid, args.ns, args.items)  # type: ignore[union-attr]
+        return [None if o is None else (o.oid, o.payload_offset, o.size) for o in objs]
+
+    def _op_commit(self, sid: int, args: P.CommitArgs) -> list[bool]:
+        metas = args.metas if args.metas is not None else [None] * len(args.oids)
+        if len(metas) != len(args.oids):
+            raise P.FrameError("bad_request", f"commit has {len(args.oids)} oids but {len(metas)} metas")
+        for m in metas:
+            if m is not None and len(P.encode_meta(m)) > P.MAX_META_BYTES:
+                raise P.FrameError("bad_request", f"meta larger than {P.MAX_META_BYTES} bytes")
+        return self.index.commit(sid, args.oids, metas, self._verify)  # type: ignore[union-attr]
+
+    def _op_abort(self, sid: int, args: P.OidsArgs) -> int:
+        return self.index.abort(sid, args.oids)  # type: ignore[union-attr]
+
+    def _op_acquire(self, sid: int, args: P.KeysArgs) -> list[Any]:
+        objs = self.index.acquire(sid, args.ns, args.keys)  # type: ignore[union-attr]
+        return [None if o is None else (o.oid, o.payload_offset, o.size) for o in objs]
+
+    def _op_release(self, sid: int, args: P.OidsArgs) -> int:
+        return self.index.release(sid, args.oids, args.bad)  # type: ignore[union-attr]
+
+    def _op_stats(self, sid: int, args: P.EmptyArgs) -> dict[str, Any]:
+        return self._stats()
+
+    def _op_snapshot(self, sid: int, args: P.SnapshotArgs) -> dict[str, Any]:
+        return self._snapshot(args.ns)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _verify(self, obj: Obj) -> str | None:
+        """Check the header the writer wrote (not the payload checksum: the service never
+        reads payload bytes; readers check the checksum)."""
+        assert self.region is not None
+        v = self.region.view
+        hdr = v[obj.header_offset : obj.payload_offset]
+        payload = v[obj.payload_offset : obj.payload_offset + obj.size]
+        return validate(hdr, payload, obj.oid, obj.size, key_digest(obj.ns, obj.key), check_crc=False)
+
+    def _on_event(self, kind: str, obj: Obj) -> None:
+        self.seq += 1
+        if self.publisher is None or self.region is None:
+            return
+        ev = {"type": kind, "seq": self.seq, "incarnation": self.region.info.incarnation, "pool": self.cfg.name}
+        ev.update(obj.describe())
+        ev["ts"] = time.time()
+        self.publisher.emit(ev)
+
+    def _snapshot(self, ns: str | None) -> dict[str, Any]:
+        assert self.index is not None and self.region is not None
+        return {"pool": self.cfg.name, "incarnation": self.region.info.incarnation, "seq": self.seq,
+                "objects": self.index.snapshot(ns)}
+
+    def _stats(self) -> dict[str, Any]:
+        if self.index is None or self.region is None:
+            return {}
+        st = self.index.stats()
+        pub = self.publisher
+        st.update(
+            pool=self.cfg.name, incarnation=self.region.info.incarnation, region_path=self.region.info.path,
+            backend=self.region.info.backend, region_size=self.region.size, uptime_s=time.time() - self.started,
+            event_seq=self.seq, nats=self.cfg.nats, nats_connected=bool(pub and pub.connected),
+            event_queue=pub.pending if pub else 0, events_published=pub.published if pub else 0,
+            events_dropped=pub.dropped if pub else 0,
+        )
+        return st
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+def _refuse_live_socket(path: str) -> None:
+    if not os.path.exists(path):
+        return
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(1)
+        s.connect(path)
+    except OSError:
+        return  # stale socket file; asyncio replaces it
+    finally:
+        s.close()
+    raise PoolError(f"another pool service is already listening on {path}")
+
+
+async def serve(cfg: ServiceConfig, *, print_ready: bool = True) -> int:
+    """Run until SIGINT/SIGTERM; the CLI entry point."""
+    svc = PoolService(cfg)
+    served = await svc.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if print_ready:
+        for a in served:
+            print(READY_LINE.format(address=a), flush=True)
+        if svc.metrics_port is not None:
+            logger.info("metrics port %d", svc.metrics_port)
+    await stop.wait()
+    logger.info("stopping pool %s", cfg.name)
+    await svc.stop()
+    return 0
