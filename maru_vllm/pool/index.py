@@ -81,7 +81,7 @@ class PoolIndex:
         self._next_sid = 1
         self.counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "stores", "duplicate_commits", "evictions", "corrupt_reads",
-             "reserve_failures", "aborts", "sessions_expired"),
+             "reserve_failures", "reserve_existing", "aborts", "sessions_expired"),
             0,
         )
 
@@ -183,6 +183,7 @@ class PoolIndex:
         out: list[Obj | None] = []
         for key, size in items:
             if (ns, key) in self.objects:
+                self.counters["reserve_existing"] += 1
                 out.append(None)
                 continue
             a = self._alloc_evicting(OBJ_HEADER_SIZE + size)

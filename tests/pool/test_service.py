@@ -1,0 +1,170 @@
+"""The client API against a real service process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from pool_helpers import REPO, child_env, free_port
+from maru_vllm.pool import InvalidArgument, PoolClient
+
+
+def test_put_get_lookup_and_write_once(pool):
+    with PoolClient.connect(pool.address) as c:
+        assert c.put(b"a", b"hello", meta={"block": 1}) is True
+        assert c.put(b"a", b"other") is False  # write-once: the first commit wins
+        with c.get(b"a") as v:
+            assert bytes(v) == b"hello"
+            assert v.readonly
+            with pytest.raises(TypeError):
+                v[0] = 0
+        with c.get(b"missing") as v:
+            assert v is None
+        assert c.put(b"a", b"x", namespace="other") is True  # namespaces are separate
+        assert c.lookup([b"a", b"b", b"a"]) == [True, False, True]
+        c.put(b"b", b"2")
+        assert c.lookup_prefix([b"a", b"b", b"c", b"a"]) == 2
+        snap = {(o["namespace"], o["key"]): o for o in c.snapshot()}
+        assert snap[("default", b"a".hex())]["meta"] == {"block": 1}
+        assert snap[("default", b"a".hex())]["size"] == 5
+        assert [o["namespace"] for o in c.snapshot("other")] == ["other"]
+        st = c.stats()
+        assert st["objects"] == 3 and st["stores"] == 3 and st["reserve_existing"] == 1
+
+
+def test_batched_reserve_commit_acquire_release(pool):
+    with PoolClient.connect(pool.address) as c:
+        keys = [b"k%03d" % i for i in range(50)]
+        res = c.reserve([(k, 1000 + i) for i, k in enumerate(keys)], namespace="m")
+        assert all(r is not None and len(r.buffer) == r.size for r in res)
+        for i, r in enumerate(res):
+            r.buffer[:] = bytes([i]) * r.size
+        assert c.lookup(keys, namespace="m") == [False] * 50  # reserved objects are invisible
+        assert c.commit(res, [{"i": i} for i in range(50)]) == [True] * 50
+        assert c.reserve([(keys[0], 10)], namespace="m") == [None]  # already committed
+        pins = c.acquire(keys + [b"nope"], namespace="m")
+        assert pins[-1] is None
+        assert all(bytes(p.data) == bytes([i]) * (1000 + i) for i, p in enumerate(pins[:-1]))
+        assert c.stats()["pinned"] == 50
+        c.release(pins)
+        assert c.stats()["pinned"] == 0
+        # abort: the space comes back and nothing becomes visible
+        before = c.stats()["allocated_bytes"]
+        ab = c.reserve([(b"abort-me", 100_000)])
+        assert c.stats()["allocated_bytes"] > before
+        c.abort(ab)
+        assert c.stats()["allocated_bytes"] == before
+        assert c.lookup([b"abort-me"]) == [False]
+        with c.acquire([keys[1]], namespace="m")[0] as pin:
+            assert bytes(pin.data[:1]) == b"\x01"
+        assert c.stats()["pins"] == 0
+
+
+def test_checksum_mode_and_duplicate_commit_frees_space(pool):
+    with PoolClient.connect(pool.address, checksum=True) as a, PoolClient.connect(pool.address) as b:
+        ra = a.reserve([(b"dup", 50_000)])[0]
+        rb = b.reserve([(b"dup", 50_000)])[0]
+        ra.buffer[:] = b"A" * 50_000
+        rb.buffer[:] = b"B" * 50_000
+        used = a.stats()["allocated_bytes"]
+        assert a.commit([ra]) == [True]
+        assert b.commit([rb]) == [False]
+        assert a.stats()["allocated_bytes"] < used
+        with b.get(b"dup") as v:
+            assert bytes(v) == b"A" * 50_000
+
+
+def test_client_rejects_bad_arguments(pool):
+    with PoolClient.connect(pool.address) as c:
+        with pytest.raises(InvalidArgument, match="257 bytes is too long"):
+            c.lookup([b"x" * 257])
+        with pytest.raises(InvalidArgument, match="size -1"):
+            c.reserve([(b"k", -1)])
+        with pytest.raises(InvalidArgument, match="namespace"):
+            c.lookup([b"k"], namespace="n" * 129)
+        c.ping()  # still usable
+
+
+def test_eviction_keeps_pinned_objects_intact(pool_factory):
+    p = pool_factory(size="8M")
+    size = 300_000
+    with PoolClient.connect(p.address) as c:
+        pinned_keys = [b"pin%d" % i for i in range(5)]
+        for i, k in enumerate(pinned_keys):
+            assert c.put(k, bytes([i + 1]) * size)
+        pins = c.acquire(pinned_keys)
+        assert all(pins)
+        stored = 0
+        for i in range(200):  # ~60 MB into an 8 MB pool
+            assert c.put(b"fill%d" % i, bytes([i % 251]) * size), f"store {i} failed"
+            stored += 1
+        st = c.stats()
+        assert st["evictions"] >= stored - 30
+        for i, pin in enumerate(pins):  # pinned objects survived every eviction round, byte-exact
+            assert bytes(pin.data) == bytes([i + 1]) * size
+        assert c.lookup(pinned_keys) == [True] * 5
+        assert c.lookup([b"fill0", b"fill199"]) == [False, True]  # LRU went first, newest stays
+        c.release(pins)
+
+
+def test_full_pool_of_pinned_objects_fails_store_cleanly(pool_factory):
+    p = pool_factory(size="2M")
+    with PoolClient.connect(p.address) as c:
+        pins = []
+        for i in range(50):  # store and pin until nothing can be evicted any more
+            if not c.put(b"p%d" % i, bytes([i]) * 300_000):
+                break
+            (pin,) = c.acquire([b"p%d" % i])
+            assert pin is not None, "a fresh store was evicted while everything else is pinned"
+            pins.append(pin)
+        else:
+            pytest.fail("a 2M pool took 50 pinned 300K objects")
+        assert 3 <= len(pins) <= 7
+        assert c.put(b"one-more", b"y" * 300_000) is False  # skipped, not an error
+        assert c.reserve([(b"x", 300_000)]) == [None]
+        assert c.stats()["reserve_failures"] >= 2
+        for i, pin in enumerate(pins):
+            assert bytes(pin.data) == bytes([i]) * 300_000
+        c.release(pins)
+        assert c.put(b"one-more", b"y" * 300_000) is True
+
+
+def test_metrics_and_status_cli(pool_factory):
+    port = free_port()
+    p = pool_factory(extra=["--metrics-port", str(port)])
+    with PoolClient.connect(p.address) as c:
+        c.put(b"m", b"1" * 1000)
+        c.lookup([b"m", b"n"])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert f'maru_pool_objects{{pool="{p.name}"}} 1.0' in text
+    assert f'maru_pool_capacity_bytes{{pool="{p.name}"}}' in text
+    assert 'maru_pool_op_latency_seconds_count{op="lookup"' in text or 'op="lookup",pool=' in text
+    assert f'maru_pool_hits_total{{pool="{p.name}"}} 1.0' in text
+    out = subprocess.run(
+        [sys.executable, "-m", "maru_vllm.cli", "pool", "status", "--address", p.address, "--json"],
+        capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    st = json.loads(out.stdout)
+    assert st["pool"] == p.name and st["objects"] == 1
+    out = subprocess.run(
+        [sys.executable, "-m", "maru_vllm.cli", "pool", "status", "--address", p.address],
+        capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=60,
+    )
+    assert out.returncode == 0 and "capacity" in out.stdout and "64.0 MiB" in out.stdout
+
+
+def test_serve_cleans_up_region_and_socket_on_sigterm_and_keep_region(pool_factory):
+    p = pool_factory()
+    assert os.path.exists(p.region_path) and os.path.exists(p.sock)
+    assert os.stat(p.region_path).st_mode & 0o777 == 0o600
+    assert p.stop() == 0
+    assert not os.path.exists(p.region_path) and not os.path.exists(p.sock)
+    k = pool_factory(extra=["--keep-region"])
+    assert k.stop() == 0
+    assert os.path.exists(k.region_path)
