@@ -1,0 +1,1 @@
+"""Dynamo graph components of maru-dynamo (installed as `maru_dynamo.components`)."""

