@@ -80,6 +80,7 @@ class PoolClient:
         checksum: bool = False,
         region_path: str | None = None,
         heartbeat: bool = True,
+        populate: bool = True,
     ) -> None:
         self.address = parse_address(address)
         self._address_text = address
@@ -100,6 +101,7 @@ class PoolClient:
         self._hb_stop = threading.Event()
         self._hb: threading.Thread | None = None
         self._want_heartbeat = heartbeat
+        self._populate = populate
 
     @classmethod
     def connect(cls, address: str, token: str | None = None, *, timeout: float = 5.0, **kw: Any) -> PoolClient:
@@ -136,6 +138,7 @@ class PoolClient:
             region = Region.attach(
                 path, size=hello["region_size"], region_uuid=hello["region_uuid"],
                 incarnation=hello["incarnation"], backend=hello.get("backend", "shm"),
+                populate=self._populate,
             )
         except RegionError as exc:
             self._drop_connection()

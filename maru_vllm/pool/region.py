@@ -18,6 +18,7 @@ one in place, so a client still mapping the previous incarnation keeps seeing th
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -193,9 +194,12 @@ class Region:
             fd = _create_fresh(p, mode)
             try:
                 os.ftruncate(fd, size)
-            except OSError as exc:
+                _reserve_space(fd, size, p)
+            except (OSError, RegionError) as exc:
                 os.close(fd)
                 p.unlink(missing_ok=True)
+                if isinstance(exc, RegionError):
+                    raise
                 raise RegionError(f"cannot size region {p} to {size} bytes: {exc}") from exc
         if group is not None and backend != "dax":
             os.fchown(fd, -1, group)
@@ -245,14 +249,19 @@ class Region:
         region_uuid: str,
         incarnation: str,
         backend: str = "shm",
+        populate: bool = True,
     ) -> Region:
-        """Map an existing region and verify its header matches what the service announced."""
+        """Map an existing region and verify its header matches what the service announced.
+
+        `populate` pre-faults the page tables (MAP_POPULATE) so the first write or read of each
+        page does not take a fault on the data path."""
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError as exc:
             raise RegionError(f"cannot open region {path}: {exc}") from exc
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         try:
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError) as exc:
             os.close(fd)
             raise RegionError(f"cannot map region {path} ({size} bytes): {exc}") from exc
@@ -306,6 +315,19 @@ def read_header(mm: mmap.mmap | memoryview, path: str = "?", backend: str = "shm
         pool=name.rstrip(b"\0").decode(errors="replace"),
         backend=backend,
     )
+
+
+def _reserve_space(fd: int, size: int, p: Path) -> None:
+    """Allocate the backing pages now: a full /dev/shm then fails here, at start, instead of
+    killing a writer with SIGBUS later (tmpfs allocates lazily)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise RegionError(f"not enough space for a {size}-byte region at {p} ({exc.strerror})") from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        logger.debug("fallocate not supported for %s; pages are allocated on first touch", p)
 
 
 def _lock(fd: int, p: Path) -> None:

@@ -21,9 +21,9 @@ def _leak_free(st: dict) -> bool:
 
 @pytest.mark.timeout(240)
 def test_concurrent_client_processes_mixed_sizes_no_corruption_no_leak(pool_factory):
-    # 24M pool, 4 writers x 700 mixed objects (1 B .. 600 KiB): heavy eviction under concurrency
+    # 24M pool, 4 writers x 1500 mixed objects (1 B .. 600 KiB): heavy eviction under concurrency
     p = pool_factory(size="24M")
-    n, count = 4, 700
+    n, count = 4, 1500
     procs = [spawn_worker("mixed", p.address, str(w), str(n), str(count), str(1000 + w)) for w in range(n)]
     results = []
     for proc, reader in procs:
