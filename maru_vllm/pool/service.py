@@ -25,7 +25,7 @@ from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.events import EventPublisher
 from maru_vllm.pool.index import Obj, PoolIndex
 from maru_vllm.pool.metrics import PoolMetrics
-from maru_vllm.pool.objects import OBJ_HEADER_SIZE, key_digest, validate
+from maru_vllm.pool.objects import key_digest, validate
 from maru_vllm.pool.region import Region
 
 logger = logging.getLogger(__name__)

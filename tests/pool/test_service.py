@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import urllib.request
 
 import pytest
@@ -168,3 +169,25 @@ def test_serve_cleans_up_region_and_socket_on_sigterm_and_keep_region(pool_facto
     k = pool_factory(extra=["--keep-region"])
     assert k.stop() == 0
     assert os.path.exists(k.region_path)
+
+
+def test_one_client_shared_by_threads(pool):
+    errors = []
+    with PoolClient.connect(pool.address) as c:
+        def work(t):
+            try:
+                for i in range(150):
+                    k = b"t%d-%d" % (t, i)
+                    data = bytes([t, i % 256]) * (500 + i)
+                    assert c.put(k, data)
+                    with c.get(k) as v:
+                        assert v is not None and bytes(v) == data
+            except Exception as exc:  # reported below
+                errors.append(exc)
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert c.stats()["objects"] == 600
