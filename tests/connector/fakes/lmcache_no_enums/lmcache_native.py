@@ -1,0 +1,2 @@
+"""FAKE lmcache_native without the enums."""
+Bitmap = object
