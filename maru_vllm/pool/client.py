@@ -394,6 +394,13 @@ class PoolClient:
     def stats(self) -> dict[str, Any]:
         return self._call("stats", {})
 
+    def remove(self, keys: Sequence[bytes] | None, namespace: str = "default") -> int:
+        """Remove objects by key (or the whole namespace with keys=None); returns how many.
+
+        Subscribers get a `removed` event for each, as for an eviction.
+        """
+        return self._call("remove", {"ns": _ns(namespace), "keys": None if keys is None else _keys(keys)})
+
     def snapshot(self, namespace: str | None = None) -> list[dict[str, Any]]:
         """Every visible object (namespace, key hex, size, meta)."""
         return self.snapshot_full(namespace)["objects"]

@@ -137,6 +137,21 @@ class PoolIndex:
         self.counters["misses"] += 1 if n < len(keys) else 0
         return n
 
+    def remove(self, ns: str, keys: Sequence[bytes] | None) -> int:
+        """Hide committed objects of `ns` (all of them when `keys` is None); returns how many.
+
+        Pinned objects disappear from lookups at once and are freed when their last reader
+        releases them, exactly as an eviction would treat them.
+        """
+        if keys is None:
+            victims = [o for (o_ns, _), o in self.objects.items() if o_ns == ns]
+        else:
+            victims = [o for o in (self.objects.get((ns, k)) for k in keys) if o is not None]
+        for obj in victims:
+            self.counters["removals"] = self.counters.get("removals", 0) + 1
+            self._hide(obj, "removed")
+        return len(victims)
+
     def acquire(self, sid: int, ns: str, keys: Sequence[bytes]) -> list[Obj | None]:
         s = self.sessions[sid]
         out: list[Obj | None] = []

@@ -82,6 +82,11 @@ class OidsArgs(msgspec.Struct):
     bad: Annotated[list[Oid], msgspec.Meta(max_length=MAX_BATCH)] = []
 
 
+class RemoveArgs(msgspec.Struct):
+    ns: Namespace
+    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_BATCH)] | None = None  # None: whole namespace
+
+
 class SnapshotArgs(msgspec.Struct):
     ns: Namespace | None = None
 
@@ -98,6 +103,7 @@ OP_ARGS: dict[str, type[msgspec.Struct]] = {
     "release": OidsArgs,
     "stats": EmptyArgs,
     "snapshot": SnapshotArgs,
+    "remove": RemoveArgs,
 }
 
 _encoder = msgspec.msgpack.Encoder()

@@ -257,6 +257,9 @@ class PoolService:
     def _op_release(self, sid: int, args: P.OidsArgs) -> int:
         return self.index.release(sid, args.oids, args.bad)  # type: ignore[union-attr]
 
+    def _op_remove(self, sid: int, args: P.RemoveArgs) -> int:
+        return self.index.remove(args.ns, args.keys)  # type: ignore[union-attr]
+
     def _op_stats(self, sid: int, args: P.EmptyArgs) -> dict[str, Any]:
         return self._stats()
 

@@ -106,3 +106,39 @@ def test_ops_continue_while_nats_is_down_and_events_resume(pool_factory, nats_se
             await nc.close()
 
         asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_remove_hides_objects_emits_removed_and_frees_space(pool_factory, nats_server):
+    p = pool_factory(size="4M", extra=["--nats", nats_server.url])
+
+    async def main():
+        nc = await nats.connect(nats_server.url)
+        events = []
+        await nc.subscribe(events_subject(p.name), cb=_collector(events))
+        await nc.flush()
+        c = PoolClient.connect(p.address)
+        try:
+            await _wait(lambda: c.stats()["nats_connected"], what="pool connected to NATS")
+            for i in range(4):
+                assert c.put(b"k%d" % i, bytes([i]) * 100_000, namespace="a", meta={"i": i})
+            assert c.put(b"k0", b"x" * 1000, namespace="b")
+            used = c.stats()["allocated_bytes"]
+            pin = c.acquire([b"k1"], namespace="a")[0]
+            assert pin is not None
+            assert c.remove([b"k1", b"missing"], namespace="a") == 1
+            assert c.lookup([b"k0", b"k1"], namespace="a") == [True, False]
+            assert bytes(pin.data[:10]) == bytes([1]) * 10  # a pinned reader keeps valid bytes
+            c.release([pin])
+            assert c.remove(None, namespace="a") == 3  # the rest of the namespace
+            assert c.lookup([b"k0", b"k2", b"k3"], namespace="a") == [False] * 3
+            assert c.lookup([b"k0"], namespace="b") == [True]  # other namespaces untouched
+            assert c.stats()["allocated_bytes"] < used
+            await _wait(lambda: sum(e["type"] == "removed" for e in events) == 4, what="4 removed events")
+            removed = sorted(e["meta"]["i"] for e in events if e["type"] == "removed")
+            assert removed == [0, 1, 2, 3]
+        finally:
+            c.close()
+            await nc.close()
+
+    asyncio.run(main())

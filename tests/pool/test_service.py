@@ -158,6 +158,15 @@ def test_metrics_and_status_cli(pool_factory):
         capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=60,
     )
     assert out.returncode == 0 and "capacity" in out.stdout and "64.0 MiB" in out.stdout
+    with PoolClient.connect(p.address) as c:
+        c.put(b"other", b"2" * 10, namespace="ns2")
+    out = subprocess.run(
+        [sys.executable, "-m", "maru_vllm.cli", "pool", "clear", "--address", p.address, "--namespace", "default"],
+        capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=60,
+    )
+    assert out.returncode == 0 and "removed 1 objects from 1 namespace(s)" in out.stdout, out.stderr
+    with PoolClient.connect(p.address) as c:
+        assert c.lookup([b"m"]) == [False] and c.lookup([b"other"], namespace="ns2") == [True]
 
 
 def test_serve_cleans_up_region_and_socket_on_sigterm_and_keep_region(pool_factory):
