@@ -373,8 +373,8 @@ class KVCacheSet:
         parts.append(f"{count}*({prev})")
         return f"{_SIGNATURE_VERSION};layers={len(self.unique_layers)};" + ";".join(parts)
 
-    def _check(self, block_ids: Sequence[int], nbytes: int, what: str) -> int:
-        n = len(block_ids)
+    def _check(self, block_ids: Sequence[int], nbytes: int, what: str, skip_blocks: int = 0) -> int:
+        n = len(block_ids) + skip_blocks
         want = self.chunk_nbytes(n)
         if nbytes != want:
             raise LayoutMismatch(
@@ -404,20 +404,24 @@ class KVCacheSet:
         _copy_all(dsts, srcs)
         return flat.numel()
 
-    def unpack(self, block_ids: Sequence[int], src: Any) -> None:
+    def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0) -> None:
         """Copy a chunk made by :meth:`pack` into the pages of ``block_ids``.
 
+        With ``skip_blocks=k`` the chunk holds ``k + len(block_ids)`` blocks and
+        its first ``k`` are not copied (the engine already has them locally).
         Raises :class:`LayoutMismatch` when ``src`` is not exactly the size this
         geometry expects (a stale or foreign object: treat as a miss).
         """
+        if skip_blocks < 0:
+            raise ValueError(f"skip_blocks={skip_blocks} must be >= 0")
         flat = _byte_tensor(src, writable=False)
-        n = self._check(block_ids, flat.numel(), "unpack")
+        n = self._check(block_ids, flat.numel(), "unpack", skip_blocks)
         runs = block_runs(block_ids)
         dsts, srcs = [], []
         for buf, cache in self._pairs(flat, n):
             for bid, pos, ln in runs:
                 dsts.append(cache[bid:bid + ln])
-                srcs.append(buf[pos:pos + ln])
+                srcs.append(buf[skip_blocks + pos:skip_blocks + pos + ln])
         _copy_all(dsts, srcs)
 
     def _pairs(self, flat: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

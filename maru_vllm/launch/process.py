@@ -47,12 +47,21 @@ class ManagedProcess:
         self.env = dict(env) if env is not None else None
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0  # where this start's output begins in the (appended) log
+
+    def restart(self) -> ManagedProcess:
+        """Start again after a stop, with the same command, environment and log file."""
+        if self.alive():
+            raise RuntimeError(f"{self.name} is still running (pid {self.pid})")
+        self.proc = None
+        return self.start()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> ManagedProcess:
         if self.proc is not None:
             raise RuntimeError(f"{self.name} already started (pid {self.proc.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
@@ -141,12 +150,12 @@ class ManagedProcess:
             time.sleep(poll_s)
 
     def wait_for_log(self, pattern: str, timeout: float = 120.0) -> re.Match[str]:
-        """Wait for a line matching the regex `pattern` in the log and return its match."""
+        """Wait for a line matching `pattern` in this start's output and return its match."""
         regex = re.compile(pattern)
         found: list[re.Match[str]] = []
 
         def check() -> bool:
-            m = regex.search(self.log_text())
+            m = regex.search(self.log_text()[self._log_offset:])
             if m:
                 found.append(m)
             return bool(m)

@@ -37,6 +37,7 @@ class StackEnv:
             {
                 "PYTHONHASHSEED": GRAPH_HASH_SEED,
                 "PYTHONUNBUFFERED": "1",
+                "PYTHONFAULTHANDLER": "1",  # a crashing engine process leaves its stack in the log
                 # Dynamo on one host: file discovery, everything bound to loopback.
                 "DYN_DISCOVERY_BACKEND": "file",
                 "DYN_FILE_KV": str(self.discovery_dir),
@@ -99,6 +100,7 @@ def vllm_openai_server(
         "--max-model-len", str(max_model_len),
         "--enforce-eager",
         "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",  # report cached_tokens in usage
         *extra_args,
     ]
     if kv_transfer_config is not None:

@@ -355,3 +355,22 @@ def test_vllm_forward_context_has_no_virtual_engine():
     fc = pytest.importorskip("vllm.forward_context")
     names = {f.name for f in dataclasses.fields(fc.ForwardContext)}
     assert "virtual_engine" not in names
+
+
+def test_unpack_skips_leading_blocks_of_a_chunk() -> None:
+    """A chunk whose first blocks the engine already has locally: only the rest is written."""
+    torch.manual_seed(3)
+    src = {f"l{i}": torch.randn(12, 2, 16, 8) for i in range(3)}
+    dst = {name: torch.zeros_like(t) for name, t in src.items()}
+    a = KVCacheSet(src, 16, num_blocks=12)
+    b = KVCacheSet(dst, 16, num_blocks=12)
+    buf = bytearray(a.chunk_nbytes(4))
+    a.pack([2, 3, 4, 5], buf)
+    b.unpack([9, 10], memoryview(bytes(buf)), skip_blocks=2)
+    for name in src:
+        assert torch.equal(dst[name][9], src[name][4])
+        assert torch.equal(dst[name][10], src[name][5])
+        others = [i for i in range(12) if i not in (9, 10)]
+        assert torch.count_nonzero(dst[name][others]) == 0
+    with pytest.raises(LayoutMismatch):
+        b.unpack([9, 10], memoryview(bytes(buf)), skip_blocks=1)

@@ -1,0 +1,136 @@
+"""`kv_connector_extra_config` of MaruKVConnector: parsed once, validated, typed.
+
+Every key is prefixed `maru_`. A bad value stops the engine at start-up with a message that
+names the key, the value and what is allowed; an unknown `maru_*` key is an error too (a typo
+would otherwise silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from vllm.logger import init_logger
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+logger = init_logger(__name__)
+
+DEFAULT_POOL_ADDRESS_ENV = "MARU_POOL_ADDRESS"
+
+
+class MaruConfigError(ValueError):
+    """A `maru_*` key of kv_connector_extra_config has a bad value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MaruConnectorConfig:
+    pool_address: str
+    pool_token: str | None
+    chunk_tokens: int
+    use_lmcache_kernels: bool
+    enable_fused_load: bool
+    namespace: str
+    pool_timeout_s: float
+    checksum: bool
+    block_size: int
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_tokens // self.block_size
+
+
+# key -> (default, description) ; documented in README "Connector configuration".
+KEYS: dict[str, tuple[Any, str]] = {
+    "maru_pool_address": (None, "pool service address: unix:///path.sock or tcp://host:port "
+                                f"(default: ${DEFAULT_POOL_ADDRESS_ENV})"),
+    "maru_pool_token_file": (None, "file holding the shared-secret token for a TCP pool"),
+    "maru_kv_chunk_tokens": (256, "tokens per pool object; a multiple of the KV block size"),
+    "maru_use_lmcache_kernels": (True, "use LMCache's compiled copy kernels when they resolve"),
+    "maru_enable_fused_load": (False, "fused multi-layer load (needs the LMCache kernels)"),
+    "maru_namespace": ("", "extra isolation salt mixed into every key's namespace"),
+    "maru_pool_timeout_s": (5.0, "timeout of one pool round trip, seconds"),
+    "maru_checksum": (True, "CRC32 every object on commit and verify it on load (a mismatch is a miss)"),
+}
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
+        return False
+    raise MaruConfigError(f"{key}={value!r} is not a boolean; use true or false")
+
+
+def _as_positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise MaruConfigError(f"{key}={value!r} is not an integer; use a positive integer")
+    try:
+        n = int(value)
+    except ValueError:
+        raise MaruConfigError(f"{key}={value!r} is not an integer; use a positive integer") from None
+    if n <= 0:
+        raise MaruConfigError(f"{key}={value!r} must be a positive integer")
+    return n
+
+
+def parse_config(extra: Mapping[str, Any] | None, block_size: int) -> MaruConnectorConfig:
+    """Validate the `maru_*` keys of kv_connector_extra_config for an engine of `block_size`."""
+    extra = dict(extra or {})
+    unknown = sorted(k for k in extra if k.startswith("maru_") and k not in KEYS)
+    if unknown:
+        raise MaruConfigError(f"unknown key(s) {unknown} in kv_connector_extra_config; known keys: {sorted(KEYS)}")
+
+    address = extra.get("maru_pool_address") or os.environ.get(DEFAULT_POOL_ADDRESS_ENV)
+    if not address or not isinstance(address, str):
+        raise MaruConfigError(
+            f"maru_pool_address={extra.get('maru_pool_address')!r}: set it to the pool service address "
+            f"(unix:///path.sock or tcp://host:port), or set ${DEFAULT_POOL_ADDRESS_ENV}"
+        )
+    if not (address.startswith(("unix://", "tcp://", "/"))):
+        raise MaruConfigError(f"maru_pool_address={address!r}: use unix:///path.sock, /path.sock or tcp://host:port")
+
+    token = None
+    token_file = extra.get("maru_pool_token_file")
+    if token_file is not None:
+        path = Path(str(token_file))
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise MaruConfigError(f"maru_pool_token_file={str(token_file)!r} cannot be read: {exc.strerror}") from None
+        if not token:
+            raise MaruConfigError(f"maru_pool_token_file={str(token_file)!r} is empty; it must hold the pool token")
+
+    chunk = _as_positive_int("maru_kv_chunk_tokens", extra.get("maru_kv_chunk_tokens", KEYS["maru_kv_chunk_tokens"][0]))
+    if chunk % block_size:
+        rounded = max(block_size, round(chunk / block_size) * block_size)
+        logger.warning(
+            "maru_kv_chunk_tokens=%d is not a multiple of the KV block size %d; using %d", chunk, block_size, rounded
+        )
+        chunk = rounded
+
+    namespace = extra.get("maru_namespace", "")
+    if not isinstance(namespace, str) or len(namespace) > 128:
+        raise MaruConfigError(f"maru_namespace={namespace!r} must be a string of at most 128 characters")
+
+    timeout = extra.get("maru_pool_timeout_s", KEYS["maru_pool_timeout_s"][0])
+    try:
+        timeout = float(timeout)
+    except (TypeError, ValueError):
+        raise MaruConfigError(f"maru_pool_timeout_s={timeout!r} is not a number; use seconds > 0") from None
+    if not timeout > 0:
+        raise MaruConfigError(f"maru_pool_timeout_s={timeout!r} must be > 0 seconds")
+
+    return MaruConnectorConfig(
+        pool_address=address,
+        pool_token=token,
+        chunk_tokens=chunk,
+        use_lmcache_kernels=_as_bool("maru_use_lmcache_kernels", extra.get("maru_use_lmcache_kernels", True)),
+        enable_fused_load=_as_bool("maru_enable_fused_load", extra.get("maru_enable_fused_load", False)),
+        namespace=namespace,
+        pool_timeout_s=timeout,
+        checksum=_as_bool("maru_checksum", extra.get("maru_checksum", True)),
+        block_size=block_size,
+    )

@@ -1,0 +1,211 @@
+"""MaruKVConnector: vLLM instances reuse each other's prefill through the Maru pool.
+
+Load it the standard vLLM way::
+
+    --kv-transfer-config '{"kv_connector": "MaruKVConnector",
+                           "kv_connector_module_path": "maru_vllm.connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"maru_pool_address": "unix:///tmp/maru-pool.sock"}}'
+
+`kv_both` loads and stores; `kv_producer` only stores (disaggregated prefill); `kv_consumer`
+only loads (disaggregated decode). This class only adapts vLLM's hooks: the scheduler-side
+policy lives in `scheduler.py`, the data movement in `worker.py`, and every hook is wrapped so
+that no exception from the connector reaches vLLM's scheduler or model forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from vllm.logger import init_logger
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from maru_vllm.connector.chunks import ChunkGeometry
+from maru_vllm.connector.config import parse_config
+from maru_vllm.connector.metadata import MaruConnectorMetadata
+from maru_vllm.connector.namespace import identity_from_vllm
+from maru_vllm.connector.pool_access import PoolAccess
+from maru_vllm.connector.scheduler import MaruSchedulerSide
+from maru_vllm.connector.stats import MaruConnectorStats, MaruPromMetrics
+from maru_vllm.connector.worker import MaruWorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+T = TypeVar("T")
+
+
+def _contained(default: Any) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Run a hook; log and return `default` on any error instead of failing the engine."""
+
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def inner(self: MaruKVConnector, *args: Any, **kwargs: Any) -> T:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception:  # noqa: BLE001 - containment boundary: the engine must keep serving
+                self.contained_errors += 1
+                logger.exception("MaruKVConnector.%s failed; continuing without the pool for this step", fn.__name__)
+                return default() if callable(default) else default
+
+        return inner
+
+    return wrap
+
+
+class MaruKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        block_size = int(vllm_config.cache_config.block_size)
+        self.config = parse_config(transfer.kv_connector_extra_config, block_size)
+        identity = identity_from_vllm(vllm_config, kv_cache_config, self.config.namespace)
+        self.namespace = identity.namespace()
+        self.can_load = bool(transfer.is_kv_consumer)
+        self.can_store = bool(transfer.is_kv_producer)
+        self.contained_errors = 0
+        if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+            # A pool miss discovered at load time must mean "recompute", never a failed request.
+            logger.warning("MaruKVConnector sets kv_load_failure_policy=recompute (was %r)",
+                           transfer.kv_load_failure_policy)
+            transfer.kv_load_failure_policy = "recompute"
+        parallel = vllm_config.parallel_config
+        ranks = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+        geometry = ChunkGeometry(block_size, self.config.blocks_per_chunk, ranks)
+        who = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        self.pool = PoolAccess(self.config.pool_address, self.config.pool_token, self.config.pool_timeout_s,
+                               self.config.checksum, who)
+        self.scheduler_side: MaruSchedulerSide | None = None
+        self.worker_side: MaruWorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = MaruSchedulerSide(
+                geometry, self.namespace, self.pool, can_load=self.can_load, can_store=self.can_store
+            )
+        else:
+            self.worker_side = MaruWorkerSide(
+                namespace=self.namespace,
+                rank=_worker_rank(),
+                pool=self.pool,
+                block_size=block_size,
+                num_blocks=getattr(kv_cache_config, "num_blocks", None),
+                use_lmcache_kernels=self.config.use_lmcache_kernels,
+                enable_fused_load=self.config.enable_fused_load,
+            )
+        logger.info(
+            "MaruKVConnector (%s): pool %s, namespace %s, chunk %d tokens, load=%s store=%s",
+            who, self.config.pool_address, self.namespace, self.config.chunk_tokens, self.can_load, self.can_store,
+        )
+
+    # ==== worker side ==========================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker_side is not None
+        self.worker_side.register_kv_caches(kv_caches, _backend_name(self._vllm_config, kv_caches))
+
+    @_contained(None)
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self.worker_side is not None and isinstance(meta, MaruConnectorMetadata):
+            self.worker_side.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads finish in start_load_kv, before the forward starts."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        """Whole pages of every layer are stored after the forward, in wait_for_save."""
+
+    @_contained(None)
+    def wait_for_save(self) -> None:
+        if self.worker_side is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, MaruConnectorMetadata):
+            self.worker_side.store(meta)
+
+    @_contained(set)
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_failed_blocks() if self.worker_side is not None else set()
+
+    @_contained(None)
+    def get_kv_connector_stats(self) -> MaruConnectorStats | None:
+        if self.worker_side is None:
+            return None
+        counters = self.worker_side.take_counters()
+        return MaruConnectorStats.from_counters(counters) if counters is not None else None
+
+    def shutdown(self) -> None:
+        self.pool.close()
+
+    # ==== scheduler side =======================================================================
+    @_contained(lambda: (0, False))
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    @_contained(None)
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    @_contained(MaruConnectorMetadata)
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    @_contained(lambda: (False, None))
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler_side is not None:
+            self.scheduler_side.request_finished(request)
+        return False, None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # The pool is a best-effort cache: a dropped store is just a future miss.
+        return False
+
+    # ==== stats ================================================================================
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> MaruConnectorStats | None:
+        return MaruConnectorStats(data) if data is not None else MaruConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> MaruPromMetrics:
+        return MaruPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _worker_rank() -> int:
+    """This worker's rank in the TP x PP world (0 without distributed state)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp = get_tp_group()
+        pp = get_pp_group()
+        return pp.rank_in_group * tp.world_size + tp.rank_in_group
+    except (AssertionError, ImportError, AttributeError):
+        return 0
+
+
+def _backend_name(vllm_config: Any, kv_caches: dict[str, torch.Tensor]) -> str | None:
+    """Name of the attention backend of the first KV layer (helps the layout codec)."""
+    layers = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    for name in kv_caches:
+        backend = getattr(layers.get(name), "attn_backend", None)
+        if backend is not None and hasattr(backend, "get_name"):
+            return str(backend.get_name())
+    return None

@@ -1,0 +1,182 @@
+"""Scheduler side of MaruKVConnector: which chunks to load and which to store, per step.
+
+Per request the scheduler side keeps a small `RequestState`:
+
+  lookup     -> one batched pool lookup the first time the scheduler asks how many tokens the
+                pool can supply; the answer is cached until the request is scheduled or ends,
+                so a request waiting for memory does not hit the pool on every step.
+  load plan  -> set in `update_state_after_alloc` when vLLM accepted the external tokens:
+                chunk by chunk, the blocks beyond the local prefix-cache hit.
+  stores     -> in `build_connector_meta`, every chunk of the prompt that this step completes
+                (every step of a chunked prefill, resumed and preempted requests included), minus
+                the chunks the pool already had.
+  cleanup    -> `request_finished` drops the state, so nothing grows without bound.
+
+Matched tokens are chunk-aligned, start beyond the local prefix-cache hit, and always leave at
+least one prompt token to compute (vLLM needs a token to sample from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from vllm.logger import init_logger
+from typing import TYPE_CHECKING, Any
+
+from maru_vllm.connector.chunks import ChunkGeometry
+from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
+from maru_vllm.connector.pool_access import PoolAccess
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+@dataclasses.dataclass
+class RequestState:
+    request: Request
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    # Lookup cache: how many leading chunks were checked and how many the pool holds.
+    checked_chunks: int = -1
+    pool_chunks: int = 0
+    # Tokens computed locally (prefix cache) when vLLM asked; where a load starts.
+    local_tokens: int = 0
+    # Load decided in update_state_after_alloc, emitted in the next build_connector_meta.
+    pending_load_tokens: int = 0
+    # Every chunk below this index is stored (or known to be in the pool).
+    next_store_chunk: int = 0
+    # num_computed_tokens vLLM should report next step unless it rolled the request back.
+    expected_computed: int = -1
+
+
+class MaruSchedulerSide:
+    def __init__(
+        self,
+        geometry: ChunkGeometry,
+        namespace: str,
+        pool: PoolAccess,
+        *,
+        can_load: bool,
+        can_store: bool,
+    ) -> None:
+        self.geometry = geometry
+        self.namespace = namespace
+        self.pool = pool
+        self.can_load = can_load
+        self.can_store = can_store
+        self.requests: dict[str, RequestState] = {}
+        # Counters for vLLM's external prefix-cache metrics and our own.
+        self.lookups = 0
+        self.lookup_hit_tokens = 0
+
+    # -- lookup ------------------------------------------------------------------------------
+    def _state(self, request: Request) -> RequestState:
+        st = self.requests.get(request.request_id)
+        if st is None:
+            st = self.requests[request.request_id] = RequestState(request)
+        return st
+
+    def _loadable_chunks(self, request: Request) -> int:
+        # Leave at least one token to compute.
+        return self.geometry.full_chunks(max(request.num_tokens - 1, 0), len(request.block_hashes))
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        st.local_tokens = num_computed_tokens
+        if not self.can_load:
+            return 0, False
+        max_chunks = self._loadable_chunks(request)
+        if max_chunks == 0:
+            return 0, False
+        if st.checked_chunks != max_chunks:
+            keys = self.geometry.keys_all_ranks(request.block_hashes, max_chunks)
+            present = self.pool.call("lookup", lambda c: c.lookup_prefix(keys, self.namespace))
+            self.lookups += 1
+            st.checked_chunks = max_chunks
+            st.pool_chunks = (present or 0) // self.geometry.ranks
+            # Chunks the pool has need no store.
+            st.next_store_chunk = max(st.next_store_chunk, st.pool_chunks)
+        hit_tokens = st.pool_chunks * self.geometry.chunk_tokens
+        return max(0, hit_tokens - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self._state(request)
+        st.block_ids = list(blocks.get_block_ids()[0])
+        st.pending_load_tokens = num_external_tokens if self.can_load else 0
+        if num_external_tokens:
+            self.lookup_hit_tokens += num_external_tokens
+        # Scheduled: the next time vLLM asks (after a preemption) look up again.
+        st.checked_chunks = -1
+
+    # -- per-step plan -----------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MaruConnectorMetadata:
+        meta = MaruConnectorMetadata()
+        for new_req in scheduler_output.scheduled_new_reqs:
+            st = self.requests.get(new_req.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new_req.block_ids[0])
+            self._plan(st, new_req.num_computed_tokens, scheduler_output.num_scheduled_tokens[new_req.req_id], meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.requests.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            num_computed = cached.num_computed_tokens[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            else:
+                if new_ids is not None:
+                    st.block_ids.extend(new_ids[0])
+                if num_computed < st.expected_computed:
+                    # vLLM rolled the request back (a failed load is recomputed): the chunks from
+                    # there on were not (validly) in the pool, so store them again once recomputed.
+                    st.next_store_chunk = min(st.next_store_chunk, num_computed // self.geometry.chunk_tokens)
+            self._plan(st, cached.num_computed_tokens[i], scheduler_output.num_scheduled_tokens[req_id], meta)
+        return meta
+
+    def _plan(self, st: RequestState, num_computed: int, num_scheduled: int, meta: MaruConnectorMetadata) -> None:
+        g = self.geometry
+        req = st.request
+        bpc = g.blocks_per_chunk
+        st.expected_computed = num_computed + num_scheduled
+        if st.pending_load_tokens:
+            start_tok = 0
+            end_tok = start_tok + st.pending_load_tokens
+            st.pending_load_tokens = 0
+            first_chunk = start_tok // g.chunk_tokens
+            for c in range(first_chunk, end_tok // g.chunk_tokens):
+                first_block = max(c * bpc, start_tok // g.block_size)
+                block_ids = st.block_ids[first_block:(c + 1) * bpc]
+                meta.loads.append(
+                    ChunkLoad(req.request_id, g.chunk_hash(req.block_hashes, c), block_ids, first_block - c * bpc)
+                )
+        if not self.can_store:
+            return
+        # Prompt chunks whose KV is complete once this step's forward ran.
+        done_tokens = min(num_computed + num_scheduled, req.num_prompt_tokens)
+        done_chunks = g.full_chunks(done_tokens, len(req.block_hashes))
+        for c in range(st.next_store_chunk, done_chunks):
+            block_ids = st.block_ids[c * bpc:(c + 1) * bpc]
+            if len(block_ids) < bpc:
+                break  # blocks not known yet (should not happen); retry next step
+            lora = req.lora_request.lora_name if req.lora_request is not None else None
+            meta.stores.append(
+                ChunkStore(
+                    req.request_id,
+                    g.chunk_hash(req.block_hashes, c),
+                    block_ids,
+                    g.chunk_meta(req.block_hashes, req.prompt_token_ids or [], c, lora),
+                )
+            )
+            st.next_store_chunk = c + 1
+
+    # -- end of a request --------------------------------------------------------------------
+    def request_finished(self, request: Request) -> None:
+        self.requests.pop(request.request_id, None)
+
+    def stats(self) -> dict[str, Any]:
+        return {"tracked_requests": len(self.requests), "lookups": self.lookups, "hit_tokens": self.lookup_hit_tokens}

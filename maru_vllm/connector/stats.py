@@ -1,0 +1,102 @@
+"""Connector transfer statistics: vLLM's KV connector stats hook and Prometheus.
+
+The worker side counts chunks/bytes loaded and stored, time spent, failures; vLLM ships those
+counters from the worker to the front-end process (`get_kv_connector_stats`), aggregates them,
+logs them, and hands them to `MaruPromMetrics.observe`, which exports `maru_connector_*`
+counters on vLLM's own `/metrics` endpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+
+@dataclasses.dataclass
+class TransferCounters:
+    chunks_loaded: int = 0
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
+    load_failures: int = 0
+    chunks_stored: int = 0
+    bytes_stored: int = 0
+    store_seconds: float = 0.0
+    store_failures: int = 0
+    stores_skipped: int = 0
+
+    def is_empty(self) -> bool:
+        return not any(dataclasses.astuple(self))
+
+    def add(self, other: TransferCounters) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class MaruConnectorStats(KVConnectorStats):
+    """Serializable container of `TransferCounters` fields (vLLM sends `data` across processes)."""
+
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        super().__init__(data=dict(data or {}))
+
+    @classmethod
+    def from_counters(cls, counters: TransferCounters) -> MaruConnectorStats:
+        return cls(dataclasses.asdict(counters))
+
+    def counters(self) -> TransferCounters:
+        known = {f.name for f in dataclasses.fields(TransferCounters)}
+        return TransferCounters(**{k: v for k, v in self.data.items() if k in known})
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        mine = self.counters()
+        mine.add(MaruConnectorStats(other.data).counters())
+        self.data = dataclasses.asdict(mine)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        c = self.counters()
+        out: dict[str, int | float] = dataclasses.asdict(c)
+        if c.load_seconds > 0:
+            out["load_GBps"] = round(c.bytes_loaded / c.load_seconds / 1e9, 3)
+        if c.store_seconds > 0:
+            out["store_GBps"] = round(c.bytes_stored / c.store_seconds / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return self.counters().is_empty()
+
+
+class MaruPromMetrics(KVConnectorPromMetrics):
+    """`maru_connector_*` counters on vLLM's /metrics, one series per engine."""
+
+    _COUNTERS = {
+        "chunks_loaded": "KV chunks loaded from the Maru pool",
+        "bytes_loaded": "bytes of KV loaded from the Maru pool",
+        "load_seconds": "seconds spent loading KV from the Maru pool",
+        "load_failures": "chunk loads that failed and were recomputed",
+        "chunks_stored": "KV chunks stored into the Maru pool",
+        "bytes_stored": "bytes of KV stored into the Maru pool",
+        "store_seconds": "seconds spent storing KV into the Maru pool",
+        "store_failures": "chunk stores that failed and were skipped",
+        "stores_skipped": "chunk stores skipped (already in the pool or no space)",
+    }
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for field, doc in self._COUNTERS.items():
+            metric = self._counter_cls(name=f"vllm:maru_connector_{field}", documentation=doc, labelnames=labelnames)
+            self._counters[field] = {
+                idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for field, per_engine in self._counters.items():
+            value = transfer_stats_data.get(field)
+            if value:
+                per_engine[engine_idx].inc(value)

@@ -1,0 +1,84 @@
+"""Module-scoped stacks for end-to-end tests: a pool service and vLLM engines sharing it."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port
+from maru_vllm.launch import stack
+
+
+@dataclasses.dataclass
+class PoolService:
+    proc: ManagedProcess
+    name: str
+    address: str
+    region_path: Path
+
+
+def start_pool(group: ProcessGroup, log_dir: Path, name: str, size: str = "256M",
+               extra: list[str] | None = None) -> PoolService:
+    sock = Path(f"/tmp/maru-test-{name}.sock")
+    address = f"unix://{sock}"
+    proc = ManagedProcess(
+        f"pool-{name}",
+        [sys.executable, "-m", "maru_vllm.pool", "serve", "--name", name, "--size", size, "--listen", address,
+         *(extra or [])],
+        log_path=log_dir / f"pool-{name}.log",
+    )
+    group.start(proc)
+    proc.wait_for_log(r"maru-pool serving on", timeout=60)
+    return PoolService(proc, name, address, Path(f"/dev/shm/maru-{name}"))
+
+
+def maru_kv_config(pool_address: str, role: str = "kv_both", **extra: object) -> dict[str, object]:
+    return {
+        "kv_connector": "MaruKVConnector",
+        "kv_connector_module_path": "maru_vllm.connector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"maru_pool_address": pool_address, **extra},
+    }
+
+
+def token_prompt(seed: int, length: int) -> list[int]:
+    """A prompt of exactly `length` byte tokens (ids 32..126), reproducible from `seed`."""
+    rng = random.Random(seed)
+    return [rng.randrange(32, 127) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def module_procs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessGroup]:
+    group = ProcessGroup()
+    yield group
+    if request.session.testsfailed:
+        print("\n" + group.log_tails(80))
+    group.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+def start_engine(group: ProcessGroup, name: str, model: Path, core: int, log_dir: Path, kv: dict | None,
+                 tmp: Path, extra_args: list[str] | None = None) -> str:
+    env = stack.StackEnv(discovery_dir=tmp / "discovery").build(cpu_thread=core)
+    proc, url = stack.vllm_openai_server(
+        name, model, env, log_dir, port=free_port(), kv_transfer_config=kv,
+        extra_args=["--max-num-batched-tokens", "512", *(extra_args or [])],
+    )
+    group.start(proc)
+    return url
+
+
+def wait_engines(group: ProcessGroup, urls: dict[str, str]) -> None:
+    by_name = {p.name: p for p in group}
+    for name, url in urls.items():
+        by_name[name].wait_for_http(f"{url}/v1/models", timeout=300)

@@ -1,0 +1,301 @@
+"""Dynamo's KV router credits a worker with the pool's blocks at the host tier, and drops the
+credit when the pool drops the blocks.
+
+Real processes: nats-server, the pool service (--nats), Dynamo's frontend (--router-mode kv),
+ONE dynamo.vllm worker started through `install_pool_event_relay` (no Maru connector: the test
+itself puts chunks into the pool, with metadata carrying the block hashes vLLM computes for a
+prompt), and a `router_probe` (a second KvRouter) that reports per-tier overlap without routing.
+
+* prompt A's chunks are in the pool before the worker starts (the relay's snapshot path),
+  prompt B's are put while it runs (the live event path);
+* the router credits both with host_pinned blocks; serving A, the frontend logs
+  `Selected worker ... host_pinned_blocks=4`;
+* vLLM's own KV events for A carry exactly the block hashes the test computed;
+* pool chunks chained on blocks the engine holds extend its prefix at the host tier;
+* after `PoolClient.remove`, the host credit is gone (A keeps its device blocks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from maru_vllm.events.vllm_format import external_hash
+from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port
+from maru_vllm.launch import stack
+from maru_vllm.pool import PoolClient
+from tests.e2e.openai_client import completion
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+BLOCK = 128
+CHUNK_BLOCKS = 2
+PROMPT_BLOCKS = 4
+
+WORKER_BOOT = """
+import os, runpy, sys
+from maru_vllm.text_only import install_text_only_stand_ins
+install_text_only_stand_ins()
+from maru_vllm.events import install_pool_event_relay
+install_pool_event_relay(pool_name=os.environ["MARU_TEST_POOL_NAME"],
+                         pool_address=os.environ["MARU_TEST_POOL_ADDRESS"], probe_interval_s=2.0)
+sys.argv = ["dynamo.vllm", *sys.argv[1:]]
+runpy.run_module("dynamo.vllm", run_name="__main__", alter_sys=True)
+"""
+
+
+def token_prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32, 127) for _ in range(length)]
+
+
+def vllm_block_hashes(tokens: list[int], monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Block hashes of `tokens` as a vLLM engine with PYTHONHASHSEED=0 and sha256 computes them."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    old = getattr(kcu, "NONE_HASH", None), kcu._NONE_HASH_SEED
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    hash_fn = get_hash_fn_by_name("sha256")  # vLLM's default prefix_caching_hash_algo
+    kcu.init_none_hash(hash_fn)
+    try:
+        hashes: list[bytes] = []
+        parent = None
+        for b in range(len(tokens) // BLOCK):
+            parent = kcu.hash_block_tokens(hash_fn, parent, tokens[b * BLOCK:(b + 1) * BLOCK], None)
+            hashes.append(bytes(parent))
+        return hashes
+    finally:
+        if old[0] is not None:
+            kcu.NONE_HASH, kcu._NONE_HASH_SEED = old
+
+
+def put_prompt_chunks(pool: PoolClient, namespace: str, tokens: list[int], hashes: list[bytes],
+                      chunks: range | None = None) -> list[bytes]:
+    """Store the prompt's chunks like MaruKVConnector does (key, metadata); return the keys."""
+    keys = []
+    for c in chunks if chunks is not None else range(len(hashes) // CHUNK_BLOCKS):
+        blocks = range(c * CHUNK_BLOCKS, (c + 1) * CHUNK_BLOCKS)
+        meta = {
+            "v": 1,
+            "chunk": c,
+            "block_size": BLOCK,
+            "block_hashes": [hashes[b].hex() for b in blocks],
+            "parent_block_hash": hashes[blocks[0] - 1].hex() if c > 0 else None,
+            "token_ids": [tokens[b * BLOCK:(b + 1) * BLOCK] for b in blocks],
+            "lora_name": None,
+            "rank": 0,
+        }
+        key = hashes[blocks[-1]] + b"/r0"
+        assert pool.put(key, b"\0" * 4096, namespace=namespace, meta=meta)
+        keys.append(key)
+    return keys
+
+
+class RouterProbe:
+    """`python -m maru_vllm.events.router_probe`: overlap per tier, without routing."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "maru_vllm.events.router_probe", "--block-size", str(BLOCK)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log_path, "ab"), text=True, env=env,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.log_path = log_path
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+        self.lines.put(None)
+
+    def _next(self, timeout: float) -> str:
+        line = self.lines.get(timeout=timeout)
+        if line is None:
+            raise AssertionError(f"router probe exited:\n{self.log_path.read_text()[-3000:]}")
+        return line
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self._next(max(1.0, deadline - time.monotonic())) != "ready":
+            pass
+
+    def scores(self, tokens: list[int]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"token_ids": tokens}) + "\n")
+        self.proc.stdin.flush()
+        while True:
+            line = self._next(60)
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def tiers(self, tokens: list[int]) -> tuple[int, int, int]:
+        """(device_blocks, host_pinned_blocks, host_pinned_extension_blocks) of the single worker.
+
+        Dynamo reports tiers cumulatively: host_pinned_blocks is the prefix matched on the device
+        or the host tier; the extension is what the host tier adds beyond the device.
+        """
+        rows = self.scores(tokens).get("workers") or []
+        if not rows:
+            return (0, 0, 0)
+        row = rows[0]
+        return (int(row.get("device_blocks") or 0), int(row.get("host_pinned_blocks") or 0),
+                int(row.get("host_pinned_extension_blocks") or 0))
+
+    def wait_tiers(self, tokens: list[int], want: tuple[int, int, int], timeout: float = 60.0) -> tuple[int, int, int]:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.tiers(tokens)
+            if got == want or time.monotonic() > deadline:
+                return got
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class VllmEventTap:
+    """A second subscriber on vLLM's own KV-event endpoint: the hashes vLLM announces."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+
+        from maru_vllm.events import vllm_format as vf
+
+        self._vf = vf
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.connect(endpoint)
+        self.stored: list[Any] = []
+
+    def drain(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._sock.poll(200):
+                _t, _seq, payload = self._sock.recv_multipart()
+                for ev in self._vf.decode_batch(payload).events:
+                    if isinstance(ev, self._vf.BlockStored):
+                        self.stored.append(ev)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def selected_lines(frontend: ManagedProcess) -> list[str]:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", frontend.log_text())
+    return [line for line in text.splitlines() if "Selected worker" in line]
+
+
+@pytest.mark.timeout(900)
+def test_router_credits_pool_blocks_at_host_tier(tiny_model: Path, procs: ProcessGroup, log_dir: Path,
+                                                 tmp_path: Path, nats, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, nats_url = nats
+    pool_name = f"ev{uuid.uuid4().hex[:8]}"
+    sock = f"/tmp/maru-{pool_name}.sock"
+    pool_proc = ManagedProcess(
+        "pool", [sys.executable, "-m", "maru_vllm.pool", "serve", "--name", pool_name, "--size", "256M",
+                 "--listen", f"unix://{sock}", "--nats", nats_url],
+        log_path=log_dir / "pool.log",
+    )
+    procs.start(pool_proc)
+    pool_proc.wait_for_log(r"maru-pool serving on", timeout=60)
+    address = f"unix://{sock}"
+    pool = PoolClient.connect(address)
+    namespace = f"kv:{tiny_model.name}:e2e-events"
+
+    n = PROMPT_BLOCKS
+    long_a = token_prompt(1, 2 * n * BLOCK + 40)  # prompt A is its first n blocks (+ a partial one)
+    prompt_a = long_a[:n * BLOCK + 40]
+    prompt_b = token_prompt(2, n * BLOCK + 40)
+    hashes_a = vllm_block_hashes(long_a, monkeypatch)
+    hashes_b = vllm_block_hashes(prompt_b, monkeypatch)
+    keys_a = put_prompt_chunks(pool, namespace, long_a, hashes_a, chunks=range(0, n // CHUNK_BLOCKS))
+    pool.put(b"not-a-chunk", b"x", namespace=namespace, meta={"something": "else"})  # ignored
+    pool.put(b"other-model", b"x", namespace="kv:other-model:abc",  # other namespace: ignored
+             meta={"v": 1, "chunk": 0, "block_size": BLOCK, "block_hashes": ["ab" * 32, "cd" * 32],
+                   "parent_block_hash": None, "token_ids": [[1] * BLOCK, [2] * BLOCK], "lora_name": None})
+
+    env_factory = stack.StackEnv(discovery_dir=tmp_path / "discovery", nats_url=nats_url)
+    kv_port = free_port()
+    worker_env = env_factory.build(cpu_thread=0, MARU_TEST_POOL_NAME=pool_name, MARU_TEST_POOL_ADDRESS=address)
+    worker = ManagedProcess(
+        "worker",
+        [sys.executable, "-c", WORKER_BOOT, "--model", str(tiny_model), "--max-model-len", "4096",
+         "--enforce-eager", "--kv-events-config",
+         json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_port}"})],
+        log_path=log_dir / "worker.log", env=worker_env,
+    )
+    frontend, url = stack.dynamo_frontend(env_factory.build(), log_dir)
+    procs.start(worker)
+    procs.start(frontend)
+    frontend.wait_for_http(f"{url}/v1/models", timeout=300, accept=lambda body: str(tiny_model).encode() in body)
+    worker.wait_for_log(r"Dynamo subscribed to the KV event relay", timeout=60)
+    worker.wait_for_log(r"pool '\S+' synced at seq", timeout=60)
+    tap = VllmEventTap(f"tcp://127.0.0.1:{kv_port}")
+    probe = RouterProbe(env_factory.build(), log_dir / "probe.log")
+    try:
+        probe.wait_ready()
+        keys_b = put_prompt_chunks(pool, namespace, prompt_b, hashes_b)  # live event path
+
+        # Snapshot path (A) and live path (B): the host tier holds both, the device neither.
+        assert probe.wait_tiers(prompt_a, (0, n, n)) == (0, n, n)
+        assert probe.wait_tiers(prompt_b, (0, n, n)) == (0, n, n)
+
+        # The frontend's router, routing prompt A, credits the worker with them.
+        line = route_and_read_selection(frontend, url, tiny_model, prompt_a)
+        assert f"host_pinned_blocks={n} " in line + " ", line
+
+        # vLLM announces A's blocks with exactly the hashes the pool chunks carry.
+        tap.drain(3.0)
+        announced = [h for ev in tap.stored for h in ev.block_hashes]
+        assert announced[:n] == [external_hash(h) for h in hashes_a[:n]], (announced, hashes_a)
+        assert probe.wait_tiers(prompt_a, (n, n, 0)) == (n, n, 0)
+
+        # Pool chunks chained on blocks the engine holds extend its prefix at the host tier.
+        keys_a += put_prompt_chunks(pool, namespace, long_a, hashes_a, chunks=range(n // CHUNK_BLOCKS,
+                                                                                      2 * n // CHUNK_BLOCKS))
+        assert probe.wait_tiers(long_a, (n, 2 * n, n)) == (n, 2 * n, n)
+
+        # Removing the objects withdraws the host credit; A keeps what is on the device.
+        assert pool.remove(keys_a + keys_b, namespace=namespace) == len(keys_a + keys_b)
+        assert probe.wait_tiers(prompt_b, (0, 0, 0)) == (0, 0, 0)
+        assert probe.wait_tiers(long_a, (n, n, 0)) == (n, n, 0)
+        line = route_and_read_selection(frontend, url, tiny_model, prompt_b)
+        assert "host_pinned_blocks=0 " in line + " ", line
+    finally:
+        probe.stop()
+        tap.close()
+        pool.close()
+
+
+def route_and_read_selection(frontend: ManagedProcess, url: str, model: Path, prompt: list[int]) -> str:
+    """Send `prompt` through the frontend; return its router's `Selected worker` log line."""
+    before = len(selected_lines(frontend))
+    out = completion(url, str(model), prompt, max_tokens=2)
+    assert out["usage"]["prompt_tokens"] == len(prompt)
+    frontend.wait_until(lambda: len(selected_lines(frontend)) > before, 10, "a Selected worker line")
+    line = selected_lines(frontend)[before]
+    print("router:", line)
+    return line
