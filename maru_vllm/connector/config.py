@@ -115,13 +115,13 @@ def parse_config(extra: Mapping[str, Any] | None, block_size: int) -> MaruConnec
     if not isinstance(namespace, str) or len(namespace) > 128:
         raise MaruConfigError(f"maru_namespace={namespace!r} must be a string of at most 128 characters")
 
-    timeout = extra.get("maru_pool_timeout_s", KEYS["maru_pool_timeout_s"][0])
+    raw_timeout = extra.get("maru_pool_timeout_s", KEYS["maru_pool_timeout_s"][0])
     try:
-        timeout = float(timeout)
+        timeout = float(raw_timeout)
     except (TypeError, ValueError):
-        raise MaruConfigError(f"maru_pool_timeout_s={timeout!r} is not a number; use seconds > 0") from None
+        raise MaruConfigError(f"maru_pool_timeout_s={raw_timeout!r} is not a number; use seconds > 0") from None
     if not timeout > 0:
-        raise MaruConfigError(f"maru_pool_timeout_s={timeout!r} must be > 0 seconds")
+        raise MaruConfigError(f"maru_pool_timeout_s={raw_timeout!r} must be > 0 seconds")
 
     return MaruConnectorConfig(
         pool_address=address,

@@ -116,6 +116,36 @@ def test_cross_instance_pool_hit_equals_local_prefix_hit(maru: Stack) -> None:
     assert tokens(pool_hit) == tokens(out_a)
 
 
+def metric_total(text: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples (all label sets) in an exposition text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_report_pool_hits_and_transfers(maru: Stack) -> None:
+    import time
+    import urllib.request
+
+    prompt = token_prompt(11, 2 * CHUNK + 1)
+    maru.ask("A", prompt)
+    maru.ask("B", prompt)
+    deadline = time.monotonic() + 30  # stats reach the API process with the next engine outputs
+    while True:
+        text = urllib.request.urlopen(f"{maru.urls['B']}/metrics", timeout=10).read().decode()
+        if metric_total(text, "vllm:maru_connector_chunks_loaded_total") >= 2 or time.monotonic() > deadline:
+            break
+        maru.ask("B", token_prompt(12, 10), max_tokens=2)
+        time.sleep(1)
+    assert metric_total(text, "vllm:external_prefix_cache_hits_total") >= 2 * CHUNK
+    assert metric_total(text, "vllm:maru_connector_chunks_loaded_total") >= 2
+    assert metric_total(text, "vllm:maru_connector_bytes_loaded_total") > 0
+    a_text = urllib.request.urlopen(f"{maru.urls['A']}/metrics", timeout=10).read().decode()
+    assert metric_total(a_text, "vllm:maru_connector_chunks_stored_total") >= 2
+
+
 def test_partial_prefix_loads_only_the_shared_chunks(maru: Stack) -> None:
     base = token_prompt(2, 4 * CHUNK + 1)
     maru.ask("A", base)
