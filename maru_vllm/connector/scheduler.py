@@ -144,7 +144,7 @@ class MaruSchedulerSide:
         bpc = g.blocks_per_chunk
         st.expected_computed = num_computed + num_scheduled
         if st.pending_load_tokens:
-            start_tok = 0
+            start_tok = st.local_tokens
             end_tok = start_tok + st.pending_load_tokens
             st.pending_load_tokens = 0
             first_chunk = start_tok // g.chunk_tokens
