@@ -27,7 +27,7 @@ from maru_vllm.connector.chunks import chunk_key
 from maru_vllm.connector.cpu_amx import request_amx_permission
 from maru_vllm.connector.kernels import resolve_fused_load, resolve_lmcache_kernels
 from maru_vllm.connector.layouts import KVCacheSet, LayoutError
-from maru_vllm.connector.metadata import MaruConnectorMetadata
+from maru_vllm.connector.metadata import ChunkLoad, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.stats import TransferCounters
 
@@ -55,6 +55,10 @@ class MaruWorkerSide:
         self.kernels = resolve_lmcache_kernels(use_lmcache_kernels)
         self.fused_load = resolve_fused_load(enable_fused_load, self.kernels)
         self.failed_blocks: set[int] = set()
+        # Requests whose load failed this step: the forward computed their later chunks on top of
+        # missing KV, so this step's stores for them must not reach the pool (the scheduler
+        # re-plans them once vLLM has recomputed).
+        self.failed_requests: set[str] = set()
         self.counters = TransferCounters()
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], backend_name: str | None) -> None:
@@ -85,27 +89,29 @@ class MaruWorkerSide:
         try:
             for load, pin in zip(meta.loads, pins):
                 if pin is None:
-                    self._fail(load.block_ids, "missing or invalid in the pool")
+                    self._fail(load, "missing or invalid in the pool")
                     continue
                 try:
                     codec.unpack(load.block_ids, pin.data, skip_blocks=load.skip_blocks)
                     loaded_bytes += codec.chunk_nbytes(len(load.block_ids))
                     self.counters.chunks_loaded += 1
                 except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
-                    self._fail(load.block_ids, f"cannot be copied in: {exc}")
+                    self._fail(load, f"cannot be copied in: {exc}")
         finally:
             self.pool.call("release", lambda c: c.release(pins))
         self.counters.bytes_loaded += loaded_bytes
         self.counters.load_seconds += time.perf_counter() - t0
 
-    def _fail(self, block_ids: list[int], why: str) -> None:
-        self.failed_blocks.update(block_ids)
+    def _fail(self, load: ChunkLoad, why: str) -> None:
+        self.failed_blocks.update(load.block_ids)
+        self.failed_requests.add(load.req_id)
         self.counters.load_failures += 1
-        logger.warning("Maru chunk load failed (%s): %d blocks will be recomputed", why, len(block_ids))
+        logger.warning("Maru chunk load failed (%s): %d blocks will be recomputed", why, len(load.block_ids))
 
     def _fail_all(self, meta: MaruConnectorMetadata, why: str) -> None:
         for load in meta.loads:
             self.failed_blocks.update(load.block_ids)
+            self.failed_requests.add(load.req_id)
         self.counters.load_failures += len(meta.loads)
         logger.warning("Maru loads of this step failed (%s): %d chunks will be recomputed", why, len(meta.loads))
 
@@ -115,17 +121,20 @@ class MaruWorkerSide:
 
     # -- stores ----------------------------------------------------------------------------------
     def store(self, meta: MaruConnectorMetadata) -> None:
-        if not meta.stores or self.codec is None:
+        failed, self.failed_requests = self.failed_requests, set()
+        stores = [s for s in meta.stores if s.req_id not in failed]
+        self.counters.stores_skipped += len(meta.stores) - len(stores)
+        if not stores or self.codec is None:
             return
         codec = self.codec
         t0 = time.perf_counter()
-        items = [(chunk_key(s.key, self.rank), codec.chunk_nbytes(len(s.block_ids))) for s in meta.stores]
+        items = [(chunk_key(s.key, self.rank), codec.chunk_nbytes(len(s.block_ids))) for s in stores]
         reservations = self.pool.call("reserve", lambda c: c.reserve(items, self.namespace))
         if reservations is None:
-            self.counters.store_failures += len(meta.stores)
+            self.counters.store_failures += len(stores)
             return
         to_commit, metas = [], []
-        for store, res in zip(meta.stores, reservations):
+        for store, res in zip(stores, reservations):
             if res is None:
                 self.counters.stores_skipped += 1  # already in the pool, or no space
                 continue
