@@ -50,7 +50,7 @@ KEYS: dict[str, tuple[Any, str]] = {
     "maru_enable_fused_load": (False, "fused multi-layer load (needs the LMCache kernels)"),
     "maru_namespace": ("", "extra isolation salt mixed into every key's namespace"),
     "maru_pool_timeout_s": (5.0, "timeout of one pool round trip, seconds"),
-    "maru_checksum": (True, "CRC32 every object on commit and verify it on load (a mismatch is a miss)"),
+    "maru_checksum": (True, "checksum (XXH3) every object on commit and verify it on load (a mismatch is a miss)"),
 }
 
 
