@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""`make bench`: run every benchmark in this folder, one after another, and print their reports.
+
+Each benchmark measures its ratios within one run (never against stored numbers) and none of
+them is part of `make test`. Pass `--quick` for shorter runs (fewer prompts / iterations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
+    # (script, args, quick args)
+    ("bench_page_copy.py", [], []),
+    ("bench_pool.py", [], ["--iters", "300"]),
+    ("bench_connector.py", [], ["--prompts", "1"]),
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", help="run just this script (e.g. bench_pool.py)")
+    args = ap.parse_args()
+    failed = []
+    for script, full, quick in BENCHMARKS:
+        if args.only and script != args.only:
+            continue
+        print(f"\n===== {script} =====", flush=True)
+        t0 = time.monotonic()
+        rc = subprocess.call([sys.executable, str(HERE / script), *(quick if args.quick else full)])
+        print(f"===== {script}: exit {rc}, {time.monotonic() - t0:.0f}s =====", flush=True)
+        if rc:
+            failed.append(script)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
