@@ -1,0 +1,92 @@
+"""`python -m maru_dynamo.components.maru_worker [--maru-* options] [dynamo.vllm args]`.
+
+A `dynamo.vllm` worker on the Maru pool: it fills in MaruKVConnector's `--kv-transfer-config`
+and a `--kv-events-config` (free port) unless given, makes the KV events it publishes carry
+the pool's blocks (`maru_vllm.events.install_pool_event_relay`), and runs `dynamo.vllm` in
+this process with every other argument unchanged.
+
+Options of its own (all others go to dynamo.vllm):
+  --maru-pool-address ADDR   pool service address (unix:///path.sock or tcp://host:port)
+  --maru-pool-name NAME      pool name (its NATS subjects maru.<NAME>.*); NATS from $NATS_SERVER
+  --maru-event-medium M      tier the router credits pool blocks at (default CPU_PINNED)
+  --maru-chunk-tokens N      tokens per pool object (default 256)
+
+PYTHONHASHSEED must be unset (then 0 is used) or "0", the graph's value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+
+from maru_vllm.launch.ports import free_port
+
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# Lower tiers Dynamo 1.6.1's router credits: host (CPU_PINNED, CPU) or disk-like (DISK, EXTERNAL, SHARED).
+EVENT_MEDIUMS = ("CPU_PINNED", "CPU", "DISK", "EXTERNAL", "SHARED")
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _has_flag(args: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+
+
+def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(our options, the dynamo.vllm argv with connector and KV-event configs filled in)."""
+    p = argparse.ArgumentParser(prog="maru_worker", add_help=False)
+    p.add_argument("--maru-pool-address", required=True)
+    p.add_argument("--maru-pool-name", required=True)
+    p.add_argument("--maru-event-medium", default="CPU_PINNED", choices=EVENT_MEDIUMS)
+    p.add_argument("--maru-chunk-tokens", type=int, default=256)
+    ours, rest = p.parse_known_args(argv)
+    rest = list(rest)
+    if not _has_flag(rest, "--kv-transfer-config", "--kv_transfer_config"):
+        mode = _flag_value(rest, "--disaggregation-mode") or os.environ.get("DYN_VLLM_DISAGGREGATION_MODE")
+        rest += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "MaruKVConnector",
+            "kv_connector_module_path": "maru_vllm.connector",
+            "kv_role": KV_ROLES.get(mode or "", "kv_both"),
+            "kv_connector_extra_config": {"maru_pool_address": ours.maru_pool_address,
+                                          "maru_kv_chunk_tokens": ours.maru_chunk_tokens},
+        })]
+    if not _has_flag(rest, "--kv-events-config", "--kv_events_config"):
+        # vLLM binds its publisher; only a wildcard bind delivers (tcp://127.0.0.1:N sends nothing).
+        rest += ["--kv-events-config", json.dumps(
+            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"})]
+    return ours, rest
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    from maru_vllm.text_only import install_text_only_stand_ins
+
+    install_text_only_stand_ins()  # before anything imports vLLM / Dynamo
+    from maru_vllm.events.dynamo_hook import check_hash_seed
+
+    try:
+        check_hash_seed()
+    except RuntimeError as exc:
+        sys.exit(f"maru_worker: {exc}")
+    os.environ["PYTHONHASHSEED"] = "0"
+    ours, rest = build(argv)
+    from maru_vllm.events import install_pool_event_relay
+
+    install_pool_event_relay(pool_name=ours.maru_pool_name, pool_address=ours.maru_pool_address,
+                             medium=ours.maru_event_medium)
+    sys.argv = [sys.argv[0], *rest]
+    runpy.run_module("dynamo.vllm", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Pool blocks in Dynamo's KV router: every worker announces the shared pool at the host tier.
+
+Dynamo's router learns what a worker can serve from that worker's KV events, and it accepts
+one event source per worker. So each `dynamo.vllm` worker publishes ONE merged stream: vLLM's
+own events (unchanged) plus the Maru pool's objects as vLLM `BlockStored`/`BlockRemoved`
+events at medium `CPU_PINNED` (Dynamo's host tier, weighted by the frontend's
+`--router-host-cache-hit-weight`). See docs in each module:
+
+* `types`       - typed pool events/snapshots/chunk metadata and the announcements made from them
+* `vllm_format` - vLLM's KVEventBatch msgpack and ZMQ frames, with vLLM's own classes
+* `pool_view`   - the per-worker set of announced pool chunks; diffs against snapshots
+* `nats_source` - the pool's NATS events, gap/restart/outage detection and snapshot resync
+* `relay`       - ZMQ in (vLLM) + pool events -> one sequenced ZMQ stream out (to Dynamo)
+* `dynamo_hook` - the worker-side hook below (pinned to ai-dynamo 1.6.1)
+* `router_probe`- a diagnostic: ask a KV router for per-worker, per-tier overlap of a prompt
+
+Worker-side hook, called by `components/maru_worker.py` in the worker process before it runs
+`dynamo.vllm`::
+
+    install_pool_event_relay(
+        *,
+        pool_name: str,                      # the pool's --name (NATS subjects maru.<name>.*)
+        nats_url: str | None = None,         # default: $NATS_SERVER, else nats://127.0.0.1:4222
+        pool_address: str | None = None,     # pool socket; snapshots of any size (else NATS request)
+        pool_token: str | None = None,       # token for a tcp:// pool address
+        medium: str = "CPU_PINNED",          # tier of pool blocks: CPU_PINNED/CPU, DISK/EXTERNAL/SHARED
+        namespace: str | None = None,        # exact pool namespace of this worker's connector
+        namespace_prefix: str | None = None, # or: any namespace with this prefix
+        probe_interval_s: float = 10.0,      # idle check for pool restarts / missed events
+    ) -> RelayInstallation                   # .relays (one per DP rank, once Dynamo set up), .uninstall()
+
+Namespace choice: MaruKVConnector's namespace (`kv:<model>:<digest of the KV layout>`) is
+computed inside the engine core from its `KVCacheConfig`, which the worker's main process does
+not have. So by default a worker accepts every namespace of its model (`kv:<model base name>:`)
+whose chunk metadata has the engine's block size; pass `namespace=` when the exact value is
+known (it then also narrows the snapshot requests). Engines of one model with different KV
+layouts (dtype, TP size, `maru_namespace` salt) sharing one pool would over-credit each other
+in the router under the default; the connector simply misses on such chunks, so this costs a
+routing choice, never correctness.
+
+Raises `DynamoVersionError` unless ai-dynamo==ai-dynamo-runtime==1.6.1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "DynamoVersionError",
+    "RelayInstallation",
+    "check_dynamo_version",
+    "check_hash_seed",
+    "install_pool_event_relay",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing the package must not import vLLM/Dynamo (the worker entry point installs
+    # its import stand-ins first).
+    if name in __all__:
+        from maru_vllm.events import dynamo_hook
+
+        return getattr(dynamo_hook, name)
+    raise AttributeError(name)

@@ -1,0 +1,304 @@
+"""The pool's event stream as an ordered, gap-free sequence of snapshots and events.
+
+`PoolEventSource` subscribes to `maru.<pool>.events` with nats-py and hands its owner either
+a `PoolSnapshot` (`on_snapshot`: replace what you know) or the next `PoolEvent` (`on_event`:
+apply it). It resyncs from a snapshot - and only then delivers events again - when it
+
+* starts (a late start sees everything that is already in the pool),
+* sees a `seq` gap (the pool dropped events, or NATS lost some),
+* sees a new `incarnation` (the pool restarted empty),
+* reconnects to NATS after an outage (events sent meanwhile never reached us),
+* probes an idle pool and finds a newer incarnation or a `seq` beyond what it applied.
+
+Snapshots come from the socket `snapshot` op when a pool address is known (no size limit),
+else from the NATS request `maru.<pool>.snapshot`. Probes use the NATS request with a
+namespace no object has, so they are cheap. Nothing here ever raises into the owner; while
+NATS or the pool is unreachable the owner's view simply stays as it is ("paused").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from maru_vllm.events.types import EventFormatError, PoolEvent, PoolSnapshot
+from maru_vllm.pool.events import events_subject, snapshot_subject
+
+logger = logging.getLogger(__name__)
+
+#: A namespace no pool object has: a snapshot request for it returns only incarnation and seq.
+PROBE_NAMESPACE = "\x00maru-events-probe"
+_RESYNC = object()  # queue marker: resync now
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSourceConfig:
+    nats_url: str
+    pool_name: str
+    #: the pool service address (unix:///... or tcp://...), for snapshots of any size
+    pool_address: str | None = None
+    pool_token: str | None = None
+    #: request snapshots of this namespace only (None: all namespaces, filtered by the owner)
+    snapshot_namespace: str | None = None
+    probe_interval_s: float = 10.0
+    request_timeout_s: float = 5.0
+    max_queue: int = 200_000
+
+
+@dataclasses.dataclass
+class SourceStats:
+    events_applied: int = 0
+    events_skipped: int = 0
+    resyncs: int = 0
+    resync_failures: int = 0
+    gaps: int = 0
+    incarnation_changes: int = 0
+    reconnects: int = 0
+    probes: int = 0
+    bad_messages: int = 0
+    overflows: int = 0
+
+
+class PoolEventSource:
+    """See module docstring. Runs on the caller's event loop: `await start()`, `await stop()`."""
+
+    def __init__(
+        self,
+        config: PoolSourceConfig,
+        on_snapshot: Callable[[PoolSnapshot], None],
+        on_event: Callable[[PoolEvent], None],
+    ) -> None:
+        self.config = config
+        self._on_snapshot = on_snapshot
+        self._on_event = on_event
+        self.incarnation: str | None = None
+        self.last_seq = 0
+        self.synced = False
+        self.connected = False
+        self.stats = SourceStats()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._need_resync = True
+        self._nc: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._synced_event = asyncio.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="maru-pool-events")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._nc is not None:
+            try:
+                await asyncio.wait_for(self._nc.close(), 2.0)
+            except Exception as exc:
+                logger.debug("NATS close: %s", exc)
+
+    async def wait_synced(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._synced_event.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def request_resync(self) -> None:
+        self._need_resync = True
+        self._queue.put_nowait(_RESYNC)
+
+    # -- main loop -------------------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            await self._connect()
+            backoff = 0.2
+            while not self._stopping:
+                if self._need_resync:
+                    if await self._resync():
+                        backoff = 0.2
+                    else:
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, 5.0)
+                        continue
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), self.config.probe_interval_s)
+                except asyncio.TimeoutError:
+                    await self._probe()
+                    continue
+                if item is _RESYNC:
+                    continue
+                self._handle(item)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # never let a bug here take anything else down
+            logger.exception("pool event source stopped; pool awareness is off for this worker")
+
+    async def _connect(self) -> None:
+        import nats
+
+        backoff = 0.2
+        subject = events_subject(self.config.pool_name)
+        while not self._stopping:
+            try:
+                self._nc = await nats.connect(
+                    servers=[self.config.nats_url],
+                    name=f"maru-events-{self.config.pool_name}",
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    connect_timeout=2,
+                    disconnected_cb=self._on_disconnect,
+                    reconnected_cb=self._on_reconnect,
+                    error_cb=self._on_error,
+                )
+                await self._nc.subscribe(subject, cb=self._on_msg, pending_msgs_limit=self.config.max_queue)
+                await self._nc.flush(timeout=self.config.request_timeout_s)
+                self.connected = True
+                logger.info("following pool %r events on %s (%s)", self.config.pool_name, subject,
+                            self.config.nats_url)
+                return
+            except Exception as exc:
+                logger.warning("cannot subscribe to pool events at %s (%s); retrying in %.1fs",
+                               self.config.nats_url, exc, backoff)
+                if self._nc is not None:
+                    try:
+                        await self._nc.close()
+                    except Exception:
+                        pass
+                    self._nc = None
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _on_msg(self, msg: Any) -> None:
+        if self._queue.qsize() >= self.config.max_queue:
+            # Drop everything queued: a resync covers it (and is cheaper than catching up).
+            self.stats.overflows += 1
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            self.request_resync()
+            return
+        self._queue.put_nowait(msg.data)
+
+    async def _on_disconnect(self) -> None:
+        if self.connected and not self._stopping:
+            logger.warning("NATS connection to %s lost; pool awareness paused", self.config.nats_url)
+        self.connected = False
+
+    async def _on_reconnect(self) -> None:
+        self.connected = True
+        self.stats.reconnects += 1
+        logger.info("NATS reconnected; resyncing with pool %r", self.config.pool_name)
+        self.request_resync()
+
+    async def _on_error(self, exc: Exception) -> None:
+        logger.debug("NATS error: %s", exc)
+
+    # -- events ----------------------------------------------------------------------------
+    def _handle(self, data: bytes) -> None:
+        try:
+            ev = PoolEvent.from_json(data)
+        except EventFormatError as exc:
+            self.stats.bad_messages += 1
+            logger.warning("ignoring a malformed pool event: %s", exc)
+            return
+        if not self.synced:
+            return  # a resync is pending and will cover it
+        if ev.incarnation != self.incarnation:
+            self.stats.incarnation_changes += 1
+            logger.info("pool %r restarted (incarnation %s -> %s); resyncing", self.config.pool_name,
+                        self.incarnation, ev.incarnation)
+            self._need_resync = True
+            return
+        if ev.seq <= self.last_seq:
+            self.stats.events_skipped += 1  # already in the snapshot we applied
+            return
+        if ev.seq != self.last_seq + 1:
+            self.stats.gaps += 1
+            logger.warning("pool %r events %d..%d missing; resyncing", self.config.pool_name,
+                           self.last_seq + 1, ev.seq - 1)
+            self._need_resync = True
+            return
+        self.last_seq = ev.seq
+        self.stats.events_applied += 1
+        try:
+            self._on_event(ev)
+        except Exception:
+            logger.exception("pool event handler failed; resyncing")
+            self._need_resync = True
+
+    # -- snapshots -------------------------------------------------------------------------
+    async def _resync(self) -> bool:
+        if self._nc is None or not self.connected:
+            return False
+        try:
+            snap = await self._snapshot(self.config.snapshot_namespace)
+        except Exception as exc:
+            self.stats.resync_failures += 1
+            logger.warning("pool %r snapshot failed (%s); pool awareness paused until it works",
+                           self.config.pool_name, exc)
+            return False
+        # Drop what we hold: everything queued up to now is either in the snapshot (seq <=
+        # snap.seq, skipped on arrival) or after it; nothing queued needs to be discarded.
+        self.incarnation = snap.incarnation
+        self.last_seq = snap.seq
+        self.synced = True
+        self._need_resync = False
+        self.stats.resyncs += 1
+        try:
+            self._on_snapshot(snap)
+        except Exception:
+            logger.exception("pool snapshot handler failed")
+        self._synced_event.set()
+        logger.info("pool %r synced at seq %d (incarnation %s, %d objects)", self.config.pool_name, snap.seq,
+                    snap.incarnation, len(snap.objects))
+        return True
+
+    async def _snapshot(self, namespace: str | None) -> PoolSnapshot:
+        if self.config.pool_address:
+            return PoolSnapshot.from_dict(await asyncio.to_thread(self._socket_snapshot, namespace))
+        return PoolSnapshot.from_dict(await self._nats_snapshot(namespace))
+
+    def _socket_snapshot(self, namespace: str | None) -> dict[str, Any]:
+        from maru_vllm.pool import PoolClient
+
+        assert self.config.pool_address is not None
+        with PoolClient.connect(self.config.pool_address, self.config.pool_token,
+                                timeout=self.config.request_timeout_s, heartbeat=False, populate=False) as c:
+            return c.snapshot_full(namespace)
+
+    async def _nats_snapshot(self, namespace: str | None) -> dict[str, Any]:
+        body = msgspec.json.encode({} if namespace is None else {"namespace": namespace})
+        reply = await self._nc.request(snapshot_subject(self.config.pool_name), body,
+                                       timeout=self.config.request_timeout_s)
+        return msgspec.json.decode(reply.data)
+
+    async def _probe(self) -> None:
+        """Idle check: has the pool restarted, or moved past what we applied?"""
+        if self._nc is None or not self.connected or not self.synced:
+            return
+        self.stats.probes += 1
+        try:
+            d = await self._nats_snapshot(PROBE_NAMESPACE)
+            incarnation, seq = str(d["incarnation"]), int(d["seq"])
+        except Exception as exc:
+            logger.debug("pool probe failed: %s", exc)
+            return
+        if incarnation != self.incarnation:
+            self.stats.incarnation_changes += 1
+            logger.info("pool %r has a new incarnation %s; resyncing", self.config.pool_name, incarnation)
+            self._need_resync = True
+        elif seq > self.last_seq and self._queue.empty():
+            self.stats.gaps += 1
+            logger.info("pool %r is at seq %d but we applied %d; resyncing", self.config.pool_name, seq,
+                        self.last_seq)
+            self._need_resync = True

@@ -1,0 +1,276 @@
+"""The merged KV-event stream one Dynamo worker publishes: vLLM's own events plus the pool's.
+
+```
+ vLLM EngineCore ──ZMQ PUB tcp://*:N──▶ KvEventRelay ──XPUB tcp://127.0.0.1:M──▶ Dynamo KvEventPublisher
+ pool service ──NATS maru.<pool>.events──▶ ┘   (one stream, one seq counter)        (relays to the router)
+```
+
+* vLLM's batches pass through byte for byte; only the ZMQ `seq` frame is renumbered, because
+  the merged stream has one gap-free counter.
+* Pool changes (`PoolView` over a `PoolEventSource`) become `BlockStored` / `BlockRemoved`
+  batches at `medium` (default `CPU_PINNED`: Dynamo's host tier).
+* Nothing is sent before Dynamo's subscriber has joined (an XPUB socket tells us), so the
+  first batches - typically the pool's initial snapshot - are not lost to ZMQ's slow-joiner
+  effect; a subscriber that joins later gets every pool block again (stores are idempotent).
+* The relay never blocks or fails the engine: sends are non-blocking, every error is logged
+  and swallowed, and a NATS outage only pauses pool awareness.
+
+`KvEventRelay` lives on an asyncio loop; `RelayThread` runs such a loop in a daemon thread
+for code (like Dynamo's synchronous set-up function) that is not on a loop of ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from maru_vllm.events import vllm_format as vf
+from maru_vllm.events.nats_source import PoolEventSource, PoolSourceConfig
+from maru_vllm.events.pool_view import NamespaceFilter, PoolView
+from maru_vllm.events.types import Announcement, BlocksStored, PoolEvent, PoolSnapshot
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DEFAULT_MEDIUM = "CPU_PINNED"
+
+
+@dataclasses.dataclass
+class RelayStats:
+    vllm_batches: int = 0
+    vllm_seq_gaps: int = 0
+    pool_batches: int = 0
+    pool_blocks_stored: int = 0
+    pool_blocks_removed: int = 0
+    sent: int = 0
+    send_errors: int = 0
+    held_dropped: int = 0
+    subscribers_joined: int = 0
+
+
+class KvEventRelay:
+    """One merged stream for one DP rank (see module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        upstream: str,
+        downstream: str = "tcp://127.0.0.1:0",
+        pool: PoolSourceConfig | None = None,
+        namespaces: NamespaceFilter = NamespaceFilter(),
+        block_size: int | None = None,
+        medium: str = DEFAULT_MEDIUM,
+        data_parallel_rank: int | None = None,
+        topic: str = "",
+        max_held: int = 100_000,
+        hwm: int = 100_000,
+    ) -> None:
+        if medium not in vf.KNOWN_MEDIUMS:
+            logger.warning("medium %r is not one Dynamo's router places in a tier %s; its blocks will be "
+                           "ignored by the router", medium, vf.KNOWN_MEDIUMS)
+        self.upstream = upstream
+        self.downstream = downstream
+        self.medium = medium
+        self.dp_rank = data_parallel_rank
+        self.topic = topic.encode()
+        self.view = PoolView(namespaces, block_size)
+        self.stats = RelayStats()
+        self.endpoint: str | None = None
+        self._pool_cfg = pool
+        self.source: PoolEventSource | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._seq = 0
+        self._open = False  # a subscriber has joined: send instead of holding
+        self._held: collections.deque[bytes] = collections.deque(maxlen=max_held)
+        self._hwm = hwm
+        self._last_vllm_seq: int | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.subscribed = asyncio.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Bind the downstream socket, connect upstream, start following the pool.
+
+        Returns the downstream endpoint Dynamo's publisher must subscribe to.
+        """
+        self._ctx = zmq.asyncio.Context()
+        pub = self._ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every (re)subscription, not only the first
+        pub.setsockopt(zmq.SNDHWM, self._hwm)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(self.downstream)
+        self._pub = pub
+        self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, self._hwm)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.upstream)
+        self._sub = sub
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._vllm_loop(), name="maru-relay-vllm"),
+            loop.create_task(self._subscription_loop(), name="maru-relay-subs"),
+        ]
+        if self._pool_cfg is not None:
+            self.source = PoolEventSource(self._pool_cfg, self._on_pool_snapshot, self._on_pool_event)
+            await self.source.start()
+        logger.info("KV event relay: vLLM %s + pool %s -> %s (pool blocks at medium %s)", self.upstream,
+                    self._pool_cfg.pool_name if self._pool_cfg else None, self.endpoint, self.medium)
+        return self.endpoint
+
+    async def stop(self) -> None:
+        if self.source is not None:
+            await self.source.stop()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        for s in (self._sub, self._pub):
+            if s is not None:
+                s.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # -- inputs ----------------------------------------------------------------------------
+    async def _vllm_loop(self) -> None:
+        assert self._sub is not None
+        while True:
+            try:
+                frames = await self._sub.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("vLLM KV event receive failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if len(frames) != 3:
+                logger.warning("ignoring a vLLM KV event message of %d frames", len(frames))
+                continue
+            _topic, seq_frame, payload = frames
+            seq = vf.decode_seq(seq_frame)
+            if self._last_vllm_seq is not None and seq != self._last_vllm_seq + 1:
+                self.stats.vllm_seq_gaps += 1
+                logger.warning("vLLM KV events %d..%d were not received", self._last_vllm_seq + 1, seq - 1)
+            self._last_vllm_seq = seq
+            self.stats.vllm_batches += 1
+            self._emit(payload)
+
+    async def _subscription_loop(self) -> None:
+        assert self._pub is not None
+        while True:
+            try:
+                msg = await self._pub.recv()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.debug("XPUB receive failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if not msg or msg[0] != 1:
+                continue  # an unsubscription
+            self.stats.subscribers_joined += 1
+            if not self._open:
+                self._open = True
+                held = list(self._held)
+                self._held.clear()
+                logger.info("Dynamo subscribed to the KV event relay at %s; sending %d held batches",
+                            self.endpoint, len(held))
+                for payload in held:
+                    self._send(payload)
+            else:
+                logger.info("another subscriber joined the KV event relay; re-announcing %d pool blocks",
+                            len(self.view.blocks))
+                self._announce(self.view.announce_all())
+            self.subscribed.set()
+
+    def _on_pool_snapshot(self, snap: PoolSnapshot) -> None:
+        self._announce(self.view.resync(snap))
+
+    def _on_pool_event(self, ev: PoolEvent) -> None:
+        self._announce(self.view.apply(ev))
+
+    # -- output ----------------------------------------------------------------------------
+    def _announce(self, announcements: list[Announcement]) -> None:
+        if not announcements:
+            return
+        try:
+            payload = vf.encode_announcements(announcements, self.medium, data_parallel_rank=self.dp_rank)
+        except Exception:
+            logger.exception("could not encode pool KV events")
+            return
+        self.stats.pool_batches += 1
+        for a in announcements:
+            if isinstance(a, BlocksStored):
+                self.stats.pool_blocks_stored += len(a.block_hashes)
+            else:
+                self.stats.pool_blocks_removed += len(a.block_hashes)
+        self._emit(payload)
+
+    def _emit(self, payload: bytes) -> None:
+        if not self._open:
+            if len(self._held) == self._held.maxlen:
+                self.stats.held_dropped += 1
+            self._held.append(payload)
+            return
+        self._send(payload)
+
+    def _send(self, payload: bytes) -> None:
+        assert self._pub is not None
+        try:
+            fut = self._pub.send_multipart((self.topic, vf.encode_seq(self._seq), payload), flags=zmq.NOBLOCK)
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+        except Exception as exc:
+            self.stats.send_errors += 1
+            logger.warning("KV event batch %d not sent: %s", self._seq, exc)
+            return
+        self._seq += 1
+        self.stats.sent += 1
+
+
+class RelayThread:
+    """An asyncio loop in a daemon thread, for relays started from synchronous code."""
+
+    def __init__(self, name: str = "maru-kv-event-relay") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 30.0) -> T:
+        """Run `coro` on the relay loop and wait for its result."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
+
+    def stop(self, relays: list[KvEventRelay] | None = None, timeout: float = 5.0) -> None:
+        if not self._thread.is_alive() or self.loop.is_closed():
+            return
+        for r in relays or []:
+            try:
+                self.call(r.stop(), timeout)
+            except Exception as exc:
+                logger.debug("relay stop: %s", exc)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)

@@ -1,0 +1,59 @@
+"""Ask a KV router which blocks of a prompt each worker holds, per tier - without routing it.
+
+`python -m maru_vllm.events.router_probe --block-size 128 [--endpoint dynamo.backend.generate]`
+starts its own Dynamo `KvRouter` on the workers' endpoint (it learns the same KV events the
+frontend's router does, and recovers existing state from the workers' local indexers), prints
+`ready`, then answers each stdin line `{"token_ids": [...]}` with one JSON line: Dynamo's
+`get_overlap_scores` result (`workers`: rows with `worker_id`, `dp_rank`, `device_blocks`,
+`host_pinned_blocks`, `disk_blocks`, ...). Run it with the graph's environment (discovery,
+NATS, DYN_EVENT_PLANE). A diagnostic for operators and the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from dynamo.llm import KvRouter, KvRouterConfig
+    from dynamo.runtime import DistributedRuntime
+
+    loop = asyncio.get_running_loop()
+    runtime = DistributedRuntime(loop, os.environ.get("DYN_DISCOVERY_BACKEND", "etcd"),
+                                 os.environ.get("DYN_REQUEST_PLANE", "tcp"))
+    endpoint = runtime.endpoint(args.endpoint)
+    client = await endpoint.client()
+    await asyncio.wait_for(client.wait_for_instances(), args.timeout)
+    router = KvRouter(endpoint=endpoint, block_size=args.block_size, kv_router_config=KvRouterConfig())
+    print("ready", flush=True)
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while True:
+        line = await reader.readline()
+        if not line:
+            break
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            scores = await router.get_overlap_scores(list(req["token_ids"]))
+            print(json.dumps(scores, default=str), flush=True)
+        except Exception as exc:  # keep answering
+            print(json.dumps({"error": str(exc)}), flush=True)
+    runtime.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="router_probe", description=__doc__.splitlines()[0])
+    p.add_argument("--endpoint", default="dynamo.backend.generate", help="namespace.component.endpoint")
+    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a worker")
+    asyncio.run(_serve(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

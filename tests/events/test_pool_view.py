@@ -1,0 +1,120 @@
+"""PoolView: namespace/metadata filtering, per-block reference counts, snapshot diffs."""
+
+from __future__ import annotations
+
+import pytest
+
+from maru_vllm.events.pool_view import NamespaceFilter, PoolView, model_namespace_prefix
+from maru_vllm.events.types import BlocksRemoved, BlocksStored, PoolChunk, PoolEvent, PoolObject, PoolSnapshot
+from tests.events.helpers import BLOCK, block_hash, chunk_meta, obj
+
+
+def view(**kw) -> PoolView:
+    return PoolView(NamespaceFilter(prefixes=("kv:m:",)), block_size=BLOCK, **kw)
+
+
+def test_stored_chunk_announces_its_blocks_chained_on_its_parent() -> None:
+    v = view()
+    [a0] = v.stored(obj(1, 0))
+    assert isinstance(a0, BlocksStored)
+    assert a0.block_hashes == (block_hash(1, 0), block_hash(1, 1)) and a0.parent_block_hash is None
+    assert a0.block_size == BLOCK and len(a0.token_ids) == 2 * BLOCK
+    assert a0.token_ids[:BLOCK] == tuple(chunk_meta(1, 0)["token_ids"][0])
+    [a1] = v.stored(obj(1, 1))
+    assert a1.block_hashes == (block_hash(1, 2), block_hash(1, 3)) and a1.parent_block_hash == block_hash(1, 1)
+    assert v.stored(obj(1, 1)) == []  # duplicate stored event
+    assert v.blocks == {block_hash(1, b) for b in range(4)}
+
+
+def test_removed_withdraws_blocks_only_when_the_last_object_holding_them_goes() -> None:
+    v = view()
+    v.stored(obj(1, 0, rank=0))
+    assert v.stored(obj(1, 0, rank=1)) == []  # second TP rank of the same chunk: nothing new
+    assert v.removed(obj(1, 0, rank=0).oid) == []
+    assert v.removed(obj(1, 0, rank=1).oid) == [BlocksRemoved((block_hash(1, 0), block_hash(1, 1)))]
+    assert v.removed(obj(1, 0, rank=1).oid) == []  # unknown object
+    assert len(v) == 0 and not v.blocks
+
+
+@pytest.mark.parametrize("o", [
+    obj(1, 0, namespace="kv:other:1"),                                 # another model's namespace
+    PoolObject("kv:m:1", "aa", 1, {"block": 3}),                        # not chunk metadata
+    PoolObject("kv:m:1", "aa", 1, None),
+    PoolObject("kv:m:1", "aa", 1, {**chunk_meta(1, 0), "v": 99}),       # unknown metadata version
+    PoolObject("kv:m:1", "aa", 1, {**chunk_meta(1, 0), "token_ids": [[1, 2]]}),  # tokens do not fit
+    obj(1, 0, block_size=8),                                           # another block size
+])
+def test_foreign_or_malformed_objects_are_never_announced(o: PoolObject) -> None:
+    v = view()
+    assert v.stored(o) == [] and len(v) == 0
+
+
+def test_apply_routes_events() -> None:
+    v = view()
+    o = obj(2, 0)
+    ev = PoolEvent("stored", 1, "inc", "p", o)
+    assert v.apply(ev) and v.apply(PoolEvent("removed", 2, "inc", "p", o)) == [BlocksRemoved(
+        (block_hash(2, 0), block_hash(2, 1)))]
+
+
+def test_resync_announces_only_the_difference_parents_first() -> None:
+    v = view()
+    v.stored(obj(1, 0))
+    v.stored(obj(1, 1))
+    v.stored(obj(2, 0))
+    snap = PoolSnapshot("p", "inc2", 9, (obj(3, 1), obj(1, 0), obj(3, 0), obj(9, 0, namespace="x")))
+    out = v.resync(snap)
+    assert out[0] == BlocksRemoved((block_hash(1, 2), block_hash(1, 3), block_hash(2, 0), block_hash(2, 1))) or \
+        set(out[0].block_hashes) == {block_hash(1, 2), block_hash(1, 3), block_hash(2, 0), block_hash(2, 1)}
+    stores = out[1:]
+    assert [s.block_hashes[0] for s in stores] == [block_hash(3, 0), block_hash(3, 2)]  # parent chunk first
+    assert v.resync(snap) == []  # idempotent
+    assert v.blocks == {block_hash(1, 0), block_hash(1, 1)} | {block_hash(3, b) for b in range(4)}
+    cleared = v.clear()
+    assert len(cleared) == 1 and set(cleared[0].block_hashes) == {block_hash(1, 0), block_hash(1, 1)} | {
+        block_hash(3, b) for b in range(4)}
+    assert not v.blocks
+
+
+def test_announce_all_repeats_every_block_once() -> None:
+    v = view()
+    for o in (obj(1, 1), obj(1, 0), obj(1, 0, rank=1)):
+        v.stored(o)
+    out = v.announce_all()
+    assert [a.block_hashes for a in out] == [(block_hash(1, 0), block_hash(1, 1)), (block_hash(1, 2), block_hash(1, 3))]
+
+
+def test_partial_overlap_announces_only_new_runs_with_the_right_parent() -> None:
+    v = PoolView(NamespaceFilter(), block_size=BLOCK)
+    v.stored(obj(1, 0))  # blocks 0,1
+    four = PoolObject("kv:m:1", "ff", 1, {**chunk_meta(1, 0, blocks_per_chunk=4)})  # blocks 0..3
+    [a] = v.stored(four)
+    assert a.block_hashes == (block_hash(1, 2), block_hash(1, 3)) and a.parent_block_hash == block_hash(1, 1)
+    assert len(a.token_ids) == 2 * BLOCK
+
+
+def test_namespace_filters() -> None:
+    assert NamespaceFilter().accepts("anything")
+    f = NamespaceFilter.exactly("kv:m:1")
+    assert f.accepts("kv:m:1") and not f.accepts("kv:m:2") and f.single_namespace == "kv:m:1"
+    g = NamespaceFilter.for_model("/models/Llama-3.1-8B/")
+    assert g.accepts("kv:Llama-3.1-8B:abc") and not g.accepts("kv:Llama-3.1-8B-x:abc")
+    assert g.single_namespace is None
+
+
+def test_model_prefix_matches_the_connector_namespace() -> None:
+    ns_mod = pytest.importorskip("maru_vllm.connector.namespace")
+    ident = ns_mod.KVIdentity(model="/x/some-very-long-model-name-that-goes-beyond-forty-characters", revision=None,
+                              dtype="bf16", kv_cache_dtype="auto", block_size=128, num_layers=2, num_kv_heads=2,
+                              head_size=64, attention="FullAttentionSpec@cpu", tp_size=1, pp_size=1,
+                              hash_algo="sha256", salt="")
+    prefix = model_namespace_prefix(ident.model)
+    assert ident.namespace().startswith(prefix) and ident.namespace()[len(prefix):] == ident.digest()
+
+
+def test_chunk_meta_parsing() -> None:
+    c = PoolChunk.from_meta(chunk_meta(5, 1))
+    assert c is not None and c.chunk_index == 1 and c.parent_of(0) == block_hash(5, 1) and c.parent_of(1) == \
+        block_hash(5, 2)
+    assert PoolChunk.from_meta({**chunk_meta(5, 0), "block_hashes": ["zz", "00"]}) is None
+    assert PoolChunk.from_meta({**chunk_meta(5, 0), "lora_name": 3}) is None
