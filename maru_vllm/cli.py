@@ -20,6 +20,7 @@ _REGISTRARS: tuple[tuple[str, str], ...] = (
     ("maru_vllm.pool.cli", "register"),
     ("maru_vllm.demo", "register"),
     ("maru_dynamo.components.cli", "register"),
+    ("maru_dynamo.graphs.cli", "register"),
 )
 
 

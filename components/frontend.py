@@ -1,0 +1,62 @@
+"""`python -m maru_dynamo.components.frontend [dynamo.frontend args]`: Dynamo's frontend for Maru.
+
+Runs `dynamo.frontend` in this process with two defaults a Maru graph needs:
+
+* ``--router-mode kv``: the KV router, which is what sees the pool's blocks at all;
+* ``--router-host-cache-hit-weight W``: the pool's blocks are published on the host-pinned
+  tier, so this weight is how much the router credits a prefix that sits in the pool.
+  W is `maru_vllm.routing.POOL_TIER_WEIGHT`, or ``$MARU_POOL_TIER_WEIGHT`` when set.
+
+Whatever the user passes wins: an explicit flag (or Dynamo's own ``DYN_ROUTER_MODE`` /
+``DYN_ROUTER_HOST_CACHE_HIT_WEIGHT`` variable) is left alone, and every other argument goes to
+`dynamo.frontend` unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+import sys
+from collections.abc import Mapping, Sequence
+
+from maru_vllm.routing import ENV_VAR as WEIGHT_ENV_VAR
+from maru_vllm.routing import pool_tier_weight
+
+logger = logging.getLogger(__name__)
+
+ROUTER_MODE_FLAG = "--router-mode"
+WEIGHT_FLAG = "--router-host-cache-hit-weight"
+
+
+def has_flag(argv: Sequence[str], flag: str) -> bool:
+    """True when `flag` is given as ``--flag VALUE`` or ``--flag=VALUE``."""
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def build_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """The `dynamo.frontend` argv: `argv` plus the Maru defaults the user did not set."""
+    env = os.environ if environ is None else environ
+    out = list(argv)
+    if not has_flag(out, ROUTER_MODE_FLAG) and not env.get("DYN_ROUTER_MODE"):
+        out += [ROUTER_MODE_FLAG, "kv"]
+    if not has_flag(out, WEIGHT_FLAG):
+        if env.get(WEIGHT_ENV_VAR, "").strip() or not env.get("DYN_ROUTER_HOST_CACHE_HIT_WEIGHT"):
+            out += [WEIGHT_FLAG, repr(pool_tier_weight(env))]
+        else:
+            logger.info("pool tier weight from $DYN_ROUTER_HOST_CACHE_HIT_WEIGHT")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        full = build_argv(args)
+    except ValueError as exc:
+        sys.exit(f"maru-dynamo frontend: error: {exc}")
+    sys.argv = [sys.argv[0], *full]
+    runpy.run_module("dynamo.frontend", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

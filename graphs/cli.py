@@ -1,0 +1,77 @@
+"""`maru-dynamo graph run|render GRAPH`: run a graph on this machine, or render it for Kubernetes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from maru_dynamo.graphs.spec import GraphSpecError, load_graph, resolve_graph_path
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: use an integer from 1 to 65535")
+    return int(text)
+
+
+def register(subparsers: Any) -> None:
+    graph = subparsers.add_parser("graph", help="run a Maru graph locally, or render it for Kubernetes")
+    gsub = graph.add_subparsers(dest="graph_command", metavar="GRAPH_COMMAND")
+    graph.set_defaults(func=lambda args: (graph.print_help(), 2)[1])
+
+    run = gsub.add_parser("run", help="start every process of a graph on this machine (loopback only)")
+    run.add_argument("graph", help="graph file (graphs/agg.yaml) or bundled graph name (agg, disagg)")
+    run.add_argument("--model", help="model directory, HF id or fixture name (default: the graph's)")
+    run.add_argument("--http-port", type=_port, help="frontend port on 127.0.0.1 (default: a free port)")
+    run.add_argument("--dry-run", action="store_true", help="print each process's command and env; start nothing")
+    run.add_argument("--keep-logs", action="store_true", help="keep the work dir with the logs after a clean stop")
+    run.set_defaults(func=cmd_run)
+
+    render = gsub.add_parser("render", help="print the Kubernetes manifests (ConfigMap, pool DaemonSet, DGD)")
+    render.add_argument("graph", help="graph file (graphs/agg.yaml) or bundled graph name (agg, disagg)")
+    render.add_argument("--image", required=True, help="container image with maru-dynamo, Dynamo and vLLM")
+    render.add_argument("--namespace", help="Kubernetes namespace of every object (default: none set)")
+    render.add_argument("--model", help="model for the workers (default: the graph's kubernetes.model)")
+    render.add_argument("--nats-url", help="NATS of the Dynamo platform (default: the graph's nats.url or "
+                                           "nats://dynamo-platform-nats:4222)")
+    render.set_defaults(func=cmd_render)
+
+
+def _load(name: str) -> Any:
+    try:
+        return load_graph(resolve_graph_path(name))
+    except GraphSpecError as exc:
+        sys.exit(f"maru-dynamo graph: error: {exc}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from maru_dynamo.graphs import run as runner
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = _load(args.graph)
+    try:
+        model = runner.resolve_model(args.model or spec.model, build=not args.dry_run)
+        work_dir = runner.new_work_dir()
+        plan = runner.build_plan(spec, model=model, work_dir=work_dir, http_port=args.http_port)
+    except ValueError as exc:
+        sys.exit(f"maru-dynamo graph run: error: {exc}")
+    if args.dry_run:
+        print(runner.format_plan(plan))
+        work_dir.rmdir()
+        return 0
+    return runner.run_plan(plan, keep_logs=args.keep_logs, out=lambda line: print(line, flush=True))
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from maru_dynamo.graphs.render import RenderOptions, render_yaml
+
+    spec = _load(args.graph)
+    try:
+        text = render_yaml(spec, RenderOptions(image=args.image, namespace=args.namespace, model=args.model,
+                                               nats_url=args.nats_url))
+    except GraphSpecError as exc:
+        sys.exit(f"maru-dynamo graph render: error: {exc}")
+    sys.stdout.write(text)
+    return 0

@@ -1,0 +1,269 @@
+"""`maru-dynamo graph run GRAPH`: run a whole Maru graph on this machine with one command.
+
+Starts nats-server, the pool service, the Maru workers and Dynamo's frontend as separate
+processes (each in its own process group, logging to a file), waits until the frontend serves
+the model, prints the URL and a curl example, then runs until SIGINT/SIGTERM and stops
+everything: frontend first, then the workers, the pool and NATS, each with SIGTERM and SIGKILL
+after 10 s. Everything binds to 127.0.0.1; Dynamo uses file discovery in a private temporary
+directory and the NATS event plane; every process shares PYTHONHASHSEED=0 (pool keys and the
+router's block hashes match across processes only then), and each vLLM engine is pinned to one
+core, round-robin over the machine's cores.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import FrameType
+
+from maru_dynamo.graphs.spec import GraphSpec
+from maru_vllm.launch import ManagedProcess, ProcessFailed, ProcessGroup, free_port
+from maru_vllm.launch import stack
+from maru_vllm.routing import pool_tier_weight
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0
+# vLLM on CPU builds and warms its engine in ~20 s; several share two cores here.
+READY_TIMEOUT_S = 600.0
+# What each vLLM engine gets locally unless the graph's args say otherwise (as in stack.py).
+LOCAL_WORKER_DEFAULTS: tuple[tuple[str, str | None], ...] = (("--max-model-len", "4096"), ("--enforce-eager", None))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedProcess:
+    """One process of the graph: its command, full environment and what the graph set in it."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    graph_env: Mapping[str, str]  # the variables that differ from this shell's environment
+    ready_log: str | None = None  # wait for this log line before starting the next process
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    spec: GraphSpec
+    model: str
+    url: str
+    work_dir: Path
+    processes: tuple[PlannedProcess, ...]
+
+    @property
+    def workers(self) -> tuple[PlannedProcess, ...]:
+        return tuple(p for p in self.processes if p.name.startswith("worker:"))
+
+
+def resolve_model(name: str, *, build: bool = True) -> str:
+    """A fixture name (tiny, bench) -> its directory (built if needed); anything else unchanged."""
+    from maru_vllm import models
+
+    if name not in models.SPECS:
+        return name
+    if build:
+        return str(models.ensure_model(name))
+    return str(models.default_cache_dir() / models.model_dir_name(models.SPECS[name], 0))
+
+
+def _with_defaults(args: tuple[str, ...]) -> list[str]:
+    out = list(args)
+    for flag, value in LOCAL_WORKER_DEFAULTS:
+        if not any(a == flag or a.startswith(flag + "=") for a in out):
+            out += [flag] if value is None else [flag, value]
+    return out
+
+
+def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | None = None) -> Plan:
+    """Every process of `spec` with its command line and environment (nothing is started)."""
+    py = sys.executable
+    logs = work_dir / "logs"
+    http_port = http_port or free_port()
+    processes: list[PlannedProcess] = []
+
+    def add(name: str, argv: list[str], env: dict[str, str], ready_log: str | None = None) -> None:
+        graph_env = {k: v for k, v in sorted(env.items()) if os.environ.get(k) != v}
+        processes.append(PlannedProcess(name, tuple(argv), env, graph_env, ready_log))
+
+    nats_url = spec.nats.url
+    if nats_url is None:
+        nats_proc, nats_url = stack.nats_server(logs)
+        add("nats-server", nats_proc.argv, dict(os.environ), r"Server is ready")
+    stack_env = stack.StackEnv(discovery_dir=work_dir / "discovery", nats_url=nats_url)
+
+    def env_for(cpu_thread: int | None = None, **extra: str) -> dict[str, str]:
+        return stack_env.build(cpu_thread=cpu_thread, **extra)
+
+    socket = work_dir / f"pool-{spec.pool.name}.sock"
+    pool_address = f"unix://{socket}"
+    pool_argv = [py, "-m", "maru_dynamo.components.pool", "--name", spec.pool.name, "--size", str(spec.pool.size),
+                 "--backend", spec.pool.backend, "--listen", pool_address, "--nats", nats_url,
+                 "--metrics-port", str(free_port())]
+    if spec.pool.path is not None:
+        pool_argv += ["--path", spec.pool.path]
+    elif spec.pool.backend == "shm":
+        # A region of its own per run: two graphs (or a graph and a test) never share one.
+        pool_argv += ["--path", f"/dev/shm/maru-{spec.pool.name}-{work_dir.name}"]
+    add("pool", pool_argv, env_for(), r"maru-pool serving on ")
+
+    engine = 0
+    for worker in spec.workers:
+        for replica in range(worker.replicas):
+            argv = [py, "-m", "maru_dynamo.components.maru_worker", "--model", model,
+                    "--maru-pool-address", pool_address, "--maru-pool-name", spec.pool.name,
+                    "--maru-chunk-tokens", str(spec.pool.chunk_tokens),
+                    "--disaggregation-mode", worker.role, *_with_defaults(worker.args)]
+            env = env_for(cpu_thread=stack.cpu_thread_for(engine), **worker.env)
+            add(f"worker:{worker.name}-{replica}", argv, env)
+            engine += 1
+
+    weight = spec.frontend.pool_tier_weight
+    if weight is None:
+        weight = pool_tier_weight()
+    fe_argv = [py, "-m", "maru_dynamo.components.frontend", "--http-host", stack.LOOPBACK,
+               "--http-port", str(http_port), "--router-mode", spec.frontend.router_mode,
+               "--router-host-cache-hit-weight", repr(weight), *spec.frontend.args]
+    add("frontend", fe_argv, env_for())
+    return Plan(spec, model, f"http://{stack.LOOPBACK}:{http_port}", work_dir, tuple(processes))
+
+
+def format_plan(plan: Plan) -> str:
+    """The `--dry-run` listing: every process with its command line and the env the graph sets."""
+    lines = [f"# graph {plan.spec.name} ({plan.spec.mode}) from {plan.spec.source}",
+             f"# model {plan.model}", f"# url {plan.url}", f"# work dir {plan.work_dir}"]
+    for p in plan.processes:
+        lines.append(f"\n[{p.name}]")
+        lines.append("command: " + shlex.join(p.argv))
+        for key, value in p.graph_env.items():
+            lines.append(f"env: {key}={value}")
+    return "\n".join(lines)
+
+
+def curl_example(plan: Plan) -> str:
+    body = json.dumps({"model": plan.model, "prompt": "Maru shares KV.", "max_tokens": 16})
+    return f"curl {plan.url}/v1/completions -H 'content-type: application/json' -d {shlex.quote(body)}"
+
+
+class _Stop(BaseException):
+    """SIGINT or SIGTERM arrived (a BaseException, like KeyboardInterrupt: no `except Exception` eats it)."""
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def _worker_instances(url: str) -> int:
+    """Worker instances the frontend knows (its /health lists each one's generate endpoint)."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            health = json.loads(resp.read())
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+        return 0
+    instances = health.get("instances") if isinstance(health, dict) else None
+    return len({i.get("instance_id") for i in instances or [] if isinstance(i, dict) and i.get("endpoint") == "generate"})
+
+
+def _wait_ready(group: ProcessGroup, plan: Plan, timeout: float) -> None:
+    """Until the frontend lists the model and knows every worker; fails early if any process exits."""
+    want = len(plan.workers)
+    deadline = time.monotonic() + timeout
+    models_url = f"{plan.url}/v1/models"
+    while True:
+        for proc in group:
+            if not proc.alive():
+                code = proc.proc.returncode if proc.proc else None
+                raise ProcessFailed(f"{proc.name} exited with code {code} before the graph was ready"
+                                    f"\n--- last lines of {proc.log_path} ---\n{proc.log_tail()}")
+        if _model_listed(models_url, plan.model) and _worker_instances(plan.url) >= want:
+            return
+        if time.monotonic() > deadline:
+            raise ProcessFailed(f"graph not ready after {timeout:.0f}s (waiting for {plan.model} and {want} "
+                                f"workers at {models_url})\n{group.log_tails(20)}")
+        time.sleep(0.5)
+
+
+def _model_listed(url: str, model: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return model.encode() in resp.read()
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def stop_graph(group: ProcessGroup, grace_s: float = STOP_GRACE_S) -> None:
+    """Frontend first (no new requests), then all workers at once (each takes seconds), then the rest."""
+    procs = list(reversed(group.processes))
+    workers = [p for p in procs if p.name.startswith("worker:")]
+    others = [p for p in procs if p not in workers]
+    front = [p for p in others if p.name == "frontend"]
+    for proc in front:
+        proc.stop(grace_s)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(workers))) as pool:
+        for fut in [pool.submit(p.stop, grace_s) for p in workers]:
+            try:
+                fut.result()
+            except OSError as exc:
+                logger.error("stopping a worker failed: %s", exc)
+    for proc in others:
+        if proc not in front:
+            proc.stop(grace_s)
+
+
+def run_plan(plan: Plan, *, keep_logs: bool = False, out: Callable[[str], None] = print) -> int:
+    """Start the graph, serve until SIGINT/SIGTERM, stop it. Returns the exit code."""
+    group = ProcessGroup()
+    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    logs = plan.work_dir / "logs"
+    code = 0
+    try:
+        out(f"[graph] {plan.spec.name}: model {plan.model}; logs in {logs}")
+        for p in plan.processes:
+            proc = group.start(ManagedProcess(p.name, p.argv, log_path=logs / f"{p.name.replace(':', '-')}.log",
+                                              env=p.env))
+            if p.ready_log:
+                proc.wait_for_log(p.ready_log, timeout=60)
+        _wait_ready(group, plan, READY_TIMEOUT_S)
+        out(f"[graph] ready: {plan.url} ({len(plan.workers)} workers); Ctrl-C stops the graph")
+        out(f"[graph] try: {curl_example(plan)}")
+        while True:
+            for proc in group:
+                if not proc.alive():
+                    raise ProcessFailed(f"{proc.name} exited with code {proc.proc.returncode if proc.proc else None}"
+                                        f"\n--- last lines of {proc.log_path} ---\n{proc.log_tail()}")
+            time.sleep(0.5)
+    except _Stop as stop:
+        out(f"[graph] {stop}: stopping")
+    except ProcessFailed as exc:
+        out(f"[graph] error: {exc}")
+        code = 1
+    except OSError as exc:  # e.g. nats-server not on PATH
+        out(f"[graph] error: cannot start {group.processes[-1].name if group.processes else 'the graph'}: {exc}")
+        code = 1
+    finally:
+        for s in previous:  # a second Ctrl-C must not cut the stop short
+            signal.signal(s, signal.SIG_IGN)
+        stop_graph(group)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if code == 0 and not keep_logs:
+        shutil.rmtree(plan.work_dir, ignore_errors=True)
+    else:
+        out(f"[graph] logs kept in {logs}")
+    out("[graph] stopped")
+    return code
+
+
+def new_work_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="maru-graph-"))
