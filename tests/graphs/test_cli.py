@@ -158,6 +158,7 @@ def test_pool_component_serves_and_stops(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        Path(region).unlink(missing_ok=True)  # a killed pool leaves its region behind
 
 
 def test_pool_component_rejects_bad_options() -> None:
