@@ -73,6 +73,7 @@ class KvEventRelay:
         topic: str = "",
         max_held: int = 100_000,
         hwm: int = 100_000,
+        reannounce_after_s: tuple[float, ...] = (3.0, 10.0),
     ) -> None:
         if medium not in vf.KNOWN_MEDIUMS:
             logger.warning("medium %r is not one Dynamo's router places in a tier %s; its blocks will be "
@@ -97,6 +98,9 @@ class KvEventRelay:
         self._last_vllm_seq: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.subscribed = asyncio.Event()
+        self._reannounce_after_s = reannounce_after_s
+        self._reannounce_timers: list[asyncio.TimerHandle] = []
+        self._resyncs = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> str:
@@ -131,6 +135,8 @@ class KvEventRelay:
         return self.endpoint
 
     async def stop(self) -> None:
+        for timer in self._reannounce_timers:
+            timer.cancel()
         if self.source is not None:
             await self.source.stop()
         for t in self._tasks:
@@ -200,6 +206,28 @@ class KvEventRelay:
 
     def _on_pool_snapshot(self, snap: PoolSnapshot) -> None:
         self._announce(self.view.resync(snap))
+        self._resyncs += 1
+        if self._resyncs > 1:  # the first one is the start-up sync, delivered via the held batches
+            self._schedule_reannounce()
+
+    def _schedule_reannounce(self) -> None:
+        """Announce every pool block again a few seconds after a resync.
+
+        A resync follows a NATS outage, a pool restart or a gap - moments when Dynamo's own
+        event-plane client may still be reconnecting, and what our publisher hands it then is
+        lost (seen with Dynamo 1.6.1: the router kept no credit for blocks announced in the
+        first second after NATS came back). Stores are idempotent for the router, so repeating
+        them costs only messages.
+        """
+        for timer in self._reannounce_timers:
+            timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._reannounce_timers = [loop.call_later(delay, self._reannounce) for delay in self._reannounce_after_s]
+
+    def _reannounce(self) -> None:
+        if self.view.blocks:
+            logger.debug("re-announcing %d pool blocks after a resync", len(self.view.blocks))
+            self._announce(self.view.announce_all())
 
     def _on_pool_event(self, ev: PoolEvent) -> None:
         self._announce(self.view.apply(ev))
@@ -214,6 +242,8 @@ class KvEventRelay:
             logger.exception("could not encode pool KV events")
             return
         self.stats.pool_batches += 1
+        logger.debug("announcing pool blocks at %s: %s", self.medium,
+                     ", ".join(f"{type(a).__name__}x{len(a.block_hashes)}" for a in announcements))
         for a in announcements:
             if isinstance(a, BlocksStored):
                 self.stats.pool_blocks_stored += len(a.block_hashes)

@@ -82,3 +82,15 @@ def wait_engines(group: ProcessGroup, urls: dict[str, str]) -> None:
     by_name = {p.name: p for p in group}
     for name, url in urls.items():
         by_name[name].wait_for_http(f"{url}/v1/models", timeout=300)
+
+
+def maru_worker(name: str, model: Path, env: dict[str, str], log_dir: Path, pool: PoolService,
+                extra_args: list[str] | None = None) -> ManagedProcess:
+    """A Maru worker component (`dynamo.vllm` + MaruKVConnector + pool events for the router)."""
+    return ManagedProcess(
+        name,
+        [sys.executable, "-m", "maru_dynamo.components.maru_worker", "--model", str(model),
+         "--maru-pool-address", pool.address, "--maru-pool-name", pool.name,
+         "--max-model-len", "4096", "--enforce-eager", *(extra_args or [])],
+        log_path=log_dir / f"{name}.log", env=env,
+    )

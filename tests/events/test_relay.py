@@ -175,3 +175,40 @@ def test_unknown_medium_is_accepted_with_a_warning(caplog, relay_factory) -> Non
     relay = relay_factory(upstream=f"tcp://127.0.0.1:{free_port()}", medium="PMEM")
     assert relay.medium == "PMEM"
     assert any("not one Dynamo's router places" in r.message for r in caplog.records)
+
+
+def test_blocks_are_announced_again_after_a_nats_outage(pool_service, nats, vllm_pub, relay_factory, procs,
+                                                        log_dir) -> None:
+    """Dynamo's own NATS client may reconnect later than ours: what we announce right after an
+    outage can be lost on its way to the router, so the relay repeats the pool's blocks."""
+    from maru_vllm.launch import stack
+
+    nats_proc, url = nats
+    _pub, upstream = vllm_pub
+    c = pool_service.client()
+    try:
+        relay = relay_factory(
+            upstream=upstream, block_size=BLOCK, namespaces=NamespaceFilter(prefixes=("kv:m:",)),
+            pool=PoolSourceConfig(nats_url=url, pool_name=pool_service.name, probe_interval_s=60),
+            reannounce_after_s=(0.5,),
+        )
+        down = Downstream(relay.endpoint)
+        assert c.put(chunk_key(7, 0), b"x", namespace=NS, meta=chunk_meta(7, 0))
+        down.wait(lambda d: len(d.events()) == 1, what="live store")
+        down.pump(1.0)
+        assert len(down.events()) == 1  # no repeats without a resync
+        nats_proc.stop()
+        wait_for(lambda: not relay.source.connected, what="outage noticed")
+        assert c.put(chunk_key(8, 0), b"x", namespace=NS, meta=chunk_meta(8, 0))  # while NATS is down
+        again, _ = stack.nats_server(log_dir, port=int(url.rsplit(":", 1)[1]))
+        procs.start(again).wait_for_log(r"Server is ready", timeout=30)
+
+        def stores_of(prefix: int) -> int:
+            h = vf.external_hash(block_hash(prefix, 0))
+            return sum(isinstance(e, vf.BlockStored) and e.block_hashes[0] == h for e in d_events())
+
+        d_events = down.events
+        # the resync announces the difference (chunk 8), then everything is repeated once
+        down.wait(lambda d: stores_of(8) == 2 and stores_of(7) == 2, timeout=60, what="re-announcement")
+    finally:
+        c.close()
