@@ -221,6 +221,17 @@ def stop_graph(group: ProcessGroup, grace_s: float = STOP_GRACE_S) -> None:
             proc.stop(grace_s)
 
 
+def start_graph(plan: Plan, group: ProcessGroup, timeout: float = READY_TIMEOUT_S) -> None:
+    """Start every process of `plan` in order into `group` and wait until the graph serves."""
+    logs = plan.work_dir / "logs"
+    for p in plan.processes:
+        proc = group.start(ManagedProcess(p.name, p.argv, log_path=logs / f"{p.name.replace(':', '-')}.log",
+                                          env=p.env))
+        if p.ready_log:
+            proc.wait_for_log(p.ready_log, timeout=60)
+    _wait_ready(group, plan, timeout)
+
+
 def run_plan(plan: Plan, *, keep_logs: bool = False, out: Callable[[str], None] = print) -> int:
     """Start the graph, serve until SIGINT/SIGTERM, stop it. Returns the exit code."""
     group = ProcessGroup()
@@ -229,12 +240,7 @@ def run_plan(plan: Plan, *, keep_logs: bool = False, out: Callable[[str], None] 
     code = 0
     try:
         out(f"[graph] {plan.spec.name}: model {plan.model}; logs in {logs}")
-        for p in plan.processes:
-            proc = group.start(ManagedProcess(p.name, p.argv, log_path=logs / f"{p.name.replace(':', '-')}.log",
-                                              env=p.env))
-            if p.ready_log:
-                proc.wait_for_log(p.ready_log, timeout=60)
-        _wait_ready(group, plan, READY_TIMEOUT_S)
+        start_graph(plan, group)
         out(f"[graph] ready: {plan.url} ({len(plan.workers)} workers); Ctrl-C stops the graph")
         out(f"[graph] try: {curl_example(plan)}")
         while True:

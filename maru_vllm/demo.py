@@ -1,56 +1,112 @@
 """`make demo` / `maru-dynamo demo`: the main job on the embedded defaults.
 
-Starts a local graph on this machine (nats-server, Dynamo's frontend in KV-router mode and a
-`dynamo.vllm` worker on the offline `tiny` model), sends a completion and a chat request
-through the frontend and prints what came back, then stops everything.
+Runs the bundled aggregated graph (`graphs/agg.yaml`: nats-server, the Maru pool, Dynamo's
+frontend with the pool-aware KV router, two Maru workers) on the offline `tiny` model and shows
+what the product does:
+
+1. a long prompt goes through the router to one worker, which prefills it and stores its
+   chunks in the shared pool;
+2. the router now credits the *other* worker with those chunks at the pool tier;
+3. the same prompt sent to that other worker is served from the pool (its `cached_tokens`
+   cover the prompt) with the same greedy output - nothing was recomputed.
+
+Then it prints the pool's status and stops everything.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import tempfile
+import random
 import time
 import urllib.request
-from pathlib import Path
+from typing import Any
 
 from maru_vllm.launch import ProcessGroup
-from maru_vllm.launch import stack
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("demo", help="run the demo graph on the embedded defaults")
-    p.add_argument("--model-size", default="tiny", choices=["tiny", "bench"], help="fixture model (default tiny)")
-    p.add_argument("--keep-logs", action="store_true", help="print where the logs are and keep them")
+    p = subparsers.add_parser("demo", help="run the main job (aggregated graph, cross-worker KV reuse) and stop")
+    p.add_argument("--model", default="tiny", help="fixture size (tiny, bench) or a model directory (default tiny)")
+    p.add_argument("--prompt-tokens", type=int, default=3 * 256 + 1,
+                   help="length of the demo prompt in tokens (default 769: three 256-token pool chunks)")
+    p.add_argument("--keep-logs", action="store_true", help="keep the graph's logs")
     p.set_defaults(func=run_demo)
 
 
-def _post(url: str, payload: dict) -> dict:
+def _post(url: str, payload: dict[str, Any]) -> tuple[dict[str, Any], float]:
     req = urllib.request.Request(url, json.dumps(payload).encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read())
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        out = json.loads(resp.read())
+    return out, time.perf_counter() - t0
+
+
+def _cached(out: dict[str, Any]) -> int:
+    return int(((out.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def _selected_worker(log_text: str, after: int) -> int | None:
+    import re
+
+    lines = [ln for ln in re.sub(r"\x1b\[[0-9;]*m", "", log_text).splitlines() if "Selected worker" in ln]
+    if len(lines) <= after:
+        return None
+    return int(lines[after].split("worker_id=")[1].split()[0])
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from maru_vllm.models import ensure_model
+    from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph
+    from maru_dynamo.graphs.spec import load_graph, resolve_graph_path
+    from maru_vllm.pool import PoolClient
+    from maru_vllm.pool.cli import format_status
 
-    model = str(ensure_model(args.model_size))
-    work = Path(tempfile.mkdtemp(prefix="maru-demo-"))
-    logs = work / "logs"
-    print(f"[demo] model {model}\n[demo] logs in {logs}")
-    with ProcessGroup() as group:
-        nats, nats_url = stack.nats_server(logs)
-        group.start(nats).wait_for_log("Server is ready", timeout=30)
-        env = stack.StackEnv(discovery_dir=work / "discovery", nats_url=nats_url)
-        worker = group.start(stack.dynamo_vllm_worker("worker", model, env.build(cpu_thread=0), logs))
-        frontend, url = stack.dynamo_frontend(env.build(), logs)
-        group.start(frontend)
-        print("[demo] waiting for the worker to register with the frontend ...")
-        frontend.wait_for_http(f"{url}/v1/models", timeout=300, accept=lambda b: model.encode() in b)
-        t = time.monotonic()
-        out = _post(f"{url}/v1/completions", {"model": model, "prompt": "Maru shares KV. " * 20,
-                                               "max_tokens": 16, "temperature": 0})
-        print(f"[demo] completion ({time.monotonic() - t:.2f}s): {out['choices'][0]['text']!r}")
-        print(f"[demo] usage: {out['usage']}")
-        del worker
-    return 0
+    if args.prompt_tokens < 2:
+        raise SystemExit(f"--prompt-tokens={args.prompt_tokens}: use at least 2 tokens")
+    spec = load_graph(resolve_graph_path("agg"))
+    model = resolve_model(args.model)
+    work = new_work_dir()
+    plan = build_plan(spec, model=model, work_dir=work)
+    print(f"[demo] graph {spec.name}: {len(plan.workers)} Maru workers + pool + KV-router frontend; model {model}")
+    print(f"[demo] logs in {work / 'logs'}; starting (each vLLM worker takes ~20 s on CPU) ...", flush=True)
+    group = ProcessGroup()
+    try:
+        start_graph(plan, group)
+        frontend = next(p for p in group if p.name == "frontend")
+        url = plan.url
+        rng = random.Random(7)
+        prompt = [rng.randrange(32, 127) for _ in range(args.prompt_tokens)]
+        body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+
+        first, t_first = _post(f"{url}/v1/completions", body)
+        worker_a = _selected_worker(frontend.log_text(), 0)
+        print(f"\n[demo] 1. router sent the {len(prompt)}-token prompt to worker {worker_a}: prefilled in "
+              f"{t_first:.2f}s, cached_tokens={_cached(first)}")
+
+        pool_address = next(a for a in next(p for p in plan.processes if p.name == "pool").argv if a.startswith("unix://"))
+        with PoolClient.connect(pool_address) as c:
+            for _ in range(50):
+                if c.stats()["objects"] > 0:
+                    break
+                time.sleep(0.1)
+            stats = c.stats()
+        print(f"[demo] 2. the pool now holds {stats['objects']} chunk objects from it")
+
+        health = json.loads(urllib.request.urlopen(f"{url}/health", timeout=10).read())
+        ids = sorted({i["instance_id"] for i in health.get("instances", []) if i.get("endpoint") == "generate"})
+        worker_b = next(i for i in ids if i != worker_a)
+        second, t_second = _post(f"{url}/v1/completions", {**body, "nvext": {"backend_instance_id": worker_b}})
+        same = second["choices"][0]["text"] == first["choices"][0]["text"]
+        print(f"[demo] 3. the same prompt on worker {worker_b}, which never saw it: cached_tokens={_cached(second)} "
+              f"(loaded from the pool), {t_second:.2f}s, same output: {same}")
+        print(f"[demo]    output: {second['choices'][0]['text']!r}")
+        with PoolClient.connect(pool_address) as c:
+            print("\n[demo] pool status:\n" + format_status(c.stats()))
+        return 0 if same and _cached(second) > 0 else 1
+    finally:
+        stop_graph(group)
+        if not args.keep_logs:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+        print("[demo] stopped")
