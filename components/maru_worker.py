@@ -2,8 +2,9 @@
 
 A `dynamo.vllm` worker on the Maru pool: it fills in MaruKVConnector's `--kv-transfer-config`
 and a `--kv-events-config` (free port) unless given, makes the KV events it publishes carry
-the pool's blocks (`maru_vllm.events.install_pool_event_relay`), and runs `dynamo.vllm` in
-this process with every other argument unchanged.
+the pool's blocks (`maru_vllm.events.install_pool_event_relay`), registers MaruKVConnector as
+a cache-mediated PD connector (`maru_vllm.dynamo_pd`), and runs `dynamo.vllm` in this process
+with every other argument unchanged.
 
 Options of its own (all others go to dynamo.vllm):
   --maru-pool-address ADDR   pool service address (unix:///path.sock or tcp://host:port)
@@ -84,6 +85,12 @@ def main(argv: list[str] | None = None) -> None:
 
     install_pool_event_relay(pool_name=ours.maru_pool_name, pool_address=ours.maru_pool_address,
                              medium=ours.maru_event_medium)
+    from maru_vllm.dynamo_pd import DynamoPdApiError, register_maru_pd_protocol
+
+    try:
+        register_maru_pd_protocol()  # dynamo.vllm's PD handlers accept only registered connectors
+    except DynamoPdApiError as exc:
+        sys.exit(f"maru_worker: {exc}")
     sys.argv = [sys.argv[0], *rest]
     runpy.run_module("dynamo.vllm", run_name="__main__", alter_sys=True)
 
