@@ -3,7 +3,7 @@
 Every end-to-end test and the local graph runner start servers (nats-server, the pool service,
 vLLM, Dynamo) the same way: in their own process group so that a stop also ends grandchildren,
 output captured to a file that is shown when something fails, readiness by a log line or an
-HTTP probe with a deadline, and a stop that sends SIGTERM, waits (vLLM and Dynamo need a few
+HTTP probe with a deadline, and a stop that sends SIGTERM to the process, waits (vLLM and Dynamo need a few
 seconds to shut down their engine cores) and only then SIGKILLs the group.
 """
 
@@ -88,11 +88,17 @@ class ManagedProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace_s: float = DEFAULT_STOP_GRACE_S) -> int | None:
-        """SIGTERM the process group, wait up to `grace_s`, then SIGKILL it. Returns the exit code."""
+        """SIGTERM the process, wait up to `grace_s`, then SIGKILL its group. Returns the exit code."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self._signal_group(signal.SIGTERM)
+            # SIGTERM the leader only: it shuts its children down in order (vLLM's engine core,
+            # Dynamo's runtime). Signalling the whole group kills the engine core under it and
+            # turns a graceful stop into an "engine dead" exit.
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:

@@ -1,0 +1,158 @@
+"""Pool-aware routing with real Maru workers: Dynamo's KV router sees the pool for every worker.
+
+A graph of nats-server, the pool (publishing events on NATS), Dynamo's frontend in KV-router
+mode and two Maru workers (MaruKVConnector + the pool event relay), on the tiny model. Prompts
+of 769 byte tokens have 6 full KV blocks = 3 pool chunks, so a worker that holds a prompt in
+its own cache shows 6 device blocks and a peer that can load it from the pool shows 6
+host-tier blocks. Requests are pinned to a worker with Dynamo's `nvext.backend_instance_id`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from maru_vllm.launch import ManagedProcess, ProcessGroup
+from maru_vllm.launch import stack
+from maru_vllm.pool import PoolClient
+from tests.e2e.conftest import PoolService, maru_worker, start_pool, token_prompt
+from tests.e2e.openai_client import cached_tokens, completion
+from tests.e2e.router_probe_client import RouterProbe, selected_lines
+
+pytestmark = [pytest.mark.e2e]
+
+BLOCKS = 6  # full blocks of a 769-token prompt (block size 128)
+PROMPT_LEN = 3 * 256 + 1
+
+
+class Graph:
+    def __init__(self, group: ProcessGroup, env: stack.StackEnv, log_dir: Path, model: Path, pool: PoolService,
+                 nats: ManagedProcess, frontend: ManagedProcess, url: str, probe: RouterProbe) -> None:
+        self.group, self.env, self.log_dir, self.model = group, env, log_dir, model
+        self.pool, self.nats, self.frontend, self.url, self.probe = pool, nats, frontend, url, probe
+        self.workers: dict[str, ManagedProcess] = {}
+
+    def start_worker(self, name: str, core: int) -> ManagedProcess:
+        w = maru_worker(name, self.model, self.env.build(cpu_thread=core), self.log_dir, self.pool)
+        self.group.start(w)
+        self.workers[name] = w
+        return w
+
+    def wait_workers(self, count: int, timeout: float = 300.0) -> list[int]:
+        """Wait until the router knows `count` workers; return their ids."""
+        probe_prompt = token_prompt(999, 10)
+        view = self.probe.wait_for(probe_prompt, lambda v: len(v) == count, timeout=timeout)
+        assert len(view) == count, f"router sees {len(view)} workers, want {count}"
+        return sorted(view)
+
+    def ask(self, prompt: list[int], worker_id: int | None = None) -> dict:
+        extra = {"nvext": {"backend_instance_id": worker_id}} if worker_id is not None else {}
+        return completion(self.url, str(self.model), prompt, max_tokens=6, logprobs=1, **extra)
+
+    def routed_to(self, prompt: list[int]) -> tuple[dict, int]:
+        """Send through the router; return the response and the worker it selected."""
+        before = len(selected_lines(self.frontend))
+        out = self.ask(prompt)
+        self.frontend.wait_until(lambda: len(selected_lines(self.frontend)) > before, 10, "a routing decision")
+        line = selected_lines(self.frontend)[before]
+        worker = int(line.split("worker_id=")[1].split()[0])
+        return out, worker
+
+
+@pytest.fixture(scope="module")
+def graph(module_procs: ProcessGroup, module_log_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+          tiny_model: Path) -> Graph:
+    tmp = tmp_path_factory.mktemp("routing")
+    nats, nats_url = stack.nats_server(module_log_dir)
+    module_procs.start(nats).wait_for_log("Server is ready", timeout=30)
+    pool = start_pool(module_procs, module_log_dir, f"rt{tmp.name[-6:]}", extra=["--nats", nats_url])
+    env = stack.StackEnv(discovery_dir=tmp / "discovery", nats_url=nats_url)
+    frontend, url = stack.dynamo_frontend(env.build(), module_log_dir,
+                                          extra_args=["--router-host-cache-hit-weight", "0.75"])
+    probe = RouterProbe(env.build(), module_log_dir / "probe.log")
+    g = Graph(module_procs, env, module_log_dir, tiny_model, pool, nats, frontend, url, probe)
+    g.start_worker("worker-a", 0)
+    g.start_worker("worker-b", 1)
+    module_procs.start(frontend)
+    frontend.wait_for_http(f"{url}/v1/models", timeout=300, accept=lambda b: str(tiny_model).encode() in b)
+    probe.wait_ready()
+    g.wait_workers(2)
+    yield g
+    probe.stop()
+
+
+def test_peer_is_credited_with_pool_blocks_and_serves_them_from_the_pool(graph: Graph) -> None:
+    prompt = token_prompt(31, PROMPT_LEN)
+    first, served_by = graph.routed_to(prompt)
+    assert cached_tokens(first) == 0
+    peer = next(w for w in graph.wait_workers(2) if w != served_by)
+    view = graph.probe.wait_for(prompt, lambda v: v.get(peer, (0, 0, 0))[1] == BLOCKS)
+    assert view[served_by][0] == BLOCKS  # on the serving worker's own (GPU) cache
+    assert view[peer] == (0, BLOCKS, BLOCKS)  # the peer: all of it at the host (pool) tier
+
+    on_peer = graph.ask(prompt, worker_id=peer)
+    assert cached_tokens(on_peer) == 3 * 256  # loaded from the pool, not recomputed
+    assert on_peer["choices"][0]["logprobs"]["tokens"] == first["choices"][0]["logprobs"]["tokens"]
+
+
+def test_removing_the_chunks_from_the_pool_removes_the_credit(graph: Graph) -> None:
+    prompt = token_prompt(32, PROMPT_LEN)
+    _, served_by = graph.routed_to(prompt)
+    peer = next(w for w in graph.wait_workers(2) if w != served_by)
+    assert graph.probe.wait_for(prompt, lambda v: v.get(peer, (0, 0, 0))[1] == BLOCKS)[peer][1] == BLOCKS
+    with PoolClient.connect(graph.pool.address) as c:
+        mine = [o for o in c.snapshot() if _chunk_of(o, prompt)]
+        assert len(mine) == 3
+        for o in mine:
+            assert c.remove([bytes.fromhex(o["key"])], namespace=o["namespace"]) == 1
+    view = graph.probe.wait_for(prompt, lambda v: v.get(peer, (9, 9, 9))[1] == 0)
+    with PoolClient.connect(graph.pool.address) as c:
+        left = [o["meta"].get("chunk") for o in c.snapshot() if _chunk_of(o, prompt)]
+        stats = c.stats()
+    assert view[peer] == (0, 0, 0), (left, stats["stores"], stats["objects"], served_by, peer)
+    assert view[served_by][0] == BLOCKS  # the serving worker's own cache is untouched
+
+
+def _chunk_of(obj: dict, prompt: list[int]) -> bool:
+    meta = obj.get("meta") or {}
+    if "chunk" not in meta:
+        return False
+    start = meta["chunk"] * 256
+    return [t for b in meta["token_ids"] for t in b] == prompt[start:start + 256]
+
+
+def test_nats_outage_keeps_serving_and_the_router_view_converges_after(graph: Graph) -> None:
+    graph.nats.stop()
+    assert not graph.nats.alive()
+    during = token_prompt(33, PROMPT_LEN)
+    out = graph.ask(during)  # requests keep succeeding without NATS
+    assert out["usage"]["completion_tokens"] == 6
+    time.sleep(2)
+    graph.nats.restart().wait_for_log("Server is ready", timeout=30)
+    after = token_prompt(34, PROMPT_LEN)
+    graph.ask(after)
+    for prompt in (during, after):  # both converge: the relay resyncs from the pool snapshot
+        view = graph.probe.wait_for(prompt, lambda v: len(v) == 2 and all(t[1] == BLOCKS for t in v.values()),
+                                    timeout=90)
+        assert sorted(t[1] for t in view.values()) == [BLOCKS, BLOCKS], view
+
+
+def test_late_joiner_is_credited_and_takes_over_from_the_pool(graph: Graph) -> None:
+    # Only worker-b is left to serve P; then worker-c joins, worker-b stops, and c serves P.
+    assert graph.workers["worker-a"].stop(grace_s=30) == 0  # a graceful stop
+    (survivor,) = graph.wait_workers(1)
+    prompt = token_prompt(35, PROMPT_LEN)
+    first, served_by = graph.routed_to(prompt)
+    assert served_by == survivor
+    graph.start_worker("worker-c", 0)
+    joiner = next(w for w in graph.wait_workers(2) if w != survivor)
+    view = graph.probe.wait_for(prompt, lambda v: v.get(joiner, (0, 0, 0))[1] == BLOCKS)
+    assert view[joiner] == (0, BLOCKS, BLOCKS)
+    assert graph.workers["worker-b"].stop(grace_s=30) == 0
+    assert graph.wait_workers(1) == [joiner]
+    out, served_by = graph.routed_to(prompt)
+    assert served_by == joiner
+    assert cached_tokens(out) == 3 * 256
+    assert out["choices"][0]["logprobs"]["tokens"] == first["choices"][0]["logprobs"]["tokens"]
