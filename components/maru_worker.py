@@ -11,6 +11,8 @@ Options of its own (all others go to dynamo.vllm):
   --maru-pool-name NAME      pool name (its NATS subjects maru.<NAME>.*); NATS from $NATS_SERVER
   --maru-event-medium M      tier the router credits pool blocks at (default CPU_PINNED)
   --maru-chunk-tokens N      tokens per pool object (default 256)
+  --no-maru-pool-events      keep the pool connector but do not announce the pool's blocks to the
+                             router (it then sees vLLM's own events only; for comparisons)
 
 PYTHONHASHSEED must be unset (then 0 is used) or "0", the graph's value.
 """
@@ -50,6 +52,7 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--maru-pool-name", required=True)
     p.add_argument("--maru-event-medium", default="CPU_PINNED", choices=EVENT_MEDIUMS)
     p.add_argument("--maru-chunk-tokens", type=int, default=256)
+    p.add_argument("--maru-pool-events", action=argparse.BooleanOptionalAction, default=True)
     ours, rest = p.parse_known_args(argv)
     rest = list(rest)
     if not _has_flag(rest, "--kv-transfer-config", "--kv_transfer_config"):
@@ -81,10 +84,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"maru_worker: {exc}")
     os.environ["PYTHONHASHSEED"] = "0"
     ours, rest = build(argv)
-    from maru_vllm.events import install_pool_event_relay
+    if ours.maru_pool_events:
+        from maru_vllm.events import install_pool_event_relay
 
-    install_pool_event_relay(pool_name=ours.maru_pool_name, pool_address=ours.maru_pool_address,
-                             medium=ours.maru_event_medium)
+        install_pool_event_relay(pool_name=ours.maru_pool_name, pool_address=ours.maru_pool_address,
+                                 medium=ours.maru_event_medium)
     from maru_vllm.dynamo_pd import DynamoPdApiError, register_maru_pd_protocol
 
     try:
