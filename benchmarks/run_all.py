@@ -20,6 +20,7 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ("bench_page_copy.py", [], []),
     ("bench_pool.py", [], ["--iters", "300"]),
     ("bench_connector.py", [], ["--prompts", "1"]),
+    ("routing_comparison.py", [], []),
 ]
 
 
