@@ -42,7 +42,8 @@ class Follower:
             await src.start()
             return src
 
-        self.source: PoolEventSource = self.thread.call(make())
+        # generous: once, in a full CI run on a loaded 2-core machine, this took over 30 s
+        self.source: PoolEventSource = self.thread.call(make(), timeout=120)
 
     def keys(self) -> set[str]:
         async def get():
