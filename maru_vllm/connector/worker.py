@@ -64,7 +64,14 @@ class MaruWorkerSide:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], backend_name: str | None) -> None:
         if next(iter(kv_caches.values())).device.type == "cpu":
             request_amx_permission()  # see cpu_amx: loads can make attention the first AMX user
-        self.codec = KVCacheSet(kv_caches, self.block_size, num_blocks=self.num_blocks, backend_name=backend_name)
+        try:
+            self.codec = KVCacheSet(kv_caches, self.block_size, num_blocks=self.num_blocks,
+                                    backend_name=backend_name)
+        except LayoutError as exc:
+            # An unsupported KV layout must not take the engine down: serve without the pool.
+            logger.error("Maru connector disabled on this worker: unsupported KV cache layout (%s); every "
+                         "planned load is recomputed and nothing is stored", exc)
+            return
         logger.info(
             "Maru connector: %d KV layers (%d unique), %d bytes per block, layout %s, kernels %s",
             len(self.codec.layer_names), len(self.codec.unique_layers), self.codec.bytes_per_block,

@@ -75,3 +75,15 @@ def test_pool_down_means_misses_and_skipped_stores_never_errors(tmp_path: Path) 
     counters = w.take_counters()
     assert counters.store_failures == 1 and counters.chunks_stored == 0
     assert all(torch.equal(before[k], kv[k]) for k in kv)
+
+
+def test_unsupported_layout_disables_the_connector_instead_of_the_engine(pool: PoolService,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    side = MaruWorkerSide(namespace=NS, rank=0, pool=PoolAccess(pool.address, None, 5.0, True, "test"),
+                          block_size=8, num_blocks=16, use_lmcache_kernels=False, enable_fused_load=False)
+    side.register_kv_caches({"l0": torch.zeros(7, 3)}, None)  # no dimension of 16 blocks: unsupported
+    assert side.codec is None
+    side.load(MaruConnectorMetadata(loads=[ChunkLoad("r1", b"k", [0, 1])]))
+    assert side.take_failed_blocks() == {0, 1}  # recomputed, never loaded into an unknown layout
+    side.store(MaruConnectorMetadata(stores=[ChunkStore("r2", b"k2", [2, 3], {})]))
+    assert side.pool.client.lookup([b"k2/r0"], namespace=NS) == [False]
