@@ -146,11 +146,19 @@ class KvEventRelay:
                 await t
             except (asyncio.CancelledError, Exception):
                 pass
+        self.close_sockets()
+
+    def close_sockets(self) -> None:
+        """Close both sockets and the ZMQ context without waiting (safe once the loop is idle).
+
+        A context left to the garbage collector calls a blocking `term()` from whatever thread
+        happens to collect it; closing explicitly, with linger 0, never blocks.
+        """
         for s in (self._sub, self._pub):
-            if s is not None:
+            if s is not None and not s.closed:
                 s.close(linger=0)
-        if self._ctx is not None:
-            self._ctx.term()
+        if self._ctx is not None and not self._ctx.closed:
+            self._ctx.destroy(linger=0)
 
     # -- inputs ----------------------------------------------------------------------------
     async def _vllm_loop(self) -> None:
@@ -304,3 +312,6 @@ class RelayThread:
                 logger.debug("relay stop: %s", exc)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            for r in relays or []:
+                r.close_sockets()  # relays whose stop timed out: the loop no longer uses them

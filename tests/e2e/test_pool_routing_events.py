@@ -131,7 +131,7 @@ class VllmEventTap:
 
     def close(self) -> None:
         self._sock.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
 
 @pytest.mark.timeout(900)

@@ -48,7 +48,12 @@ class Downstream:
 
     def close(self) -> None:
         self.sock.close(linger=0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
+
+    def __del__(self) -> None:
+        # never leave a context to the garbage collector: its term() blocks the collecting thread
+        if not self.ctx.closed:
+            self.close()
 
 
 @pytest.fixture
