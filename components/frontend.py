@@ -20,6 +20,7 @@ import runpy
 import sys
 from collections.abc import Mapping, Sequence
 
+from maru_vllm.launch.argv import has_flag
 from maru_vllm.routing import ENV_VAR as WEIGHT_ENV_VAR
 from maru_vllm.routing import pool_tier_weight
 
@@ -27,11 +28,6 @@ logger = logging.getLogger(__name__)
 
 ROUTER_MODE_FLAG = "--router-mode"
 WEIGHT_FLAG = "--router-host-cache-hit-weight"
-
-
-def has_flag(argv: Sequence[str], flag: str) -> bool:
-    """True when `flag` is given as ``--flag VALUE`` or ``--flag=VALUE``."""
-    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
 def build_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:

@@ -25,24 +25,12 @@ import os
 import runpy
 import sys
 
+from maru_vllm.launch.argv import flag_value, has_flag
 from maru_vllm.launch.ports import free_port
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # Lower tiers Dynamo 1.6.1's router credits: host (CPU_PINNED, CPU) or disk-like (DISK, EXTERNAL, SHARED).
 EVENT_MEDIUMS = ("CPU_PINNED", "CPU", "DISK", "EXTERNAL", "SHARED")
-
-
-def _flag_value(args: list[str], flag: str) -> str | None:
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def _has_flag(args: list[str], *flags: str) -> bool:
-    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
 
 
 def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -55,8 +43,8 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--maru-pool-events", action=argparse.BooleanOptionalAction, default=True)
     ours, rest = p.parse_known_args(argv)
     rest = list(rest)
-    if not _has_flag(rest, "--kv-transfer-config", "--kv_transfer_config"):
-        mode = _flag_value(rest, "--disaggregation-mode") or os.environ.get("DYN_VLLM_DISAGGREGATION_MODE")
+    if not has_flag(rest, "--kv-transfer-config", "--kv_transfer_config"):
+        mode = flag_value(rest, "--disaggregation-mode") or os.environ.get("DYN_VLLM_DISAGGREGATION_MODE")
         rest += ["--kv-transfer-config", json.dumps({
             "kv_connector": "MaruKVConnector",
             "kv_connector_module_path": "maru_vllm.connector",
@@ -64,7 +52,7 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             "kv_connector_extra_config": {"maru_pool_address": ours.maru_pool_address,
                                           "maru_kv_chunk_tokens": ours.maru_chunk_tokens},
         })]
-    if not _has_flag(rest, "--kv-events-config", "--kv_events_config"):
+    if not has_flag(rest, "--kv-events-config", "--kv_events_config"):
         # vLLM binds its publisher; only a wildcard bind delivers (tcp://127.0.0.1:N sends nothing).
         rest += ["--kv-events-config", json.dumps(
             {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"})]

@@ -32,6 +32,7 @@ from types import FrameType
 from maru_dynamo.graphs.spec import GraphSpec
 from maru_vllm.launch import ManagedProcess, ProcessFailed, ProcessGroup, free_port
 from maru_vllm.launch import stack
+from maru_vllm.launch.argv import has_flag
 from maru_vllm.routing import pool_tier_weight
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def resolve_model(name: str, *, build: bool = True) -> str:
 def _with_defaults(args: tuple[str, ...]) -> list[str]:
     out = list(args)
     for flag, value in LOCAL_WORKER_DEFAULTS:
-        if not any(a == flag or a.startswith(flag + "=") for a in out):
+        if not has_flag(out, flag):
             out += [flag] if value is None else [flag, value]
     return out
 

@@ -90,3 +90,14 @@ def test_cli_rejects_unknown_command() -> None:
     res = subprocess.run([sys.executable, "-m", "maru_vllm.cli", "fly"], capture_output=True, text=True)
     assert res.returncode == 2
     assert "invalid choice: 'fly'" in res.stderr
+
+
+def test_flag_helpers_see_both_spellings() -> None:
+    from maru_vllm.launch.argv import flag_value, has_flag
+
+    argv = ["--model", "m", "--disaggregation-mode=decode", "--enforce-eager"]
+    assert has_flag(argv, "--model") and has_flag(argv, "--disaggregation-mode")
+    assert has_flag(argv, "--kv-transfer-config", "--enforce-eager")
+    assert not has_flag(argv, "--mode") and not has_flag(argv, "--model-impl")
+    assert flag_value(argv, "--model") == "m" and flag_value(argv, "--disaggregation-mode") == "decode"
+    assert flag_value(argv, "--enforce-eager") is None and flag_value(["--model"], "--model") is None
