@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench lint clean help
+.PHONY: setup test demo bench clean help
 
 help:
 	@echo "make setup   - create $(VENV) with vLLM (CPU or GPU), Dynamo 1.6.1, LMCache, nats-server"

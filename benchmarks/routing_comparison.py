@@ -2,74 +2,78 @@
 """Routing comparison on a prefix-sharing chat workload: round-robin vs. KV routing on the
 engines' own KV events vs. KV routing that also sees the Maru pool.
 
-Three configurations, each on a fresh pool service, frontend and two Maru workers (one pinned
-core each; one nats-server is shared by all three):
+Four configurations, each on a fresh frontend and two workers pinned to one core each (plus a
+fresh pool service where the workers use one; one nats-server is shared by all):
 
-* ``round-robin`` - ``--router-mode round-robin``; the workers announce the pool (the router
-  ignores it). Shows what the pool alone saves when routing knows nothing.
-* ``kv-gpu``      - ``--router-mode kv``; workers started with ``--no-maru-pool-events``: the
-  router sees only vLLM's own (device) KV events.
+* ``round-robin`` - ``--router-mode round-robin`` over Maru workers: the pool alone, with a
+  router that knows nothing about prefixes.
+* ``kv-gpu``      - ``--router-mode kv`` over plain ``dynamo.vllm`` workers (vLLM prefix caching,
+  no pool): Dynamo's KV routing as it is, on the engines' device KV events only.
+* ``kv-gpu+pool`` - ablation: Maru workers started with ``--no-maru-pool-events``, so every engine
+  can load what another stored, but the router sees device events only.
 * ``kv-pool``     - ``--router-mode kv`` with ``--router-host-cache-hit-weight`` =
-  ``maru_vllm.routing.POOL_TIER_WEIGHT``; the workers announce the pool's blocks at the host tier.
+  ``maru_vllm.routing.POOL_TIER_WEIGHT``; the Maru workers announce the pool's blocks at the host tier.
 
-Every configuration runs the same MaruKVConnector on the same pool layout, so every engine can
-load any chunk another engine stored; only what the router knows differs. ``kv-gpu`` uses the
-same worker component with one flag off (rather than a plain ``dynamo.vllm`` worker given the
-connector by hand) so that the connector and KV-event settings are built by the same code in
-both KV configurations and the relay is the single difference.
+Workload (``maru_vllm.workload``; the defaults below are what the e2e test runs): two system
+prompts of 1024 tokens, one popular (six of seven sessions: ``--hot-sessions 4``) and one
+niche, three turns per session (user 256, fixed assistant reply 128 tokens), requests sent in a
+fixed order, turn by turn across the sessions.
 
-Sending. Requests go out in the workload's fixed order as streaming completions. The next one is
-routed only after the previous one's prefill is done (its worker counted the prompt tokens) and
-``--settle-s`` has passed, so its KV and pool events have reached the router. ``--window 1``
-(the default; what the e2e test uses): ``max_tokens`` 4, temperature 0, every request finishes
-before the next is routed, and the token counts do not depend on timing. ``--window W > 1``
-(exploratory): the W-1 previous requests stay in flight (they decode until the client cancels
-them), which gives the router the only load signal it has. The run fails with `WindowError`
-when one of them ends too soon, rather than measuring another window; on a busy 2-core machine
-that happens often (the long decodes also starve the workers), so it needs a quiet machine.
+Sending. Each request is a streaming completion; the next one is routed only after the
+previous one's prefill is done (its worker counted the prompt tokens) and ``--settle-s`` has
+passed, so its KV and pool events have reached the router. ``--window W`` holds the W-1
+previous requests in flight (they decode until the client cancels them): Dynamo's router adds a
+request's prompt blocks to its worker's load when it routes it and removes them when it ends,
+so in-flight requests are the only load it can weigh. With ``--window 1`` every request ends
+before the next one is routed and the router weighs cache hits alone. The decodes are cheap on
+purpose: engines hand their output over every STREAM_INTERVAL tokens, and each worker's whole
+process tree is pinned to its core (unpinned, a decoding vLLM CPU engine's busy-waiting queues
+take a second core and starve the other worker).
+
+Routing is deterministic given the order, up to ties: the router's inputs (cached blocks from
+events, prompt blocks in flight) do not depend on timing once each prefill is waited for, but
+when both workers cost the same (the first request; later, whenever both hold the prefix and
+the same load) Dynamo picks between random instance ids. Token counts were identical in every
+run here; placements move by a request or two with the ties (see the findings).
 
 Measured per configuration, from the workers' own counters (each worker's /metrics on its
-``DYN_SYSTEM_PORT``, read after each request's prefill; only one prefill runs at a time, so the
+``DYN_SYSTEM_PORT``, read after each request's prefill; one prefill runs at a time, so the
 change belongs to that request):
 
 * prefill tokens computed = ``vllm:prompt_tokens_by_source_total{source="local_compute"}``;
   a request's cached tokens = ``local_cache_hit`` + ``external_kv_transfer`` (what vLLM reports
   as ``usage.prompt_tokens_details.cached_tokens``);
-* pool-loaded tokens = ``{source="external_kv_transfer"}`` summed over the workers (the
-  connector's ``vllm:maru_connector_chunks_loaded_total`` x chunk tokens is kept beside it);
-* requests per worker: which worker's prompt counter grew; spread = max - min (and the
-  coefficient of variation).
+* pool-loaded tokens = ``{source="external_kv_transfer"}`` summed over the workers;
+* requests per worker: whose prompt counter grew; spread = max - min.
 
-Findings on the tiny model, one request at a time (``--sessions 5 --turns 3``, the test's
-workload; measured 2026-11-29)::
+Findings on the tiny model (2-core CPU machine, measured 2026-11-29), default workload
+(21 requests, 34944 prompt tokens, 9216 in its prefix tree = what an ideal shared cache computes);
+two runs, which differ only in how ties fell::
 
-    config       prefill computed   cached  pool-loaded  req/worker  spread
-    round-robin              4736     8704         1664         8/7       1
-    kv-gpu                   3840     9600            0        15/0      15
-    kv-pool                  3840     9600            0         6/9       3
+    --window 3      prefill computed  pool-loaded  req/worker (run 1 | run 2)  spread
+    round-robin                10112         5632        11/10 | 11/10         1 | 1
+    kv-gpu                     11136            0         15/6 | 6/15          9 | 9
+    kv-gpu+pool                 9344  1536 | 1792         4/17 | 15/6         13 | 9
+    kv-pool                     9216  1792 | 1536        10/11 | 12/9          1 | 3
 
-* The pool already makes round-robin cheap (1664 tokens loaded instead of computed); both KV
-  configurations compute 19% less than round-robin (3840 vs. 4736).
-* ``kv-pool`` computes exactly as much as ``kv-gpu``: with one request at a time the router has
-  no load to weigh, so it picks the worker with the longest cached prefix. A pool block is
-  credited at 0.75 of a device block, and every prefix in the pool is also on the device of
-  the worker that computed it, so the pool's credit never changes which worker wins; both
-  configurations make the same choices and never load from the pool. (Nor could KV routing on
-  device events compute more because it ignores the pool: whichever worker it picks loads the
-  pool's chunks anyway; only sub-chunk tails, up to 255 tokens, can differ.)
-* The spread of both KV configurations is decided by ties: the first request of each system
-  prompt has no cached prefix anywhere, all logits are equal, and Dynamo 1.6.1 (temperature 0)
-  takes the first minimum in a hash map keyed by the workers' random instance ids. Each system
-  prompt's sessions then stick to that worker: 15/0 (both prompts on one worker) or 9/6 / 6/9,
-  in either configuration, differing from run to run. The 15/0 vs. 6/9 above is that coin.
+* ``kv-pool`` computes 0.911 of round-robin's prefill tokens and 0.828 of ``kv-gpu``'s, and it
+  reaches the prefix tree's lower bound (9216): every shared prefix is computed once.
+* GPU-only KV routing piles the popular prompt's sessions on the worker that holds it and moves a
+  request only when that worker's load outweighs a full recompute of the prompt elsewhere; each
+  move recomputes it (``kv-gpu``), or, with the pool underneath, loads it but the router still
+  moves too late (``kv-gpu+pool``: 15 to 17 of 21 on one worker). With the pool's blocks credited at
+  the host tier, moving costs the router only the prompt's tail, so ``kv-pool`` balances 10/11 or 12/9.
+* Round-robin balances perfectly but moves every session every turn; each move loses the
+  pool's sub-chunk tail (chunks are 256 tokens, vLLM blocks 128).
 
-So the issue's claim (pool-aware routing computes fewer prefill tokens than both, with a spread
-at least as even as GPU-only) does not hold in this regime; the claim needs load at routing
-time (``--window`` > 1), where the pool's credit makes moving a session cheaper in the
-router's cost, which should even out the spread, at the price of recomputing the sub-chunk
-tail on each move. That regime was not measured to completion here (see ``--window``).
+With one request at a time (``--window 1``) the router has no load to weigh: every KV
+configuration sends each request to the worker with the longest cached prefix and computes the
+9216 tokens of the prefix tree, and nearly everything lands on one worker (measured: kv-gpu 18/3,
+kv-gpu+pool 21/0, kv-pool 0/21; round-robin 10112 tokens, 10/11). A pool block (credited 0.97
+of a device block) never outweighs the device copy on the worker that computed it, so pool
+events change nothing there; they pay off when requests are in flight.
 
-Usage: python benchmarks/routing_comparison.py [--sessions 5 --turns 3 --systems 2] [--routes] [--json]
+Usage: python benchmarks/routing_comparison.py [--window 3] [--sessions 7 --hot-sessions 4 ...] [--configs kv-gpu,kv-pool] [--routes] [--json]
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ if str(REPO) not in sys.path:
 
 from maru_vllm.launch import ManagedProcess, ProcessGroup  # noqa: E402
 from maru_vllm.launch import stack  # noqa: E402
+from maru_vllm.launch.engine_metrics import EngineCounters, read_counters, running_requests  # noqa: E402
 from maru_vllm.workload import Workload, WorkloadSpec, build_workload  # noqa: E402
 
 try:
@@ -108,6 +113,12 @@ except ImportError:  # older trees: Dynamo's own default
 
 CHUNK_TOKENS = 256
 MAX_MODEL_LEN = 8192  # the fixture models' position limit: room for long decodes (--window > 1)
+STREAM_INTERVAL = 256
+# The workload and window the e2e test runs (and the CLI's defaults): a popular system prompt shared by
+# six of seven sessions, one niche one, three turns each, two requests in flight at every decision.
+DEFAULT_SPEC = WorkloadSpec(systems=2, sessions=7, hot_sessions=4, turns=3, system_tokens=1024,
+                            user_tokens=256, assistant_tokens=128, seed=0)
+DEFAULT_WINDOW = 3
 MAX_TOKENS = 4  # --window 1: each request finishes on its own right after its prefill
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 600.0
@@ -117,6 +128,7 @@ READY_TIMEOUT_S = 600.0
 class RoutingConfig:
     name: str
     router_mode: str
+    pool: bool  # Maru workers (MaruKVConnector on the pool) rather than plain dynamo.vllm workers
     pool_events: bool  # workers announce the pool's blocks to the router
     description: str
 
@@ -127,9 +139,11 @@ class RoutingConfig:
 
 
 CONFIGS: tuple[RoutingConfig, ...] = (
-    RoutingConfig("round-robin", "round-robin", True, "round-robin; Maru workers (pool loads, router unaware)"),
-    RoutingConfig("kv-gpu", "kv", False, "KV router on vLLM's device KV events only (pool loads still on)"),
-    RoutingConfig("kv-pool", "kv", True, "KV router with the pool's blocks at the host tier"),
+    RoutingConfig("round-robin", "round-robin", True, True, "round-robin; Maru workers (pool loads, router unaware)"),
+    RoutingConfig("kv-gpu", "kv", False, False, "KV router on device KV events; plain dynamo.vllm workers (no pool)"),
+    RoutingConfig("kv-gpu+pool", "kv", True, False,
+                  "KV router on device KV events; Maru workers (pool loads, pool not announced)"),
+    RoutingConfig("kv-pool", "kv", True, True, "KV router with the pool's blocks at the host tier"),
 )
 
 
@@ -149,22 +163,11 @@ class RequestRecord:
 
 
 @dataclasses.dataclass
-class WorkerStats:
-    requests: int = 0
-    prompt_tokens: int = 0
-    local_compute: int = 0
-    local_cache_hit: int = 0
-    external_kv_transfer: int = 0  # tokens loaded through the connector, i.e. from the pool
-    chunks_loaded: int = 0
-    chunks_stored: int = 0
-
-
-@dataclasses.dataclass
 class ConfigResult:
     config: RoutingConfig
     host_weight: float | None
     requests: list[RequestRecord]
-    workers: list[WorkerStats]
+    workers: list[EngineCounters]
 
     @property
     def prefill_computed(self) -> int:
@@ -184,7 +187,8 @@ class ConfigResult:
 
     @property
     def requests_per_worker(self) -> list[int]:
-        return [w.requests for w in self.workers]
+        """Requests each worker prefilled (vLLM's success counter misses the cancelled ones of --window)."""
+        return [sum(1 for r in self.requests if r.worker == i) for i in range(len(self.workers))]
 
     @property
     def spread(self) -> int:
@@ -207,6 +211,7 @@ class ConfigResult:
         return {
             "config": self.config.name,
             "router_mode": self.config.router_mode,
+            "pool": self.config.pool,
             "pool_events": self.config.pool_events,
             "host_weight": self.host_weight,
             "prefill_computed_tokens": self.prefill_computed,
@@ -220,41 +225,6 @@ class ConfigResult:
             "workers": [dataclasses.asdict(w) for w in self.workers],
             "requests": [dataclasses.asdict(r) | {"computed_tokens": r.computed_tokens} for r in self.requests],
         }
-
-
-# -- metrics ---------------------------------------------------------------------------------------
-_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
-_SOURCE = re.compile(r'source="([^"]+)"')
-WANTED = {
-    "vllm:request_success_total": "requests",
-    "vllm:prompt_tokens_total": "prompt_tokens",
-    "vllm:maru_connector_chunks_loaded_total": "chunks_loaded",
-    "vllm:maru_connector_chunks_stored_total": "chunks_stored",
-}
-SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-
-
-def scrape(url: str) -> WorkerStats:
-    """The counters of one worker's /metrics (summed over label sets)."""
-    with urllib.request.urlopen(url, timeout=60) as resp:
-        text = resp.read().decode(errors="replace")
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name, value = m["name"], float(m["value"])
-        if name in WANTED:
-            totals[WANTED[name]] = totals.get(WANTED[name], 0.0) + value
-        elif name == "vllm:prompt_tokens_by_source_total":
-            src = _SOURCE.search(m["labels"] or "")
-            if src and src.group(1) in SOURCES:
-                totals[src.group(1)] = totals.get(src.group(1), 0.0) + value
-    return WorkerStats(**{k: int(v) for k, v in totals.items()})
-
-
-def _minus(a: WorkerStats, b: WorkerStats) -> WorkerStats:
-    return WorkerStats(**{f.name: getattr(a, f.name) - getattr(b, f.name) for f in dataclasses.fields(WorkerStats)})
 
 
 # -- one configuration -----------------------------------------------------------------------------
@@ -307,13 +277,6 @@ class _Stream:
         self.resp.close()
 
 
-def _running(url: str) -> int:
-    with urllib.request.urlopen(url, timeout=60) as resp:
-        text = resp.read().decode(errors="replace")
-    return int(sum(float(m["value"]) for line in text.splitlines()
-                   if (m := _SAMPLE.match(line)) and m["name"] == "vllm:num_requests_running"))
-
-
 def _wait_running(metric_urls: Sequence[str], want: int, name: str, index: int, timeout: float = 10.0) -> None:
     """Until the workers run `want` requests; fewer means one ended early (the window was not held).
 
@@ -322,7 +285,7 @@ def _wait_running(metric_urls: Sequence[str], want: int, name: str, index: int, 
     """
     deadline = time.monotonic() + timeout
     while True:
-        got = sum(_running(u) for u in metric_urls)
+        got = sum(running_requests(u) for u in metric_urls)
         if got == want:
             return
         if got < want:
@@ -392,23 +355,32 @@ def run_config(
     env = stack.StackEnv(discovery_dir=run_dir / "discovery", nats_url=nats_url)
     group = ProcessGroup()
     try:
-        pool = group.start(ManagedProcess(
-            "pool", [py, "-m", "maru_vllm.pool", "serve", "--name", pool_name, "--size", "512M",
-                     "--listen", address, "--path", str(region), "--nats", nats_url],
-            log_path=logs / "pool.log", env=env.build()))
-        pool.wait_for_log(r"maru-pool serving on", timeout=60)
+        if config.pool:
+            pool = group.start(ManagedProcess(
+                "pool", [py, "-m", "maru_vllm.pool", "serve", "--name", pool_name, "--size", "512M",
+                         "--listen", address, "--path", str(region), "--nats", nats_url],
+                log_path=logs / "pool.log", env=env.build()))
+            pool.wait_for_log(r"maru-pool serving on", timeout=60)
 
         metric_ports = [_system_port() for _ in range(workers)]
+        # Window > 1 keeps requests decoding; streaming every token of them would take the cores the
+        # next request's prefill needs, so the engines hand their output over every STREAM_INTERVAL tokens.
+        engine_args = ["--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+                       *(["--stream-interval", str(STREAM_INTERVAL)] if window > 1 else [])]
         worker_procs = []
         for i in range(workers):
-            argv = [py, "-m", "maru_dynamo.components.maru_worker", "--model", model,
-                    "--maru-pool-address", address, "--maru-pool-name", pool_name,
-                    "--maru-chunk-tokens", str(CHUNK_TOKENS),
-                    *([] if config.pool_events else ["--no-maru-pool-events"]),
-                    "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager"]
             wenv = env.build(cpu_thread=stack.cpu_thread_for(i), DYN_SYSTEM_PORT=str(metric_ports[i]))
-            worker_procs.append(group.start(ManagedProcess(f"worker{i}", argv, log_path=logs / f"worker{i}.log",
-                                                           env=wenv)))
+            if config.pool:
+                argv = [py, "-m", "maru_dynamo.components.maru_worker", "--model", model,
+                        "--maru-pool-address", address, "--maru-pool-name", pool_name,
+                        "--maru-chunk-tokens", str(CHUNK_TOKENS),
+                        *([] if config.pool_events else ["--no-maru-pool-events"]), *engine_args]
+                proc = ManagedProcess(f"worker{i}", argv, log_path=logs / f"worker{i}.log", env=wenv,
+                                      cpus=[stack.cpu_thread_for(i)])
+            else:
+                proc = stack.dynamo_vllm_worker(f"worker{i}", model, wenv, logs, max_model_len=MAX_MODEL_LEN,
+                                                extra_args=engine_args[3:], cpus=[stack.cpu_thread_for(i)])
+            worker_procs.append(group.start(proc))
         frontend, url = stack.dynamo_frontend(env.build(), logs, router_mode=config.router_mode,
                                               extra_args=config.frontend_args(host_weight))
         group.start(frontend)
@@ -428,7 +400,7 @@ def run_config(
                 w.wait_for_log(r"pool '\S+' synced at seq", timeout=120)
         log(f"[{config.name}] ready: {url}")
 
-        start = [scrape(u) for u in metric_urls]
+        start = [read_counters(u) for u in metric_urls]
         before = start
         open_streams: list[_Stream] = []
         records: list[RequestRecord] = []
@@ -451,8 +423,8 @@ def run_config(
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"request {req.index}: no prefill counted after 300 s")
                 time.sleep(0.2)
-                after = [scrape(u) for u in metric_urls]
-            delta = [_minus(a, b) for a, b in zip(after, before)]
+                after = [read_counters(u) for u in metric_urls]
+            delta = [a - b for a, b in zip(after, before)]
             grew = [i for i in range(workers) if delta[i].prompt_tokens]
             if len(grew) != 1 or delta[grew[0]].prompt_tokens != len(req):
                 raise RuntimeError(f"request {req.index}: prompt tokens counted per worker "
@@ -468,8 +440,8 @@ def run_config(
         for st in open_streams:
             st.close()
         _wait_running(metric_urls, 0, config.name, len(workload))
-        before = [scrape(u) for u in metric_urls]
-        stats = [_minus(b, a) for a, b in zip(start, before)]
+        before = [read_counters(u) for u in metric_urls]
+        stats = [b - a for a, b in zip(start, before)]
         return ConfigResult(config, host_weight if config.frontend_args(host_weight) else None, records, stats)
     except BaseException:
         log(f"[{config.name}] failed; last log lines:\n{group.log_tails(40)}")
@@ -541,7 +513,7 @@ def format_routes(result: ConfigResult) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    defaults = WorkloadSpec()
+    defaults = DEFAULT_SPEC
     for field in dataclasses.fields(WorkloadSpec):
         ap.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=getattr(defaults, field.name))
     ap.add_argument("--model-size", default="tiny", help="fixture model (tiny, bench) or a model path")
@@ -550,14 +522,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--host-weight", type=float, default=POOL_TIER_WEIGHT,
                     help="--router-host-cache-hit-weight for kv-pool (default maru_vllm.routing.POOL_TIER_WEIGHT)")
     ap.add_argument("--settle-s", type=float, default=1.0, help="pause after each request for its events")
-    ap.add_argument("--window", type=int, default=1, help="requests in flight at each routing decision")
+    ap.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                    help=f"requests in flight at each routing decision (default {DEFAULT_WINDOW}; 1: one at a time)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help=f"tokens generated per request (default {MAX_TOKENS}; with --window > 1, until cancelled)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the work dir with every process's log")
     ap.add_argument("--routes", action="store_true", help="also print where each request went")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    spec = WorkloadSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkloadSpec)})
+    try:
+        spec = WorkloadSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkloadSpec)})
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.window < 1:
+        ap.error(f"--window must be >= 1 (requests in flight at each routing decision), got {args.window}")
     wanted = args.configs.split(",")
     unknown = set(wanted) - {c.name for c in CONFIGS}
     if unknown:

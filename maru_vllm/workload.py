@@ -4,11 +4,14 @@ Shape (everything in byte tokens, ids 32..126 of the fixture models' byte-level 
 prompt of N ids is exactly N prompt tokens through the completions API):
 
 * ``systems`` system prompts of ``system_tokens`` tokens each;
-* ``sessions`` sessions, session ``s`` bound to system prompt ``s % systems``;
+* ``sessions`` sessions, session ``s`` bound to system prompt ``s % systems``, or, with
+  ``hot_sessions`` = H > 0, the first H sessions all bound to system prompt 0 (a popular
+  assistant: the hot prefix that KV routing piles onto one worker) and the others to
+  ``(s - H) % systems``;
 * ``turns`` turns per session: turn ``t``'s prompt is the session's system prompt, then for each
   earlier turn its user message and a fixed assistant reply, then turn ``t``'s user message::
 
-      prompt(s, t) = system[s % K] + user(s, 0) + reply(s, 0) + ... + reply(s, t-1) + user(s, t)
+      prompt(s, t) = system[k(s)] + user(s, 0) + reply(s, 0) + ... + reply(s, t-1) + user(s, t)
 
 * requests go out one at a time, interleaved turn by turn across sessions (all sessions' turn 0,
   then all turn 1, ...): session ``s`` turn ``t`` is request ``t * sessions + s``.
@@ -43,6 +46,7 @@ class WorkloadSpec:
     user_tokens: int = 96
     assistant_tokens: int = 64
     seed: int = 0
+    hot_sessions: int = 0  # the first N sessions share system prompt 0 (0: sessions cycle over the prompts)
 
     def __post_init__(self) -> None:
         for field in ("systems", "sessions", "turns", "system_tokens", "user_tokens"):
@@ -50,8 +54,19 @@ class WorkloadSpec:
                 raise ValueError(f"WorkloadSpec.{field} must be >= 1, got {getattr(self, field)}")
         if self.assistant_tokens < 0:
             raise ValueError(f"WorkloadSpec.assistant_tokens must be >= 0, got {self.assistant_tokens}")
-        if self.sessions < self.systems:
-            raise ValueError(f"{self.sessions} sessions cannot cover {self.systems} system prompts")
+        if not 0 <= self.hot_sessions <= self.sessions:
+            raise ValueError(f"WorkloadSpec.hot_sessions must be between 0 and sessions ({self.sessions}), "
+                             f"got {self.hot_sessions}")
+        used = {self.system_of(s) for s in range(self.sessions)}
+        if len(used) < self.systems:
+            raise ValueError(f"{self.sessions} sessions ({self.hot_sessions} of them hot) cannot cover "
+                             f"{self.systems} system prompts")
+
+    def system_of(self, session: int) -> int:
+        """The system prompt session `session` is bound to."""
+        if session < self.hot_sessions:
+            return 0
+        return (session - self.hot_sessions) % self.systems
 
     def prompt_tokens(self, turn: int) -> int:
         """Length of any session's prompt at `turn`."""
@@ -122,13 +137,13 @@ def build_workload(spec: WorkloadSpec) -> Workload:
     systems = tuple(_tokens(_rng(spec.seed, "system", k), spec.system_tokens) for k in range(spec.systems))
     history: list[tuple[int, ...]] = []
     for s in range(spec.sessions):
-        history.append(systems[s % spec.systems])
+        history.append(systems[spec.system_of(s)])
     requests: list[Request] = []
     for t in range(spec.turns):
         for s in range(spec.sessions):
             user = _tokens(_rng(spec.seed, "user", s, t), spec.user_tokens)
             prompt = history[s] + user
-            requests.append(Request(len(requests), s, t, s % spec.systems, prompt))
+            requests.append(Request(len(requests), s, t, spec.system_of(s), prompt))
             reply = _tokens(_rng(spec.seed, "assistant", s, t), spec.assistant_tokens)
             history[s] = prompt + reply
     return Workload(spec, systems, tuple(requests))

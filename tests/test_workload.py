@@ -63,8 +63,27 @@ def test_unique_prefix_tokens_counts_the_prefix_tree() -> None:
     assert w.unique_prefix_tokens() == expected
 
 
-@pytest.mark.parametrize("bad", [dict(systems=0), dict(turns=0), dict(sessions=1, systems=2),
-                                 dict(assistant_tokens=-1), dict(user_tokens=0)])
-def test_invalid_specs_are_rejected(bad: dict[str, int]) -> None:
-    with pytest.raises(ValueError):
+def test_hot_sessions_share_the_popular_system_prompt() -> None:
+    spec = WorkloadSpec(systems=2, sessions=7, hot_sessions=4, turns=2, system_tokens=64, user_tokens=8)
+    w = build_workload(spec)
+    assert [spec.system_of(s) for s in range(7)] == [0, 0, 0, 0, 0, 1, 0]
+    for r in w:
+        assert r.system == spec.system_of(r.session)
+        assert r.prompt[:64] == w.system_prompts[r.system]
+    # Without hot sessions the binding is the plain cycle.
+    assert [WorkloadSpec(systems=2, sessions=4).system_of(s) for s in range(4)] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(systems=0), "systems must be >= 1, got 0"),
+    (dict(turns=0), "turns must be >= 1, got 0"),
+    (dict(sessions=1, systems=2), "cannot cover 2 system prompts"),
+    (dict(assistant_tokens=-1), "assistant_tokens must be >= 0, got -1"),
+    (dict(user_tokens=0), "user_tokens must be >= 1, got 0"),
+    (dict(sessions=3, hot_sessions=4), "hot_sessions must be between 0 and sessions (3), got 4"),
+    (dict(sessions=3, systems=3, hot_sessions=2), "3 sessions (2 of them hot) cannot cover 3 system prompts"),
+])
+def test_invalid_specs_are_rejected(bad: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError) as err:
         WorkloadSpec(**bad)
+    assert message in str(err.value)

@@ -136,8 +136,9 @@ def dynamo_vllm_worker(
     max_model_len: int = 4096,
     kv_events_port: int | None = None,
     extra_args: Sequence[str] = (),
+    cpus: Sequence[int] | None = None,
 ) -> ManagedProcess:
-    """A plain `dynamo.vllm` worker (through our text-only entry point)."""
+    """A plain `dynamo.vllm` worker (through our text-only entry point); `cpus` pins it."""
     kv_events_port = kv_events_port or free_port()
     argv = [
         sys.executable, "-m", "maru_dynamo.components.vllm_worker",
@@ -149,4 +150,4 @@ def dynamo_vllm_worker(
         json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_events_port}"}),
         *extra_args,
     ]
-    return ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env)
+    return ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env, cpus=cpus)
