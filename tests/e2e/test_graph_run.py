@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from maru_vllm.launch import stack
 from tests.e2e.openai_client import completion
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +45,13 @@ def descendants(pid: int) -> set[int]:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier
     return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def alive(pid: int) -> bool:
@@ -90,6 +98,18 @@ def test_graph_run_serves_and_stops_cleanly(tiny_model: Path) -> None:
         assert len(children) >= 5, children
         region = Path(f"/dev/shm/maru-kv-{work.name}")
         assert region.exists()
+        if stack.worker_cpus(0, 2) is not None:
+            # Pinned (CPU engines, fewer than two cores each): every process of worker i on core i.
+            workers = [pid for pid in children if "maru_dynamo.components.maru_worker" in cmdline(pid)]
+            assert len(workers) == 2, workers
+            seen = set()
+            for pid in workers:
+                tree = {pid} | descendants(pid)
+                assert len(tree) >= 3, tree  # API server, engine core, model runner
+                cores = {frozenset(os.sched_getaffinity(p)) for p in tree if alive(p)}
+                assert len(cores) == 1 and len(next(iter(cores))) == 1, cores
+                seen |= cores
+            assert seen == {frozenset({0}), frozenset({1})}, seen
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0, "".join(output)

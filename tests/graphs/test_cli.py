@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.components.frontend import build_argv
+from maru_vllm.launch import stack
 from maru_vllm.routing import POOL_TIER_WEIGHT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,6 +84,11 @@ def test_dry_run_lists_every_process_on_loopback() -> None:
         binds.append(env["VLLM_CPU_OMP_THREADS_BIND"])
         discovery.add(env["DYN_FILE_KV"])
     assert binds == ["0", str(1 % (os.cpu_count() or 1))]  # round-robin over the cores
+    # Two CPU engines on fewer than four cores: each worker's whole process tree stays on its engine's core.
+    pinned = [next((line.removeprefix("cpus: ") for line in procs[n] if line.startswith("cpus: ")), None)
+              for n in ("worker:worker-0", "worker:worker-1")]
+    assert pinned == (binds if stack.cpu_engines() and len(os.sched_getaffinity(0)) < 4 else [None, None])
+    assert not any(line.startswith("cpus: ") for n in ("pool", "frontend") for line in procs[n])
 
     for name in ("pool", "worker:worker-0", "worker:worker-1", "frontend"):
         env = env_of(procs[name])
