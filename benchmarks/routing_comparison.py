@@ -365,21 +365,21 @@ def run_config(
         metric_ports = [_system_port() for _ in range(workers)]
         # Window > 1 keeps requests decoding; streaming every token of them would take the cores the
         # next request's prefill needs, so the engines hand their output over every STREAM_INTERVAL tokens.
-        engine_args = ["--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
-                       *(["--stream-interval", str(STREAM_INTERVAL)] if window > 1 else [])]
+        stream_args = ["--stream-interval", str(STREAM_INTERVAL)] if window > 1 else []
         worker_procs = []
         for i in range(workers):
-            wenv = env.build(cpu_thread=stack.cpu_thread_for(i), DYN_SYSTEM_PORT=str(metric_ports[i]))
+            core = stack.cpu_thread_for(i)
+            wenv = env.build(cpu_thread=core, DYN_SYSTEM_PORT=str(metric_ports[i]))
             if config.pool:
                 argv = [py, "-m", "maru_dynamo.components.maru_worker", "--model", model,
                         "--maru-pool-address", address, "--maru-pool-name", pool_name,
                         "--maru-chunk-tokens", str(CHUNK_TOKENS),
-                        *([] if config.pool_events else ["--no-maru-pool-events"]), *engine_args]
-                proc = ManagedProcess(f"worker{i}", argv, log_path=logs / f"worker{i}.log", env=wenv,
-                                      cpus=[stack.cpu_thread_for(i)])
+                        *([] if config.pool_events else ["--no-maru-pool-events"]),
+                        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", *stream_args]
+                proc = ManagedProcess(f"worker{i}", argv, log_path=logs / f"worker{i}.log", env=wenv, cpus=[core])
             else:
                 proc = stack.dynamo_vllm_worker(f"worker{i}", model, wenv, logs, max_model_len=MAX_MODEL_LEN,
-                                                extra_args=engine_args[3:], cpus=[stack.cpu_thread_for(i)])
+                                                extra_args=stream_args, cpus=[core])
             worker_procs.append(group.start(proc))
         frontend, url = stack.dynamo_frontend(env.build(), logs, router_mode=config.router_mode,
                                               extra_args=config.frontend_args(host_weight))

@@ -1,4 +1,4 @@
-"""ManagedProcess: CPU pinning reaches the process and everything it starts; stop ends the group."""
+"""ManagedProcess(cpus=...): pinning reaches the process and everything it starts; bad cores are refused."""
 
 from __future__ import annotations
 

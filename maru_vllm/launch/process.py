@@ -43,12 +43,8 @@ class ManagedProcess:
         cwd: Path | str | None = None,
         cpus: Iterable[int] | None = None,
     ) -> None:
-        """`cpus`: pin the process (and so every process it starts) to these cores.
-
-        A vLLM CPU engine is three processes (API server, engine core, model runner) whose
-        shared-memory queues busy-wait while they decode; unpinned, one decoding engine takes
-        two cores and starves its neighbour. Pinned, it stays on its own core.
-        """
+        """`cpus`: pin the process, and so every process it starts, to these cores (why a vLLM CPU
+        worker needs that: `maru_vllm.launch.stack.worker_cpus`)."""
         self.name = name
         self.argv = [str(a) for a in argv]
         self.log_path = Path(log_path)
