@@ -539,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wanted = args.configs.split(",")
     unknown = set(wanted) - {c.name for c in CONFIGS}
     if unknown:
-        ap.error(f"unknown configs: {', '.join(sorted(unknown))}")
+        ap.error(f"unknown configs: {', '.join(sorted(unknown))} (choose from {', '.join(c.name for c in CONFIGS)})")
     from maru_vllm import models
 
     model = str(models.ensure_model(args.model_size)) if args.model_size in models.SPECS else args.model_size
