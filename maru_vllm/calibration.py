@@ -1,0 +1,59 @@
+"""Hardware calibration: what `benchmarks/bench_connector.py` measured, in one typed file.
+
+The connector benchmark writes it (`--calibration-out FILE.json`) and the what-if replay reads it
+(`maru-dynamo whatif --calibration FILE.json`), so a user can replay traces with the pool's load
+speed and the engine's recompute speed measured on their own hardware. This struct is the one
+definition of that file; both sides encode and decode through it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+CALIBRATION_VERSION = 1
+
+
+class Calibration(msgspec.Struct, forbid_unknown_fields=True):
+    """Measured on one machine with one model (min over alternating samples)."""
+
+    model: str
+    # KV bytes one token occupies across all layers (K and V) on one rank.
+    kv_bytes_per_token: int
+    # Pool -> paged-cache load bandwidth inside the engine, GB/s (10**9 bytes per second).
+    load_gbps: float
+    # Paged-cache -> pool store bandwidth, GB/s.
+    store_gbps: float
+    # Prefill (recompute) throughput of a cold prompt, tokens per second.
+    prefill_tokens_per_s: float
+    # memcpy of the same bytes in the same run, GB/s: the hardware reference for the two above.
+    memcpy_gbps: float
+    version: int = CALIBRATION_VERSION
+
+
+def write_calibration(path: str | Path, calibration: Calibration) -> None:
+    Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(calibration)) + b"\n")
+
+
+def read_calibration(path: str | Path) -> Calibration:
+    """Read and validate a calibration file; errors are one line naming the file and the problem."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"calibration file {p}: {exc.strerror or exc}") from None
+    try:
+        cal = msgspec.json.decode(data, type=Calibration)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"calibration file {p}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"calibration file {p}: not JSON ({exc})") from None
+    if cal.version != CALIBRATION_VERSION:
+        raise ValueError(f"calibration file {p}: version {cal.version}, this maru-dynamo reads {CALIBRATION_VERSION}")
+    for name in ("load_gbps", "store_gbps", "prefill_tokens_per_s", "memcpy_gbps"):
+        if not getattr(cal, name) > 0:
+            raise ValueError(f"calibration file {p}: {name} must be > 0, got {getattr(cal, name)}")
+    if cal.kv_bytes_per_token <= 0:
+        raise ValueError(f"calibration file {p}: kv_bytes_per_token must be > 0, got {cal.kv_bytes_per_token}")
+    return cal
