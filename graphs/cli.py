@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from maru_dynamo.graphs.spec import GraphSpecError, load_graph, resolve_graph_path
@@ -29,13 +30,16 @@ def register(subparsers: Any) -> None:
     run.add_argument("--keep-logs", action="store_true", help="keep the work dir with the logs after a clean stop")
     run.set_defaults(func=cmd_run)
 
-    render = gsub.add_parser("render", help="print the Kubernetes manifests (ConfigMap, pool DaemonSet, DGD)")
+    render = gsub.add_parser("render", help="print the Kubernetes manifests (Helm chart deploy/k8s, real Helm engine)")
     render.add_argument("graph", help="graph file (graphs/agg.yaml) or bundled graph name (agg, disagg)")
-    render.add_argument("--image", required=True, help="container image with maru-dynamo, Dynamo and vLLM")
-    render.add_argument("--namespace", help="Kubernetes namespace of every object (default: none set)")
+    render.add_argument("--image", required=True, help="container image built from deploy/Dockerfile")
+    render.add_argument("--namespace", default="default", help="namespace of every object (default: default, as "
+                                                               "`helm template`)")
     render.add_argument("--model", help="model for the workers (default: the graph's kubernetes.model)")
     render.add_argument("--nats-url", help="NATS of the Dynamo platform (default: the graph's nats.url or "
-                                           "nats://dynamo-platform-nats:4222)")
+                                           "the chart's nats://dynamo-platform-nats:4222)")
+    render.add_argument("-f", "--values", action="append", default=[], metavar="FILE",
+                        help="chart values file layered over the graph's (deploy/k8s/README.md), repeatable")
     render.set_defaults(func=cmd_render)
 
 
@@ -64,14 +68,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     return runner.run_plan(plan, keep_logs=args.keep_logs, out=lambda line: print(line, flush=True))
 
 
+def _values_file(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        sys.exit(f"maru-dynamo graph render: error: --values {path}: cannot read a YAML mapping: {exc}")
+    if not isinstance(data, dict):
+        sys.exit(f"maru-dynamo graph render: error: --values {path}: not a mapping of chart values")
+    return data
+
+
 def cmd_render(args: argparse.Namespace) -> int:
+    from maru_dynamo.graphs.helm import ChartError, HelmUnavailable
     from maru_dynamo.graphs.render import RenderOptions, render_yaml
 
     spec = _load(args.graph)
+    extra = tuple(_values_file(p) for p in args.values)
     try:
         text = render_yaml(spec, RenderOptions(image=args.image, namespace=args.namespace, model=args.model,
-                                               nats_url=args.nats_url))
-    except GraphSpecError as exc:
+                                               nats_url=args.nats_url, values=extra))
+    except (GraphSpecError, ChartError, HelmUnavailable) as exc:
         sys.exit(f"maru-dynamo graph render: error: {exc}")
     sys.stdout.write(text)
     return 0

@@ -1,9 +1,17 @@
-"""`maru-dynamo graph render` and the Helm chart in deploy/k8s: the Kubernetes objects of a graph."""
+"""`maru-dynamo graph render` and the Helm chart in deploy/k8s, checked by the real tools.
+
+The chart is the one source of the Kubernetes objects; `graph render` turns a graph file into
+chart values and has the real Helm engine (helm-python-sdk: Helm v4's SDK) render it. Every
+rendered object is checked against its real schema (tests/graphs/k8s_schemas.py: the upstream
+DynamoGraphDeployment CRD, closed; Kubernetes' strict OpenAPI schemas), and the chart is linted
+by Helm. Each validator also gets a negative test, so none of them can pass vacuously.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,26 +20,45 @@ from typing import Any
 import pytest
 import yaml
 
-from maru_dynamo.graphs.render import RenderOptions, render
+from maru_dynamo.graphs import helm
+from maru_dynamo.graphs.render import RenderOptions, chart_values, render_yaml
 from maru_dynamo.graphs.spec import GraphSpecError, load_graph, parse_graph
-from tests.graphs.gotemplate import TemplateError, render_chart
+from tests.graphs.k8s_schemas import ManifestError, validate_core, validate_dgd, validate_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "k8s"
+CXL_EXAMPLE = CHART / "examples" / "gpu-cxl-values.yaml"
 IMAGE = "registry.example/maru-dynamo:0.1.0"
 
 
-def cli_render(*args: str) -> subprocess.CompletedProcess[str]:
+def cli_render(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "maru_vllm.cli", "graph", "render", *args],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, input=stdin)
+
+
+def docs_of(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
 
 
 def by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {d["kind"]: d for d in docs}
 
 
+def components(dgd: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in dgd["spec"]["components"]}
+
+
+def main_container(component: dict[str, Any]) -> dict[str, Any]:
+    (main,) = [c for c in component["podTemplate"]["spec"]["containers"] if c["name"] == "main"]
+    return main
+
+
 def flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
+
+
+def render_values(values: dict[str, Any], release: str = "r", namespace: str = "ns") -> list[dict[str, Any]]:
+    return docs_of(helm.template(values, release=release, namespace=namespace))
 
 
 @pytest.fixture(scope="module")
@@ -40,81 +67,127 @@ def rendered() -> dict[str, dict[str, dict[str, Any]]]:
     for graph in ("agg", "disagg"):
         res = cli_render(f"graphs/{graph}.yaml", "--image", IMAGE, "--namespace", "llm")
         assert res.returncode == 0, res.stderr
-        docs = list(yaml.safe_load_all(res.stdout))
+        docs = docs_of(res.stdout)
+        # Helm's install order: the ConfigMap before the pods that read it, the custom resource last.
         assert [d["kind"] for d in docs] == ["ConfigMap", "DaemonSet", "DynamoGraphDeployment"]
         assert all(d["metadata"]["namespace"] == "llm" for d in docs)
         out[graph] = by_kind(docs)
     return out
 
 
-def test_dgd_kind_services_and_replicas(rendered: dict[str, Any]) -> None:
+# -- the objects ----------------------------------------------------------------------------------
+def test_every_rendered_object_passes_its_real_schema(rendered: dict[str, Any]) -> None:
+    variants = [list(rendered["agg"].values()), list(rendered["disagg"].values())]
+    variants.append(render_values({"image": IMAGE, "metrics": {"serviceMonitor": {"enabled": True}},
+                                   "nodeSelector": {"maru.io/pool": "true"},
+                                   "tolerations": [{"key": "gpu", "operator": "Exists"}]}))
+    variants.append(render_values({"image": IMAGE, "pool": {"backend": "dax", "path": "/dev/dax0.0",
+                                                            "daxAccess": "devicePlugin",
+                                                            "deviceResource": "example.com/cxl-dax"}}))
+    variants.append(render_values({**yaml.safe_load(CXL_EXAMPLE.read_text()), "image": IMAGE}))
+    kinds = set()
+    for docs in variants:
+        for doc in docs:
+            validate_manifest(doc)
+            kinds.add(doc["kind"])
+    assert kinds == {"ConfigMap", "DaemonSet", "DynamoGraphDeployment", "Service", "ServiceMonitor"}
+
+
+def test_dgd_is_v1beta1_with_typed_components(rendered: dict[str, Any]) -> None:
     agg = rendered["agg"]["DynamoGraphDeployment"]
-    assert agg["apiVersion"] == "nvidia.com/v1alpha1" and agg["metadata"]["name"] == "maru-agg"
-    services = agg["spec"]["services"]
-    assert {n: (s["componentType"], s.get("subComponentType"), s["replicas"]) for n, s in services.items()} == {
-        "Frontend": ("frontend", None, 1), "MaruWorker": ("worker", None, 2)}
-    disagg = rendered["disagg"]["DynamoGraphDeployment"]["spec"]["services"]
-    assert {n: (s["componentType"], s.get("subComponentType"), s["replicas"]) for n, s in disagg.items()} == {
-        "Frontend": ("frontend", None, 1), "MaruPrefillWorker": ("worker", "prefill", 1),
-        "MaruDecodeWorker": ("worker", "decode", 1)}
+    assert agg["apiVersion"] == "nvidia.com/v1beta1" and agg["metadata"]["name"] == "maru-agg"
+    assert agg["spec"]["backendFramework"] == "vllm"
+
+    def shape(dgd: dict[str, Any]) -> dict[str, tuple[str, int]]:
+        return {n: (c["type"], c["replicas"]) for n, c in components(dgd).items()}
+
+    assert shape(agg) == {"Frontend": ("frontend", 1), "worker": ("worker", 2)}
+    assert shape(rendered["disagg"]["DynamoGraphDeployment"]) == {
+        "Frontend": ("frontend", 1), "prefill": ("prefill", 1), "decode": ("decode", 1)}
+    for graph in ("agg", "disagg"):
+        for name, comp in components(rendered[graph]["DynamoGraphDeployment"]).items():
+            # Our image's tag is maru-dynamo's version: the operator is told the Dynamo runtime's.
+            assert comp["runtimeVersionOverride"] == "1.6.1", name
+            assert main_container(comp)["image"] == IMAGE
 
 
 def test_frontend_runs_the_maru_frontend_with_the_kv_router(rendered: dict[str, Any]) -> None:
-    main = rendered["agg"]["DynamoGraphDeployment"]["spec"]["services"]["Frontend"]["extraPodSpec"]["mainContainer"]
-    assert main["image"] == IMAGE
+    main = main_container(components(rendered["agg"]["DynamoGraphDeployment"])["Frontend"])
     assert main["command"] == ["python3", "-m", "maru_dynamo.components.frontend"]
-    assert flag(main["args"], "--router-mode") == "kv"
+    assert flag(main["args"], "--router-mode") == "kv" and flag(main["args"], "--http-port") == "8000"
     # The pool-tier weight comes from the image (or MARU_POOL_TIER_WEIGHT), not a hard-coded arg.
     assert "--router-host-cache-hit-weight" not in main["args"]
 
 
-def test_pool_daemonset_and_workers_share_the_region_and_socket(rendered: dict[str, Any]) -> None:
+def test_pool_daemonset_and_workers_share_the_region_socket_and_user(rendered: dict[str, Any]) -> None:
     for graph in ("agg", "disagg"):
         ds = rendered[graph]["DaemonSet"]
         pod = ds["spec"]["template"]["spec"]
         assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
-        pool = pod["containers"][0]
+        (pool,) = pod["containers"]
         assert pool["command"] == ["python3", "-m", "maru_dynamo.components.pool"]
         assert flag(pool["args"], "--size") == "32G" and flag(pool["args"], "--backend") == "shm"
         assert flag(pool["args"], "--path") == "/dev/shm/maru-kv"
         address = flag(pool["args"], "--listen")
         assert address == "unix:///run/maru/kv.sock"
-        host_paths = {v["name"]: v["hostPath"] for v in pod["volumes"]}
-        assert host_paths == {"maru-region": {"path": "/dev/shm", "type": "Directory"},
-                              "maru-socket": {"path": "/run/maru", "type": "DirectoryOrCreate"}}
-        for name, svc in rendered[graph]["DynamoGraphDeployment"]["spec"]["services"].items():
-            if svc["componentType"] != "worker":
+        assert {v["name"]: v["hostPath"] for v in pod["volumes"]} == {
+            "maru-region": {"path": "/dev/shm", "type": "Directory"},
+            "maru-socket": {"path": "/run/maru", "type": "DirectoryOrCreate"}}
+        # The socket directory is handed to the pool's user before the pool starts.
+        (init,) = pod["initContainers"]
+        assert init["command"][-1] == "/run/maru" and init["securityContext"] == {"runAsUser": 0}
+        annotations = ds["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "9400"
+        for name, comp in components(rendered[graph]["DynamoGraphDeployment"]).items():
+            if comp["type"] == "frontend":
                 continue
-            assert svc["extraPodSpec"]["volumes"] == pod["volumes"], name
-            main = svc["extraPodSpec"]["mainContainer"]
+            spec, main = comp["podTemplate"]["spec"], main_container(comp)
+            assert spec["volumes"] == pod["volumes"], name
             assert main["volumeMounts"] == pool["volumeMounts"], name
-            assert svc["sharedMemory"] == {"disabled": True}, name  # host /dev/shm, not a private tmpfs
+            assert main["securityContext"] == pool["securityContext"] == {"runAsUser": 1000, "runAsGroup": 0}
+            assert comp["sharedMemorySize"] == "0", name  # the node's /dev/shm, not a private tmpfs
             assert flag(main["args"], "--maru-pool-address") == address
-            socket_dir = Path(address.removeprefix("unix://")).parent
-            assert {"name": "maru-socket", "mountPath": str(socket_dir)} in main["volumeMounts"]
         config = rendered[graph]["ConfigMap"]["data"]
         assert config["MARU_POOL_ADDRESS"] == address and config["PYTHONHASHSEED"] == "0"
         assert config["DYN_EVENT_PLANE"] == "nats" and config["NATS_SERVER"] == flag(pool["args"], "--nats")
+        assert config["NATS_SERVER"] == "nats://dynamo-platform-nats:4222"  # the Dynamo platform chart's
 
 
-def test_workers_kv_transfer_args(rendered: dict[str, Any]) -> None:
-    expected = {"MaruWorker": ("agg", "kv_both"), "MaruPrefillWorker": ("prefill", "kv_producer"),
-                "MaruDecodeWorker": ("decode", "kv_consumer")}
+def test_workers_are_scheduled_next_to_a_pool_pod(rendered: dict[str, Any]) -> None:
+    pool_labels = rendered["agg"]["DaemonSet"]["spec"]["template"]["metadata"]["labels"]
+    worker = components(rendered["agg"]["DynamoGraphDeployment"])["worker"]["podTemplate"]["spec"]
+    (term,) = worker["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == pool_labels
+    # A node selector puts the pool and the workers on the same nodes.
+    docs = by_kind(render_values({"image": IMAGE, "nodeSelector": {"maru.io/cxl-dax": "true"}}))
+    assert docs["DaemonSet"]["spec"]["template"]["spec"]["nodeSelector"] == {"maru.io/cxl-dax": "true"}
+    for comp in components(docs["DynamoGraphDeployment"]).values():
+        if comp["type"] != "frontend":
+            assert comp["podTemplate"]["spec"]["nodeSelector"] == {"maru.io/cxl-dax": "true"}
+    off = by_kind(render_values({"image": IMAGE, "workersNextToPool": False}))
+    assert "affinity" not in components(off["DynamoGraphDeployment"])["worker"]["podTemplate"]["spec"]
+
+
+def test_workers_kv_transfer_args_and_gpus(rendered: dict[str, Any]) -> None:
+    expected = {"worker": ("agg", "kv_both"), "prefill": ("prefill", "kv_producer"),
+                "decode": ("decode", "kv_consumer")}
     maru_worker = None
     if importlib.util.find_spec("maru_dynamo.components.maru_worker") is not None:
         from maru_dynamo.components import maru_worker
     for graph in ("agg", "disagg"):
-        for name, svc in rendered[graph]["DynamoGraphDeployment"]["spec"]["services"].items():
+        for name, comp in components(rendered[graph]["DynamoGraphDeployment"]).items():
             if name == "Frontend":
                 continue
-            main = svc["extraPodSpec"]["mainContainer"]
+            main = main_container(comp)
             assert main["command"] == ["python3", "-m", "maru_dynamo.components.maru_worker"]
             args = main["args"]
             mode, role = expected[name]
             assert flag(args, "--model") == "Qwen/Qwen3-0.6B"
             assert flag(args, "--disaggregation-mode") == mode
             assert flag(args, "--maru-pool-name") == "kv" and flag(args, "--maru-chunk-tokens") == "256"
-            assert svc["resources"] == {"limits": {"gpu": "1"}}
+            assert main["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
+            assert main["envFrom"] == [{"configMapRef": {"name": f"maru-{graph}-config"}}]
             if maru_worker is not None and hasattr(maru_worker, "build"):
                 # What the worker component makes of these args: the connector config vLLM gets.
                 _, full = maru_worker.build(list(args))
@@ -126,9 +199,9 @@ def test_workers_kv_transfer_args(rendered: dict[str, Any]) -> None:
 def test_render_options_and_errors(tmp_path: Path) -> None:
     res = cli_render("agg", "--image", IMAGE, "--model", "/models/llama", "--nats-url", "nats://nats.llm:4222")
     assert res.returncode == 0, res.stderr
-    docs = by_kind(list(yaml.safe_load_all(res.stdout)))
-    assert "namespace" not in docs["DaemonSet"]["metadata"]
-    worker = docs["DynamoGraphDeployment"]["spec"]["services"]["MaruWorker"]["extraPodSpec"]["mainContainer"]
+    docs = by_kind(docs_of(res.stdout))
+    assert docs["DaemonSet"]["metadata"]["namespace"] == "default"  # as `helm template` without -n
+    worker = main_container(components(docs["DynamoGraphDeployment"])["worker"])
     assert flag(worker["args"], "--model") == "/models/llama"
     assert docs["ConfigMap"]["data"]["NATS_SERVER"] == "nats://nats.llm:4222"
 
@@ -142,79 +215,146 @@ def test_render_options_and_errors(tmp_path: Path) -> None:
     assert "model 'tiny' is an offline test fixture" in res.stderr and "--model" in res.stderr
 
 
-def test_dax_pool_mounts_the_device_privileged() -> None:
+def test_values_files_layer_over_the_graph() -> None:
+    res = cli_render("disagg", "--image", IMAGE, "-f", "/dev/stdin",
+                     stdin="metrics: {serviceMonitor: {enabled: true}}\nnodeSelector: {pool: 'yes'}\n")
+    assert res.returncode == 0, res.stderr
+    docs = by_kind(docs_of(res.stdout))
+    assert docs["ServiceMonitor"]["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+    assert docs["ServiceMonitor"]["spec"]["selector"]["matchLabels"].items() <= docs["Service"]["metadata"]["labels"].items()
+    assert docs["Service"]["spec"]["selector"] == docs["DaemonSet"]["spec"]["selector"]["matchLabels"]
+    # The graph's own settings stay: its worker list, its name.
+    assert set(components(docs["DynamoGraphDeployment"])) == {"Frontend", "prefill", "decode"}
+
+
+def test_dax_pool_mounts_the_device_privileged_or_by_device_plugin() -> None:
     spec = parse_graph({"name": "g", "model": "m", "pool": {"backend": "dax", "path": "/dev/dax0.0", "size": "64G"},
                         "frontend": {"pool_tier_weight": 0.6}, "workers": [{"name": "w", "env": {"A": "1"}}]})
-    cm, ds, dgd = render(spec, RenderOptions(image=IMAGE))
-    pool = ds["spec"]["template"]["spec"]
+    docs = by_kind(docs_of(render_yaml(spec, RenderOptions(image=IMAGE))))
+    pool = docs["DaemonSet"]["spec"]["template"]["spec"]
     assert pool["volumes"][0] == {"name": "maru-region", "hostPath": {"path": "/dev/dax0.0", "type": "CharDevice"}}
-    assert pool["containers"][0]["securityContext"] == {"privileged": True}
-    worker = dgd["spec"]["services"]["MaruWWorker"]
-    assert worker["extraPodSpec"]["mainContainer"]["securityContext"] == {"privileged": True}
-    assert "sharedMemory" not in worker and worker["envs"] == [{"name": "A", "value": "1"}]
-    assert cm["data"]["MARU_POOL_TIER_WEIGHT"] == "0.6"
-    with pytest.raises(GraphSpecError, match=r"kubernetes.pool_path: missing; backend 'dax'"):
-        render(parse_graph({"name": "g", "model": "m", "kubernetes": {"pool_backend": "dax"},
-                            "workers": [{"name": "w"}]}), RenderOptions(image=IMAGE))
+    assert pool["containers"][0]["securityContext"]["privileged"] is True
+    worker = components(docs["DynamoGraphDeployment"])["w"]
+    assert main_container(worker)["securityContext"]["privileged"] is True
+    assert main_container(worker)["env"] == [{"name": "A", "value": "1"}]
+    assert "sharedMemorySize" not in worker  # the operator's tmpfs: the region is not in /dev/shm
+    assert docs["ConfigMap"]["data"]["MARU_POOL_TIER_WEIGHT"] == "0.6"
+
+    plugin = by_kind(docs_of(render_yaml(spec, RenderOptions(image=IMAGE, values=(
+        {"pool": {"daxAccess": "devicePlugin", "deviceResource": "example.com/cxl-dax"}, "sharedMemorySize": "16Gi"},)))))
+    pool = plugin["DaemonSet"]["spec"]["template"]["spec"]
+    assert [v["name"] for v in pool["volumes"]] == ["maru-socket"]
+    assert pool["containers"][0]["resources"] == {"limits": {"example.com/cxl-dax": "1"}}
+    assert "privileged" not in pool["containers"][0]["securityContext"]
+    worker = components(plugin["DynamoGraphDeployment"])["w"]
+    assert main_container(worker)["resources"]["limits"] == {"example.com/cxl-dax": "1", "nvidia.com/gpu": "1"}
+    assert worker["sharedMemorySize"] == "16Gi"
+
+    with pytest.raises(helm.ChartError, match=r"pool.path: missing; backend \"dax\""):
+        render_yaml(parse_graph({"name": "g", "model": "m", "kubernetes": {"pool_backend": "dax"},
+                                 "workers": [{"name": "w"}]}), RenderOptions(image=IMAGE))
 
 
-# -- the Helm chart ---------------------------------------------------------------------------------
-HELM_ONLY_LABELS = ("app.kubernetes.io/managed-by", "helm.sh/chart")
-
-
-def chart_values(**overrides: Any) -> dict[str, Any]:
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    values.update(overrides)
-    return values
-
-
-def without_helm_labels(doc: dict[str, Any]) -> dict[str, Any]:
-    doc = json.loads(json.dumps(doc))
-    labels = doc["metadata"]["labels"]
-    assert labels["app.kubernetes.io/managed-by"] == "Helm"
-    for key in HELM_ONLY_LABELS:
-        labels.pop(key)
-    return doc
-
-
+# -- the chart itself: one source, linted by Helm ------------------------------------------------
 @pytest.mark.parametrize("graph", ["agg", "disagg"])
-def test_chart_renders_what_graph_render_prints(graph: str) -> None:
-    chart = render_chart(CHART, chart_values(graph=graph, image=IMAGE), name=f"maru-{graph}", namespace="llm")
-    assert sorted(d["kind"] for d in chart) == ["ConfigMap", "DaemonSet", "DynamoGraphDeployment"]
-    ours = by_kind(render(load_graph(ROOT / "graphs" / f"{graph}.yaml"), RenderOptions(image=IMAGE, namespace="llm")))
-    for doc in chart:
-        assert without_helm_labels(doc) == ours[doc["kind"]], doc["kind"]
+def test_chart_defaults_are_the_bundled_graphs(graph: str) -> None:
+    """`helm template maru-<graph> deploy/k8s --set image=IMG [--set graph=disagg]` == `graph render`."""
+    plain = helm.template({"image": IMAGE, "graph": graph}, release=f"maru-{graph}", namespace="llm")
+    ours = render_yaml(load_graph(ROOT / "graphs" / f"{graph}.yaml"), RenderOptions(image=IMAGE, namespace="llm"))
+    assert docs_of(plain) == docs_of(ours)
+    assert ours.split("\n", 1)[1] == plain.lstrip("\n")  # byte for byte, after graph render's header line
 
 
-def test_chart_values_follow_the_graph_files() -> None:
-    values = chart_values()
-    agg, disagg = load_graph(ROOT / "graphs" / "agg.yaml"), load_graph(ROOT / "graphs" / "disagg.yaml")
-    assert values["model"] == agg.kubernetes.model == disagg.kubernetes.model
-    assert values["workers"]["agg"]["replicas"] == agg.workers[0].replicas
-    assert [values["workers"][r]["replicas"] for r in ("prefill", "decode")] == [w.replicas for w in disagg.workers]
-    assert values["pool"]["chunkTokens"] == agg.pool.chunk_tokens
-    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    assert chart["apiVersion"] == "v2" and chart["name"] == "maru-dynamo"
+def test_helm_lint_is_clean_for_the_chart_and_the_example() -> None:
+    assert helm.lint({"image": IMAGE}) == []
+    assert helm.lint({"image": IMAGE, "graph": "disagg"}) == []
+    assert helm.lint({**yaml.safe_load(CXL_EXAMPLE.read_text()), "image": IMAGE}) == []
+    values = chart_values(load_graph(ROOT / "graphs" / "disagg.yaml"), RenderOptions(image=IMAGE))
+    assert helm.lint(values) == []
 
 
-def test_chart_dax_pool_and_overrides() -> None:
-    values = chart_values(graph="disagg", image=IMAGE, model="/models/m")
-    values["pool"].update(backend="dax", path="/dev/dax1.0")
-    values["frontend"]["poolTierWeight"] = 0.6
-    values["workers"]["decode"].update(replicas=3, args=["--max-model-len", 8192])
-    docs = by_kind(render_chart(CHART, values, name="r", namespace="ns"))
-    spec = parse_graph({"name": "r", "model": "/models/m", "frontend": {"pool_tier_weight": 0.6},
-                        "pool": {"backend": "dax", "path": "/dev/dax1.0", "size": "32G"},
-                        "workers": [{"name": "prefill", "role": "prefill"},
-                                    {"name": "decode", "role": "decode", "replicas": 3,
-                                     "args": ["--max-model-len", 8192]}]})
-    ours = by_kind(render(spec, RenderOptions(image=IMAGE, namespace="ns")))
-    for kind, doc in docs.items():
-        assert without_helm_labels(doc) == ours[kind], kind
+def test_negative_broken_template_is_refused_by_helm(tmp_path: Path) -> None:
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    template = chart / "templates" / "configmap.yaml"
+    template.write_text(template.read_text() + '  BROKEN: {{ .Values.pool.name | no_such_function }}\n')
+    findings = helm.lint({"image": IMAGE}, chart=chart)
+    assert any(f.startswith("ERROR") and "no_such_function" in f for f in findings), findings
+    with pytest.raises(helm.ChartError, match="no_such_function"):
+        helm.template({"image": IMAGE}, release="r", namespace="ns", chart=chart)
+    template.write_text("{{ if .Values.image }}\nunclosed: true\n")
+    findings = helm.lint({"image": IMAGE}, chart=chart)
+    assert any(f.startswith("ERROR") and "configmap.yaml" in f for f in findings), findings
 
 
-def test_chart_refuses_missing_image_and_unknown_graph() -> None:
-    with pytest.raises(TemplateError, match="image is required"):
-        render_chart(CHART, chart_values(), name="r", namespace="ns")
-    with pytest.raises(TemplateError, match='graph: "both" is not allowed; use agg or disagg'):
-        render_chart(CHART, chart_values(graph="both", image=IMAGE), name="r", namespace="ns")
+def test_negative_values_outside_the_chart_schema_are_refused() -> None:
+    res = cli_render("agg", "--image", IMAGE, "-f", "/dev/stdin", stdin="pool: {sise: 1G}\n")
+    assert res.returncode != 0 and "sise" in res.stderr, res.stderr
+    with pytest.raises(helm.ChartError, match="graph"):
+        helm.template({"image": IMAGE, "graph": "both"}, release="r", namespace="ns")
+    with pytest.raises(helm.ChartError, match="image is required"):
+        helm.template({}, release="r", namespace="ns")
+    bad_mix = {"image": IMAGE, "graph": "disagg",
+               "workers": {"disagg": [{"name": "p", "type": "prefill", "replicas": 1}]}}
+    with pytest.raises(helm.ChartError, match="at least one prefill and one decode"):
+        helm.template(bad_mix, release="r", namespace="ns")
+    with pytest.raises(helm.ChartError, match="pool.deviceResource: missing"):
+        helm.template({"image": IMAGE, "pool": {"backend": "dax", "path": "/dev/dax0.0", "daxAccess": "devicePlugin"}},
+                      release="r", namespace="ns")
+
+
+# -- the validators refuse what they must --------------------------------------------------------
+def test_negative_misspelled_dgd_keys_fail_the_crd_schema(rendered: dict[str, Any]) -> None:
+    dgd = rendered["disagg"]["DynamoGraphDeployment"]
+    validate_dgd(dgd)
+
+    def misspelt(edit: Any) -> dict[str, Any]:
+        doc = json.loads(json.dumps(dgd))
+        edit(doc)
+        return doc
+
+    cases = {
+        "podTemplat": lambda d: d["spec"]["components"][1].__setitem__("podTemplat", d["spec"]["components"][1].pop("podTemplate")),
+        "componets": lambda d: d["spec"].__setitem__("componets", d["spec"].pop("components")),
+        "volumeMount": lambda d: main_container(d["spec"]["components"][2]).__setitem__(
+            "volumeMount", main_container(d["spec"]["components"][2]).pop("volumeMounts")),
+        "hostPth": lambda d: d["spec"]["components"][2]["podTemplate"]["spec"]["volumes"][0].__setitem__(
+            "hostPth", d["spec"]["components"][2]["podTemplate"]["spec"]["volumes"][0].pop("hostPath")),
+    }
+    for key, edit in cases.items():
+        with pytest.raises(ManifestError, match=f"'{key}' was unexpected"):
+            validate_dgd(misspelt(edit))
+    with pytest.raises(ManifestError, match="'router' is not one of"):
+        validate_dgd(misspelt(lambda d: d["spec"]["components"][0].__setitem__("type", "router")))
+    with pytest.raises(ManifestError, match="does not match"):
+        validate_dgd(misspelt(lambda d: d["spec"]["components"][1].__setitem__("runtimeVersionOverride", "latest")))
+
+
+def test_negative_invalid_daemonset_fails_the_kubernetes_schema(rendered: dict[str, Any]) -> None:
+    ds = rendered["agg"]["DaemonSet"]
+    validate_core(ds)
+    bad_port = json.loads(json.dumps(ds))
+    bad_port["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "metrics"
+    with pytest.raises(ManifestError, match="containerPort: 'metrics' is not of type 'integer'"):
+        validate_core(bad_port)
+    misspelt = json.loads(json.dumps(ds))
+    pod = misspelt["spec"]["template"]["spec"]
+    pod["volume"] = pod.pop("volumes")
+    with pytest.raises(ManifestError, match="'volume' was unexpected"):
+        validate_core(misspelt)
+    no_containers = json.loads(json.dumps(ds))
+    del no_containers["spec"]["template"]["spec"]["containers"]
+    with pytest.raises(ManifestError, match="'containers' is a required property"):
+        validate_core(no_containers)
+
+
+def test_the_chart_ships_in_the_wheel(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    import zipfile
+
+    (wheel,) = tmp_path.glob("maru_dynamo-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    on_disk = {f"maru_dynamo/chart/{p.relative_to(CHART)}" for p in CHART.rglob("*") if p.is_file()}
+    assert on_disk <= names, sorted(on_disk - names)
