@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -348,13 +350,24 @@ def test_negative_invalid_daemonset_fails_the_kubernetes_schema(rendered: dict[s
         validate_core(no_containers)
 
 
-def test_the_chart_ships_in_the_wheel(tmp_path: Path) -> None:
+def test_the_chart_ships_in_the_wheel_built_from_the_dockerfiles_inputs(tmp_path: Path) -> None:
+    """The wheel built from exactly what deploy/Dockerfile copies holds the whole chart."""
+    src = tmp_path / "src"
+    copies = re.findall(r"^COPY --chown=1000:0 (.+) /tmp/maru-src/(\S*)$", (ROOT / "deploy" / "Dockerfile").read_text(), re.M)
+    assert copies
+    for sources, dest in copies:
+        for source in sources.split():
+            target = src / dest / Path(source).name if dest.endswith("/") or not dest else src / dest
+            if (ROOT / source).is_dir():
+                shutil.copytree(ROOT / source, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / source, target)
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+                          "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    import zipfile
-
-    (wheel,) = tmp_path.glob("maru_dynamo-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("maru_dynamo-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     on_disk = {f"maru_dynamo/chart/{p.relative_to(CHART)}" for p in CHART.rglob("*") if p.is_file()}
     assert on_disk <= names, sorted(on_disk - names)
+    assert {"maru_dynamo/graphs/render.py", "maru_dynamo/components/pool.py", "maru_vllm/cli.py"} <= names
