@@ -4,7 +4,9 @@ The chart in deploy/k8s is the one description of the Kubernetes objects of a Ma
 (`graph render` only turns a graph file into chart values), so rendering it must be Helm
 itself, not a look-alike. Helm is not packaged for Debian or shipped as a binary on PyPI;
 `helm-python-sdk` bundles Helm v4's Go SDK as a C library, and its client-side dry-run install
-is exactly what `helm template` runs (render, order by kind, no cluster contacted).
+is exactly what `helm template` runs (render, order by kind, no cluster contacted). (PyPI's
+`helm-sdkpy` also bundles Helm v4, but needs Python >= 3.12 and offers `lint` and cluster
+installs only, no client-side render; helm-python-sdk runs on this project's Python 3.11.)
 """
 
 from __future__ import annotations
