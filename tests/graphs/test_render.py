@@ -300,6 +300,9 @@ def test_negative_values_outside_the_chart_schema_are_refused() -> None:
                "workers": {"disagg": [{"name": "p", "type": "prefill", "replicas": 1}]}}
     with pytest.raises(helm.ChartError, match="at least one prefill and one decode"):
         helm.template(bad_mix, release="r", namespace="ns")
+    taken = {"image": IMAGE, "workers": {"agg": [{"name": "frontend", "type": "worker", "replicas": 1}]}}
+    with pytest.raises(helm.ChartError, match="taken by the Frontend component"):
+        helm.template(taken, release="r", namespace="ns")
     with pytest.raises(helm.ChartError, match="pool.deviceResource: missing"):
         helm.template({"image": IMAGE, "pool": {"backend": "dax", "path": "/dev/dax0.0", "daxAccess": "devicePlugin"}},
                       release="r", namespace="ns")

@@ -120,6 +120,7 @@ imagePullSecrets:
 {{- $names := list }}
 {{- range $workers }}
 {{- if has .name $names }}{{ fail (printf "workers.%s: duplicate worker name %q" $graph .name) }}{{ end }}
+{{- if eq .name "frontend" }}{{ fail (printf "workers.%s: worker name %q is taken by the Frontend component (names are unique case-insensitively)" $graph .name) }}{{ end }}
 {{- $names = append $names .name }}
 {{- $types = append $types .type }}
 {{- end }}
