@@ -229,6 +229,20 @@ def test_values_files_layer_over_the_graph() -> None:
     assert set(components(docs["DynamoGraphDeployment"])) == {"Frontend", "prefill", "decode"}
 
 
+def test_numbers_become_whole_command_line_words() -> None:
+    """Helm reads values' numbers as floats; 10000000 must still reach vLLM as '10000000', not '1e+07'."""
+    spec = parse_graph({"name": "g", "model": "m", "pool": {"size": "1536M", "chunk_tokens": 1000000},
+                        "workers": [{"name": "w", "args": ["--max-model-len", 10000000, "--gpu-memory-utilization", 0.9],
+                                     "env": {"BIG": 12345678}}]})
+    docs = by_kind(docs_of(render_yaml(spec, RenderOptions(image=IMAGE, values=({"pool": {"size": 1 << 30}},)))))
+    assert flag(docs["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]["args"], "--size") == "1073741824"
+    main = main_container(components(docs["DynamoGraphDeployment"])["w"])
+    assert flag(main["args"], "--max-model-len") == "10000000"
+    assert flag(main["args"], "--gpu-memory-utilization") == "0.9"
+    assert flag(main["args"], "--maru-chunk-tokens") == "1000000"
+    assert main["env"] == [{"name": "BIG", "value": "12345678"}]
+
+
 def test_dax_pool_mounts_the_device_privileged_or_by_device_plugin() -> None:
     spec = parse_graph({"name": "g", "model": "m", "pool": {"backend": "dax", "path": "/dev/dax0.0", "size": "64G"},
                         "frontend": {"pool_tier_weight": 0.6}, "workers": [{"name": "w", "env": {"A": "1"}}]})

@@ -10,6 +10,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
 {{- end }}
 
+{{/*
+A value as one command-line word. Helm reads every number in the values as a float, which
+`toString` writes as 1e+07 from ten million on; whole numbers are written as integers here.
+*/}}
+{{- define "maru.word" -}}
+{{- if and (kindIs "float64" .) (eq (float64 (int64 .)) .) }}{{ int64 . }}{{ else }}{{ toString . }}{{ end }}
+{{- end }}
+
 {{- define "maru.poolSelectorLabels" -}}
 app.kubernetes.io/name: maru-dynamo
 app.kubernetes.io/instance: {{ .Release.Name }}
