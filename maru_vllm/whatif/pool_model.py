@@ -71,7 +71,8 @@ class _Index:
 
         self.tree = RadixTree()
         self._event_id = 0
-        self.skipped = 0
+        self.skipped = 0  # events the tree refused (should stay 0: the model's events are consistent)
+        self.removed_blocks = 0
 
     def _apply(self, worker: int, data: dict) -> None:
         self._event_id += 1
@@ -88,6 +89,7 @@ class _Index:
 
     def removed(self, worker: int, seq_hashes: list[int]) -> None:
         if seq_hashes:
+            self.removed_blocks += len(seq_hashes)
             self._apply(worker, {"removed": {"block_hashes": seq_hashes}})
 
     def overlaps(self, local: list[int]) -> dict[int, int]:

@@ -6,7 +6,6 @@ import json
 from collections.abc import Sequence
 
 from maru_vllm.whatif.runner import Row
-from maru_vllm.whatif.spec import CONFIGS
 
 
 def _num(v: float | int | None, fmt: str) -> str:
@@ -48,7 +47,7 @@ def plot(rows: Sequence[Row], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    configs = [c for c in CONFIGS if any(r.config == c for r in rows)]
+    configs = list(dict.fromkeys(r.config for r in rows))
     for config in configs:
         pts = sorted((r.workers, r) for r in rows if r.config == config and r.runs)
         if not pts:

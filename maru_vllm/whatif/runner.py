@@ -69,7 +69,7 @@ class WhatIf:
     """Replays one trace on one simulator; `run` and `sweep` return table rows."""
 
     def __init__(self, requests: Sequence[TraceRequest], spec: ClusterSpec, simulator: str = MODEL,
-                 repeats: int = 1, progress: TextIO | None = sys.stderr) -> None:
+                 repeats: int = 1, progress: TextIO | None | str = "stderr") -> None:
         if simulator not in SIMULATORS:
             raise ValueError(f"unknown simulator {simulator!r}: use {', '.join(SIMULATORS)}")
         if repeats < 1:
@@ -99,8 +99,10 @@ class WhatIf:
         return pool_model.replay(self.requests, spec, config, workers, mocker_timing(spec))
 
     def _say(self, text: str) -> None:
-        if self.progress is not None:
-            print(text, file=self.progress, flush=True)
+        """A progress line: on stderr (looked up now, not at import) unless another stream or None was given."""
+        stream = sys.stderr if self.progress == "stderr" else self.progress
+        if stream is not None:
+            print(text, file=stream, flush=True)
 
     def one(self, config: str, workers: int, spec: ClusterSpec | None = None) -> Row:
         spec = spec or self.spec
