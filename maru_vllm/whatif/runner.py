@@ -93,7 +93,7 @@ class WhatIf:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _replay_once(self, spec: ClusterSpec, config: str, workers: int) -> RunResult:
+    def replay_once(self, spec: ClusterSpec, config: str, workers: int) -> RunResult:
         if self.simulator == DYNAMO:
             return dynamo_backend.replay(self.trace_path, spec, config, workers)
         return pool_model.replay(self.requests, spec, config, workers, mocker_timing(spec))
@@ -111,7 +111,7 @@ class WhatIf:
         for run in range(1, self.repeats + 1):
             t0 = time.monotonic()
             try:
-                r = self._replay_once(spec, config, workers)
+                r = self.replay_once(spec, config, workers)
             except RuntimeError as exc:
                 errors.append(str(exc))
                 self._say(f"[whatif] {workers} workers {config} (weight {spec.host_weight:g}) run {run}/{self.repeats}: "
