@@ -21,9 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maru_vllm.whatif.runner import DYNAMO, MODEL, WhatIf  # noqa: E402
-from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec  # noqa: E402
+from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN  # noqa: E402
 from maru_vllm.whatif.trace import unique_prefix_tokens  # noqa: E402
-from maru_vllm.whatif.validation import REAL_BLOCK_TOKENS, routing_comparison_trace  # noqa: E402
+from maru_vllm.whatif.validation import (  # noqa: E402
+    REAL_BLOCK_TOKENS, routing_comparison_trace, validation_itl_ms, validation_spec,
+)
 
 # Measured on the real stack (README routing table, 2026-11-29), prefill tokens computed.
 REAL = {ROUND_ROBIN: "10112 (round-robin over Maru workers: the pool under it)", KV_GPU: "11136",
@@ -34,9 +36,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    requests = routing_comparison_trace()
-    spec = ClusterSpec(block_size=REAL_BLOCK_TOKENS, trace_block_size=REAL_BLOCK_TOKENS, gpu_blocks=4096,
-                       kv_bytes_per_token=4096, host_weight=0.97)
+    spec = validation_spec().with_weight(0.97)
+    requests = routing_comparison_trace(validation_itl_ms(spec))
     print(f"{len(requests)} requests, {sum(r.input_length for r in requests)} prompt tokens, prefix tree "
           f"{unique_prefix_tokens(requests, REAL_BLOCK_TOKENS)} tokens; prefill tokens computed (min / median / max "
           f"of {args.repeats} runs)\n")

@@ -17,9 +17,10 @@ from that tier (see `maru_vllm.whatif`). This model replays the same requests wi
 * **the mocker's timing**, measured from Dynamo's replay (`timing.mocker_timing`).
 
 What differs from Dynamo's mocker (stated in the README): each worker runs one prefill at a
-time, first come first served, and decodes beside it without slowing it (the mocker batches
-chunked prefill and decode in one vLLM-style step); a request's decode runs at the inter-token
-latency of the batch it joins; engine cache: vLLM-style prefix cache of ``gpu_blocks`` blocks,
+time, first come first served (the mocker's vLLM scheduler may pack several short prompts into
+one step); running requests decode one token per engine step, a step taking the mocker's
+decode-only time for the batch's KV tokens, or, while a prefill runs, a chunk's time plus that
+decode time (vLLM's mixed batch); engine cache: vLLM-style prefix cache of ``gpu_blocks`` blocks,
 free blocks evicted least recently used (a request's tail first), hits capped at the prompt's
 last full block before its last token; the pool and host tiers are written through when a
 prefill ends (every full prompt block; vLLM's offloading connectors and Maru store on prefill) and
@@ -36,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
-from maru_vllm.whatif.timing import MockerTiming
+from maru_vllm.whatif.timing import STEP_TOKENS, MockerTiming
 from maru_vllm.whatif.trace import TraceRequest
 
 POOL_WORKER_ID = 1 << 30  # the pool's own id in the host-tier tree
@@ -187,8 +188,17 @@ class _Worker:
         self.private_blocks = 0  # blocks of running requests that are not shared prefix blocks
         self.queue: list[_Request] = []
         self.busy = False
-        self.decoding = 0
         self.active_prefill_tokens = 0
+        # Decode as the mocker steps it: every running request advances one token per engine step;
+        # a step decodes only (its time grows with the batch's KV tokens) or also runs a prefill
+        # chunk (then it takes the chunk's time). decode_v counts the steps taken (a virtual clock).
+        self.decode_v = 0.0
+        self.decode_at = 0.0  # when decode_v was brought up to date
+        self.decode_rate = 0.0  # steps per ms now
+        self.prefill_rate: float | None = None  # steps per ms while a prefill runs
+        self.decode_due: list[tuple[float, int, _Request]] = []  # (decode_v at which it ends, tie, request)
+        self.context_tokens = 0  # KV tokens of the requests decoding
+        self.version = 0  # invalidates a scheduled decode_due event when the rate changes
         self.active: dict[int, int] = {}  # prompt blocks of requests in flight -> how many share each
 
     def potential_blocks(self, seq: list[int]) -> int:
@@ -317,7 +327,9 @@ class PoolModel:
         tier = wk.host if self.config == KV_HOST else self.pool
         if tier is not None:
             tier_hit = max(dev_hit, tier.prefix_hit(seq))
-        total_blocks = -(-(isl + rq.req.output_length) // bs)
+        # vLLM allocates a prompt's blocks on admission and decode blocks as tokens come; the
+        # model reserves the prompt plus half the output up front (the average a decode holds).
+        total_blocks = -(-(isl + rq.req.output_length // 2) // bs)
         new_shared = len(rq.seq) - dev_hit  # prompt blocks this request adds to the prefix cache
         private = max(0, total_blocks - len(rq.seq))
         need = new_shared + private
@@ -325,7 +337,7 @@ class PoolModel:
         if need > free_now:
             short = need - free_now
             hits_free = sum(1 for s in rq.seq[:dev_hit] if s in wk.gpu.free)
-            if wk.gpu.evictable() - hits_free < short and wk.decoding:
+            if wk.gpu.evictable() - hits_free < short and wk.decode_due:
                 return  # wait for running requests to free blocks
             wk.gpu.pin(rq.seq[:dev_hit])  # hits are in use from now on, not evictable
             self.device_index.removed(wk.wid, wk.gpu.evict(short))
@@ -349,15 +361,52 @@ class PoolModel:
         rq.pinned = rq.seq[:dev_hit]
         rq.blocks_needed = private
         wk.private_blocks += private
-        done = now + load_ms + self.timing.prefill_ms(computed)
-        self._at(done, "prefilled", (rq, bool(load_tokens), dev_hit))
+        chunks = max(1, -(-computed // STEP_TOKENS))
+        # Each prefill chunk runs in a step that also decodes the running requests (vLLM's mixed
+        # batch): the step takes the chunk's time plus a decode step's.
+        mixed_ms = chunks * self.timing.itl_ms(wk.context_tokens) if wk.decode_due else 0.0
+        duration = load_ms + self.timing.prefill_ms(computed) + mixed_ms
+        self._advance(now, wk)
+        wk.prefill_rate = chunks / duration if duration > 0 else None
+        self._reschedule(now, wk)
+        self._at(now + duration, "prefilled", (rq, bool(load_tokens), dev_hit))
+
+    # -- decode clock -------------------------------------------------------------------------
+    def _advance(self, now: float, wk: _Worker) -> None:
+        wk.decode_v += (now - wk.decode_at) * wk.decode_rate
+        wk.decode_at = now
+
+    def _reschedule(self, now: float, wk: _Worker) -> None:
+        if wk.prefill_rate is not None:
+            rate = wk.prefill_rate
+        elif wk.decode_due:
+            rate = 1.0 / self.timing.itl_ms(wk.context_tokens)
+        else:
+            rate = 0.0
+        wk.decode_rate = rate
+        wk.version += 1
+        if wk.decode_due and rate > 0:
+            self._at(now + max(0.0, wk.decode_due[0][0] - wk.decode_v) / rate, "decode_due", (wk, wk.version))
+
+    def _on_decode_due(self, now: float, payload: tuple[_Worker, int]) -> None:
+        wk, version = payload
+        if version != wk.version:
+            return  # the rate changed since this was scheduled
+        self._advance(now, wk)
+        while wk.decode_due and wk.decode_due[0][0] <= wk.decode_v + 1e-6:
+            _, _, rq = heapq.heappop(wk.decode_due)
+            self._finish(now, wk, rq)
+        self._try_start(now, wk)
+        self._reschedule(now, wk)
 
     def _on_prefilled(self, now: float, payload: tuple[_Request, bool, int]) -> None:
         rq, loaded, dev_hit = payload
         wk = self.workers[rq.worker]
         if loaded:
             self.loads_in_flight -= 1
+        self._advance(now, wk)
         wk.busy = False
+        wk.prefill_rate = None
         rq.first_token = now
         self.ttfts.append(now - rq.arrival)
         # The prompt's blocks are now in the device prefix cache (computed or loaded): stored events.
@@ -368,10 +417,10 @@ class PoolModel:
         self.device_index.stored(wk.wid, parent, new)
         wk.active_prefill_tokens -= rq.routed_prefill_tokens
         self._write_through(wk, rq)
-        wk.decoding += 1
-        itl = self.timing.itl_ms(wk.decoding)
-        self._at(now + (rq.req.output_length - 1) * itl, "finished", rq)
+        heapq.heappush(wk.decode_due, (wk.decode_v + rq.req.output_length - 1, rq.idx, rq))
+        wk.context_tokens += rq.req.input_length + rq.req.output_length // 2  # its KV, on average over its decode
         self._try_start(now, wk)
+        self._reschedule(now, wk)
 
     def _write_through(self, wk: _Worker, rq: _Request) -> None:
         if self.config == KV_POOL:
@@ -393,14 +442,12 @@ class PoolModel:
             chain = [(lh, s) for lh, s in zip(rq.local[first:], rq.seq[first:]) if s in tier.pins]
             self.host_index.stored(owner, rq.seq[first - 1] if first else None, chain)
 
-    def _on_finished(self, now: float, rq: _Request) -> None:
-        wk = self.workers[rq.worker]
-        wk.decoding -= 1
+    def _finish(self, now: float, wk: _Worker, rq: _Request) -> None:
+        wk.context_tokens -= rq.req.input_length + rq.req.output_length // 2
         wk.gpu.unpin(rq.pinned)
         wk.private_blocks -= rq.blocks_needed
         wk.remove_active(rq.seq)
         self.end_time = max(self.end_time, now)
-        self._try_start(now, wk)
 
 
 def _percentile(sorted_values: list[float], pct: float) -> float:

@@ -11,6 +11,7 @@ through the next two arrivals and ends before the third.
 from __future__ import annotations
 
 from maru_vllm.workload import Workload, WorkloadSpec, build_workload
+from maru_vllm.whatif.spec import ClusterSpec
 from maru_vllm.whatif.trace import TraceRequest
 
 # The routing comparison's defaults (benchmarks/routing_comparison.py DEFAULT_SPEC / DEFAULT_WINDOW).
@@ -36,5 +37,21 @@ def workload_trace(workload: Workload, block_tokens: int = REAL_BLOCK_TOKENS, wi
     return out
 
 
-def routing_comparison_trace() -> list[TraceRequest]:
-    return workload_trace(build_workload(ROUTING_COMPARISON_SPEC))
+def routing_comparison_trace(itl_ms: float = 5.75) -> list[TraceRequest]:
+    """The routing comparison's 21 requests; pass the simulated engine's decode step (`validation_itl_ms`)."""
+    return workload_trace(build_workload(ROUTING_COMPARISON_SPEC), itl_ms=itl_ms)
+
+
+def validation_spec() -> ClusterSpec:
+    """Two workers as in the real run: vLLM's 128-token blocks, caches large enough that nothing is evicted."""
+    return ClusterSpec(block_size=REAL_BLOCK_TOKENS, trace_block_size=REAL_BLOCK_TOKENS, gpu_blocks=4096,
+                       kv_bytes_per_token=4096)
+
+
+def validation_itl_ms(spec: ClusterSpec) -> float:
+    """The mocker's decode step with the window's requests in flight (sizes the outputs to hold the window)."""
+    from maru_vllm.whatif.timing import mocker_timing
+
+    prompts = build_workload(ROUTING_COMPARISON_SPEC)
+    mean_prompt = prompts.total_prompt_tokens / len(prompts)
+    return mocker_timing(spec).itl_ms(int(ROUTING_COMPARISON_WINDOW * mean_prompt))

@@ -11,18 +11,19 @@ from maru_vllm.whatif.runner import DYNAMO, MODEL, WhatIf
 from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec
 from maru_vllm.whatif.timing import mocker_timing
 from maru_vllm.whatif.trace import read_trace, unique_prefix_tokens
-from maru_vllm.whatif.validation import REAL_BLOCK_TOKENS, routing_comparison_trace
+from maru_vllm.whatif.validation import (
+    REAL_BLOCK_TOKENS, routing_comparison_trace, validation_itl_ms, validation_spec,
+)
 
 # The real stack's numbers are in the README's routing table (benchmarks/routing_comparison.py,
 # --window 3): kv-gpu 11136 prefill tokens, kv-pool 9216 (the workload's prefix tree).
-VALIDATION_SPEC = ClusterSpec(block_size=REAL_BLOCK_TOKENS, trace_block_size=REAL_BLOCK_TOKENS, gpu_blocks=4096,
-                              kv_bytes_per_token=4096)
+VALIDATION_SPEC = validation_spec()
 
 
 @pytest.mark.parametrize("simulator", [MODEL, DYNAMO])
 def test_routing_comparison_workload_keeps_the_real_stacks_order(simulator: str) -> None:
     """kv-pool <= kv-gpu and < round-robin in every run, as measured on the real two-worker stack."""
-    requests = routing_comparison_trace()
+    requests = routing_comparison_trace(validation_itl_ms(VALIDATION_SPEC))
     tree = unique_prefix_tokens(requests, REAL_BLOCK_TOKENS)
     assert (len(requests), sum(r.input_length for r in requests), tree) == (21, 34944, 9216)
     with WhatIf(requests, VALIDATION_SPEC, simulator, repeats=3, progress=None) as whatif:
