@@ -58,7 +58,10 @@ def run_trace(name: str, path: Path, args: argparse.Namespace) -> list[str]:
     workers = parse_workers(args.workers)
     spec = ClusterSpec(pool_bytes=parse_size(args.pool_size), host_weight=pool_tier_weight())
     large = dataclasses.replace(spec, pool_bytes=parse_size(args.large_pool_size))
-    ideal = unique_prefix_tokens(requests, 512)
+    # Prompts longer than a worker's whole KV cache are never served (by Dynamo's mocker either).
+    fits = [r for r in requests if -(-(r.input_length + 1) // spec.block_size) <= spec.gpu_blocks]
+    ideal = unique_prefix_tokens(fits, 512)
+    served = sum(r.input_length for r in fits)
     rows: dict[tuple[str, str, int], Row] = {}
     t0 = time.monotonic()
     with WhatIf(requests, spec, MODEL, args.repeats) as model, WhatIf(requests, spec, DYNAMO, args.repeats) as dyn:
@@ -69,9 +72,10 @@ def run_trace(name: str, path: Path, args: argparse.Namespace) -> list[str]:
                 rows[("large", c, w)] = model.one(c, w, large)
             for c in (ROUND_ROBIN, KV_GPU, KV_HOST):
                 rows[(DYNAMO, c, w)] = dyn.one(c, w)
-    input_tokens = model.input_tokens
-    out = [f"### {name}: {len(requests):,} requests, {input_tokens:,} input tokens "
-           f"(ideal shared cache computes {ideal / input_tokens:.3f} of them); {time.monotonic() - t0:.0f}s",
+    skipped = len(requests) - len(fits)
+    out = [f"### {name}: {len(fits):,} requests, {served:,} input tokens"
+           + (f" ({skipped} longer than a worker's KV cache left out)" if skipped else "")
+           + f"; an ideal shared cache computes {ideal / served:.3f} of them; {time.monotonic() - t0:.0f}s",
            "",
            f"Prefill tokens computed / input tokens (pool model; Dynamo's replay in brackets) and TTFT p50 / p90 ms "
            f"(pool model); pool {args.pool_size}B, large pool {args.large_pool_size}B:",

@@ -242,6 +242,8 @@ class PoolModel:
         self._rr = 0
         self.loads_in_flight = 0
         self.prefill_tokens = 0
+        self.served_input_tokens = 0  # of the requests that fit a worker (the others are dropped, as in Dynamo)
+        self.served_output_tokens = 0
         self.ttfts: list[float] = []
         self.end_time = 0.0
 
@@ -259,14 +261,13 @@ class PoolModel:
             now, _, kind, payload = heapq.heappop(self.events)
             getattr(self, "_on_" + kind)(now, payload)
         self.ttfts.sort()
-        out_tokens = sum(r.output_length for r in requests)
         duration_s = max(self.end_time, 1e-9) / 1000.0
         return RunResult(
             ttft_p50_ms=_percentile(self.ttfts, 50),
             ttft_p90_ms=_percentile(self.ttfts, 90),
             prefill_tokens=self.prefill_tokens,
-            input_tokens=sum(r.input_length for r in requests),
-            output_tokens_per_s=out_tokens / duration_s,
+            input_tokens=self.served_input_tokens,
+            output_tokens_per_s=self.served_output_tokens / duration_s,
         )
 
     # -- router -------------------------------------------------------------------------------
@@ -304,6 +305,10 @@ class PoolModel:
         return best[i]
 
     def _on_arrive(self, now: float, rq: _Request) -> None:
+        if -(-(rq.req.input_length + 1) // self.spec.block_size) > self.spec.gpu_blocks:
+            return  # never fits one worker's KV cache: Dynamo's mocker never completes it either
+        self.served_input_tokens += rq.req.input_length
+        self.served_output_tokens += rq.req.output_length
         rq.arrival = now
         w = self._route(rq)
         rq.worker = w

@@ -59,7 +59,7 @@ def _median_row(workers: int, config: str, results: list[RunResult], errors: lis
         ttft_p50_ms=statistics.median(r.ttft_p50_ms for r in results),
         ttft_p90_ms=statistics.median(r.ttft_p90_ms for r in results),
         prefill_tokens=int(statistics.median(r.prefill_tokens for r in results)),
-        input_tokens=input_tokens,
+        input_tokens=int(statistics.median(r.input_tokens for r in results)),  # of the requests served
         output_tokens_per_s=statistics.median(r.output_tokens_per_s for r in results),
         runs=len(results), failed_runs=len(errors), host_weight=host_weight, errors=tuple(errors),
     )
