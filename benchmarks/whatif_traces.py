@@ -80,8 +80,9 @@ def run_trace(name: str, path: Path, args: argparse.Namespace) -> list[str]:
            f"Prefill tokens computed / input tokens (pool model; Dynamo's replay in brackets) and TTFT p50 / p90 ms "
            f"(pool model); pool {args.pool_size}B, large pool {args.large_pool_size}B:",
            "",
-           "| workers | round-robin | kv-gpu | kv-host | **kv-pool** | kv-host large | **kv-pool large** | "
-           "TTFT kv-gpu | TTFT kv-host | TTFT kv-pool | TTFT kv-pool large |",
+           f"| workers | round-robin | kv-gpu | kv-host | **kv-pool** | kv-host {args.large_pool_size}B | "
+           f"**kv-pool {args.large_pool_size}B** | TTFT kv-gpu | TTFT kv-host | TTFT kv-pool | "
+           f"TTFT kv-pool {args.large_pool_size}B |",
            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w in workers:
         g = lambda sim, c: rows.get((sim, c, w))  # noqa: E731
