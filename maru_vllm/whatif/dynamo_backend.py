@@ -18,9 +18,13 @@ from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, Cluster
 
 log = logging.getLogger(__name__)
 
-# Dynamo's Rust side logs every routing decision at INFO; a replay of thousands of requests
-# would print thousands of lines. Respect a user's own setting.
-os.environ.setdefault("DYN_LOG", "error")
+
+
+def quiet_dynamo_logs() -> None:
+    """Before Dynamo is first imported: its Rust side logs every routing decision at INFO, and a
+    replay of thousands of requests would print thousands of lines. A user's own DYN_LOG wins.
+    Called only where a replay runs, so other maru-dynamo commands keep Dynamo's defaults."""
+    os.environ.setdefault("DYN_LOG", "error")
 
 KV_LAYOUT_ID = "maru-whatif"
 
@@ -58,6 +62,7 @@ def engine_args(spec: ClusterSpec, config: str, workers: int) -> dict[str, Any]:
 
 def replay(trace_path: str, spec: ClusterSpec, config: str, workers: int) -> RunResult:
     """Replay the trace at `trace_path`; raises RuntimeError with Dynamo's one-line reason on failure."""
+    quiet_dynamo_logs()
     from dynamo._core import KvRouterConfig
     from dynamo.replay import run_trace_replay
 

@@ -36,7 +36,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
+from maru_vllm.whatif.spec import KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
 from maru_vllm.whatif.timing import STEP_TOKENS, MockerTiming
 from maru_vllm.whatif.trace import TraceRequest
 
@@ -68,6 +68,9 @@ class _Index:
     """A Dynamo RadixTree fed with KV events as a worker (or the pool) would publish them."""
 
     def __init__(self) -> None:
+        from maru_vllm.whatif.dynamo_backend import quiet_dynamo_logs
+
+        quiet_dynamo_logs()
         from dynamo._core import RadixTree
 
         self.tree = RadixTree()

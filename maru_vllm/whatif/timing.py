@@ -97,9 +97,10 @@ def _probe_trace(path: Path, block: int, contexts: list[int]) -> None:
 
 @lru_cache(maxsize=16)
 def _measure(block_size: int, kv_bytes_per_token: int, prefill_speedup: float, gpu_blocks: int) -> MockerTiming:
-    from dynamo.replay import run_trace_replay
+    from maru_vllm.whatif.dynamo_backend import quiet_dynamo_logs
 
-    from maru_vllm.whatif import dynamo_backend  # noqa: F401 - sets DYN_LOG before Dynamo logs
+    quiet_dynamo_logs()
+    from dynamo.replay import run_trace_replay
 
     probe_block = max(block_size, 64)
     contexts = _decode_contexts(gpu_blocks, block_size, probe_block)
