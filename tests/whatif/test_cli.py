@@ -128,3 +128,16 @@ def test_sizes_parse_like_a_user_writes_them() -> None:
     assert parse_size("100G") == 100 * 10**9
     assert parse_size("512Gi") == 512 * 2**30
     assert parse_size("4096") == 4096
+
+
+def test_model_config_gives_kv_bytes_per_token(tmp_path: Path) -> None:
+    from maru_vllm.whatif.spec import DEFAULT_KV_BYTES_PER_TOKEN, kv_bytes_per_token_of_model
+
+    # Qwen2.5-32B's geometry: 64 layers, 40 query heads, 8 KV heads, hidden 5120, bf16.
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "hidden_size": 5120,
+        "torch_dtype": "bfloat16"}))
+    assert kv_bytes_per_token_of_model(str(tmp_path)) == DEFAULT_KV_BYTES_PER_TOKEN == 262144
+    with pytest.raises(ValueError, match="lacks"):
+        (tmp_path / "config.json").write_text("{}")
+        kv_bytes_per_token_of_model(str(tmp_path))
