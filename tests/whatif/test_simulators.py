@@ -58,3 +58,14 @@ def test_pool_model_keeps_dynamos_radix_tree_consistent_under_eviction(synthetic
     assert pool.device_index.removed_blocks > 0  # GPUs did evict
     assert pool.device_index.skipped == 0 and pool.host_index.skipped == 0
     assert pool_result.prefill_tokens < gpu_result.prefill_tokens
+
+
+def test_pool_model_agrees_with_dynamos_shared_tier_where_that_runs(synthetic_trace: Path) -> None:
+    """GPU caches large enough that nothing is evicted: Dynamo's cluster_shared replay runs, and agrees."""
+    requests = read_trace(synthetic_trace, 512, 500)
+    spec = ClusterSpec(gpu_blocks=40_000)
+    with WhatIf(requests, spec, MODEL, progress=None) as model, WhatIf(requests, spec, DYNAMO, progress=None) as dyn:
+        ours, theirs = model.one(KV_POOL, 8), dyn.one(KV_POOL, 8)
+    assert theirs.failed_runs == 0
+    assert abs(ours.prefill_tokens - theirs.prefill_tokens) <= 0.02 * theirs.prefill_tokens
+    assert abs(ours.ttft_p90_ms - theirs.ttft_p90_ms) <= 0.15 * theirs.ttft_p90_ms
