@@ -6,11 +6,13 @@ tiers, KV routing with one pool shared by every worker) and reports TTFT and pre
 
 Why two simulators. Dynamo 1.6.1's offline replay (`dynamo.replay.run_trace_replay`, the Rust
 KV router and the mocker engines) models the shared tier (``native_host_offload`` with
-``scope: "cluster_shared"``) but aborts every such replay that makes a GPU evict a block the
-worker had onboarded from the shared tier: the onboarded blocks are never announced to the
-router as stored on that worker, the later GPU eviction removes blocks the replay's radix tree
-never had, and the replay router turns the radix tree's "Failed to find block" into a fatal
-error (Dynamo's live indexer logs the same error and skips the event). No configuration of
+``scope: "cluster_shared"``) but aborts such replays once GPUs evict: the replay router is asked
+to remove device blocks its radix tree no longer holds for that worker and turns the radix
+tree's "Failed to find block" into a fatal error (Dynamo's live indexer logs the same error and
+skips the event). It is not about onboarding: one worker, a 160k-token GPU cache, requests
+[20k-token prefix, 148k unrelated, another 148k unrelated] abort with the shared scope (the
+prefix is evicted in two steps) and pass with ``dp_rank_local``; nothing hits the shared tier
+there. No configuration of
 1.6.1 avoids it: approximate routing (``use_kv_events=False``, TTL or LRU), ``emit_kv_events``
 off, active-block tracking off, predicted TTL, one event thread, one worker, any host size or
 event lag - all abort the same way (checked with the first 300 requests of the synthetic trace,

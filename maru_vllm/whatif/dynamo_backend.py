@@ -2,9 +2,8 @@
 
 `round-robin`, `kv-gpu` and `kv-host` run here as Dynamo ships them. `kv-pool` is Dynamo's
 ``native_host_offload`` with ``scope: "cluster_shared"``; in Dynamo 1.6.1 that replay aborts
-("failed to apply replay KV event ... removed ...: Failed to find block") as soon as a worker's
-GPU evicts blocks it had onboarded from the shared tier - the replay router never saw them
-stored on that worker (see `maru_vllm.whatif` for the diagnosis). The runner counts such a run
+("failed to apply replay KV event ... removed ...: Failed to find block") once GPUs evict
+(see `maru_vllm.whatif` for what was narrowed down). The runner counts such a run
 in ``failed_runs`` and `pool_model` answers for the pool instead.
 """
 

@@ -1,8 +1,8 @@
 """Replay a trace on a cluster whose workers share one KV pool, built on Dynamo's own parts.
 
 Why this exists: Dynamo 1.6.1's offline replay models the shared tier (``native_host_offload``
-``scope: "cluster_shared"``) but aborts on every trace that makes a GPU evict blocks it onboarded
-from that tier (see `maru_vllm.whatif`). This model replays the same requests with:
+``scope: "cluster_shared"``) but aborts on the Mooncake traces once GPUs evict (see
+`maru_vllm.whatif`). This model replays the same requests with:
 
 * **Dynamo's router index**: ``dynamo._core.RadixTree`` (the Rust radix tree the KV router and the
   offline replay use), fed with stored/removed KV events: one tree for the workers' device
