@@ -16,7 +16,7 @@ Prints a Markdown table per trace (prefill tokens computed as a share of the inp
 p50/p90) and writes one PNG per trace (``--plot-dir``, default docs/).
 
 Usage: python benchmarks/whatif_traces.py [--requests N] [--workers 4,8,16,32] [--repeats 1]
-(the full traces take ~20 min on this project's 2-core machine; run under flock /tmp/maru-heavy.lock
+(the full traces take ~8 min on this project's 2-core machine; run under flock /tmp/maru-heavy.lock
 where others share the machine)
 """
 
