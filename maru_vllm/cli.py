@@ -21,6 +21,7 @@ _REGISTRARS: tuple[tuple[str, str], ...] = (
     ("maru_vllm.demo", "register"),
     ("maru_dynamo.components.cli", "register"),
     ("maru_dynamo.graphs.cli", "register"),
+    ("maru_vllm.whatif.cli", "register"),
 )
 
 

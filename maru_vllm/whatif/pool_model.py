@@ -1,0 +1,472 @@
+"""Replay a trace on a cluster whose workers share one KV pool, built on Dynamo's own parts.
+
+Why this exists: Dynamo 1.6.1's offline replay models the shared tier (``native_host_offload``
+``scope: "cluster_shared"``) but aborts on the Mooncake traces once GPUs evict (see
+`maru_vllm.whatif`). This model replays the same requests with:
+
+* **Dynamo's router index**: ``dynamo._core.RadixTree`` (the Rust radix tree the KV router and the
+  offline replay use), fed with stored/removed KV events: one tree for the workers' device
+  blocks, one for the host tier (kv-host: one host tier per worker; kv-pool: the pool's blocks,
+  matched once and credited to every worker, as the Maru event relay announces them);
+* **Dynamo's router cost** (``DefaultWorkerScorer`` in ``lib/kv-router/src/scheduling/selector/
+  default.rs``): ``logit = prefill_load_scale * max(0, prefill_blocks - overlap_credit) +
+  decode_blocks`` with ``overlap_credit = device_overlap + host_weight * host_overlap_beyond_device``,
+  ``prefill_blocks`` = the worker's in-flight prefill tokens plus this prompt, over the block size,
+  ``decode_blocks`` = its in-flight requests' blocks plus this prompt's; lowest logit wins, ties at
+  random (``router_temperature`` 0, Dynamo's defaults);
+* **the mocker's timing**, measured from Dynamo's replay (`timing.mocker_timing`).
+
+What differs from Dynamo's mocker (stated in the README): each worker runs one prefill at a
+time, first come first served (the mocker's vLLM scheduler may pack several short prompts into
+one step); running requests decode one token per engine step, a step taking the mocker's
+decode-only time for the batch's KV tokens, or, while a prefill runs, a chunk's time plus that
+decode time (vLLM's mixed batch); engine cache: vLLM-style prefix cache of ``gpu_blocks`` blocks,
+free blocks evicted least recently used (a request's tail first), hits capped at the prompt's
+last full block before its last token; the pool and host tiers are written through when a
+prefill ends (every full prompt block; vLLM's offloading connectors and Maru store on prefill) and
+evict least recently used; loading a hit costs its bytes over the link's GB/s, shared evenly with
+the other loads in flight when their sum would exceed the aggregate GB/s.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from maru_vllm.whatif.spec import KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
+from maru_vllm.whatif.timing import STEP_TOKENS, MockerTiming
+from maru_vllm.whatif.trace import TraceRequest
+
+POOL_WORKER_ID = 1 << 30  # the pool's own id in the host-tier tree
+_MASK = (1 << 63) - 1
+
+
+def block_hashes(req: TraceRequest, spec: ClusterSpec) -> tuple[list[int], list[int]]:
+    """(local hashes, sequence hashes) of the prompt's full engine blocks.
+
+    Each trace block of ``trace_block_size`` tokens is ``trace_block_size / block_size`` engine
+    blocks; a local hash names a block's content (trace id, position inside it), a sequence hash
+    the whole prefix up to it (what KV events carry as ``block_hash``).
+    """
+    per = spec.trace_block_size // spec.block_size
+    full = req.input_length // spec.block_size
+    local: list[int] = []
+    seq: list[int] = []
+    prev = 0
+    for k in range(full):
+        lh = hash((req.hash_ids[k // per], k % per)) & _MASK
+        prev = hash((prev, lh)) & _MASK
+        local.append(lh)
+        seq.append(prev)
+    return local, seq
+
+
+class _Index:
+    """A Dynamo RadixTree fed with KV events as a worker (or the pool) would publish them."""
+
+    def __init__(self) -> None:
+        from maru_vllm.whatif.dynamo_backend import quiet_dynamo_logs
+
+        quiet_dynamo_logs()
+        from dynamo._core import RadixTree
+
+        self.tree = RadixTree()
+        self._event_id = 0
+        self.skipped = 0  # events the tree refused (should stay 0: the model's events are consistent)
+        self.removed_blocks = 0
+
+    def _apply(self, worker: int, data: dict) -> None:
+        self._event_id += 1
+        try:
+            self.tree.apply_event(worker, json.dumps({"event_id": self._event_id, "data": data, "dp_rank": 0}).encode())
+        except (ValueError, RuntimeError):
+            # What Dynamo's live indexer does with an event it cannot apply: skip it, count it.
+            self.skipped += 1
+
+    def stored(self, worker: int, parent: int | None, blocks: list[tuple[int, int]]) -> None:
+        if blocks:
+            self._apply(worker, {"stored": {"parent_hash": parent, "blocks": [
+                {"block_hash": s, "tokens_hash": lh} for lh, s in blocks]}})
+
+    def removed(self, worker: int, seq_hashes: list[int]) -> None:
+        if seq_hashes:
+            self.removed_blocks += len(seq_hashes)
+            self._apply(worker, {"removed": {"block_hashes": seq_hashes}})
+
+    def overlaps(self, local: list[int]) -> dict[int, int]:
+        return {w: n for (w, _dp), n in self.tree.find_matches(local).scores.items()}
+
+
+class _BlockCache:
+    """Prefix cache of one tier: block -> pin count; unpinned blocks evicted least recently used."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.pins: dict[int, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict()  # unpinned, oldest first
+
+    def prefix_hit(self, seq: list[int]) -> int:
+        n = 0
+        for s in seq:
+            if s not in self.pins:
+                break
+            n += 1
+        return n
+
+    def evictable(self) -> int:
+        return len(self.free)
+
+    def used(self) -> int:
+        return len(self.pins)
+
+    def touch(self, seq: list[int]) -> None:
+        """Mark a prefix used now; its head becomes the most recent (a child never outlives its parent)."""
+        for s in reversed(seq):
+            if s in self.free:
+                self.free.move_to_end(s)
+
+    def evict(self, count: int) -> list[int]:
+        out = []
+        while count > 0 and self.free:
+            s, _ = self.free.popitem(last=False)
+            del self.pins[s]
+            out.append(s)
+            count -= 1
+        return out
+
+    def pin(self, seq: list[int]) -> None:
+        for s in seq:
+            n = self.pins.get(s, 0)
+            if n == 0:
+                self.free.pop(s, None)
+            self.pins[s] = n + 1
+
+    def unpin(self, seq: list[int]) -> None:
+        for s in reversed(seq):  # freed tail first, as vLLM does: the tail is evicted before the head
+            n = self.pins[s] - 1
+            self.pins[s] = n
+            if n == 0:
+                self.free[s] = None
+
+    def insert_unpinned(self, local: list[int], seq: list[int]) -> list[tuple[int, int]]:
+        """Write-through tier: add missing blocks as most recent; returns the new (local, seq) pairs."""
+        new = []
+        for lh, s in reversed(list(zip(local, seq))):
+            if s in self.pins:
+                if self.pins[s] == 0:
+                    self.free.move_to_end(s)
+                continue
+            self.pins[s] = 0
+            self.free[s] = None
+            new.append((lh, s))
+        new.reverse()
+        return new
+
+
+class _Request:
+    __slots__ = ("idx", "req", "local", "seq", "arrival", "worker", "routed_prefill_tokens",
+                 "blocks_needed", "pinned", "first_token")
+
+    def __init__(self, idx: int, req: TraceRequest, local: list[int], seq: list[int], arrival: float) -> None:
+        self.idx = idx
+        self.req = req
+        self.local = local
+        self.seq = seq
+        self.arrival = arrival
+        self.worker = -1
+        self.routed_prefill_tokens = 0
+        self.blocks_needed = 0
+        self.pinned: list[int] = []
+        self.first_token = 0.0
+
+
+class _Worker:
+    def __init__(self, wid: int, spec: ClusterSpec, host_blocks: int) -> None:
+        self.wid = wid
+        self.gpu = _BlockCache(spec.gpu_blocks)
+        self.host = _BlockCache(host_blocks) if host_blocks else None
+        self.private_blocks = 0  # blocks of running requests that are not shared prefix blocks
+        self.queue: list[_Request] = []
+        self.busy = False
+        self.active_prefill_tokens = 0
+        # Decode as the mocker steps it: every running request advances one token per engine step;
+        # a step decodes only (its time grows with the batch's KV tokens) or also runs a prefill
+        # chunk (then it takes the chunk's time). decode_v counts the steps taken (a virtual clock).
+        self.decode_v = 0.0
+        self.decode_at = 0.0  # when decode_v was brought up to date
+        self.decode_rate = 0.0  # steps per ms now
+        self.prefill_rate: float | None = None  # steps per ms while a prefill runs
+        self.decode_due: list[tuple[float, int, _Request]] = []  # (decode_v at which it ends, tie, request)
+        self.context_tokens = 0  # KV tokens of the requests decoding
+        self.version = 0  # invalidates a scheduled decode_due event when the rate changes
+        self.active: dict[int, int] = {}  # prompt blocks of requests in flight -> how many share each
+
+    def potential_blocks(self, seq: list[int]) -> int:
+        """In-flight unique blocks if a request with prompt blocks `seq` joins (shared prefixes once)."""
+        shared = 0
+        for s in seq:
+            if s not in self.active:
+                break
+            shared += 1
+        return len(self.active) + len(seq) - shared
+
+    def add_active(self, seq: list[int]) -> None:
+        for s in seq:
+            self.active[s] = self.active.get(s, 0) + 1
+
+    def remove_active(self, seq: list[int]) -> None:
+        for s in seq:
+            n = self.active[s] - 1
+            if n:
+                self.active[s] = n
+            else:
+                del self.active[s]
+
+
+class PoolModel:
+    """One replay of one configuration (see the module docstring for what is modelled)."""
+
+    def __init__(self, spec: ClusterSpec, config: str, workers: int, timing: MockerTiming, seed: int | None = None) -> None:
+        self.spec = spec
+        self.config = config
+        self.n = workers
+        self.timing = timing
+        self.rng = random.Random(seed)
+        host_blocks = spec.host_blocks_per_worker(workers) if config == KV_HOST else 0
+        self.workers = [_Worker(w, spec, host_blocks) for w in range(workers)]
+        self.pool = _BlockCache(spec.pool_blocks) if config == KV_POOL else None
+        self.device_index = _Index()
+        self.host_index = _Index() if config in (KV_HOST, KV_POOL) else None
+        self.events: list[tuple[float, int, str, object]] = []
+        self._seq = 0
+        self._rr = 0
+        self.loads_in_flight = 0
+        self.prefill_tokens = 0
+        self.served_input_tokens = 0  # of the requests that fit a worker (the others are dropped, as in Dynamo)
+        self.served_output_tokens = 0
+        self.ttfts: list[float] = []
+        self.end_time = 0.0
+
+    # -- event queue --------------------------------------------------------------------------
+    def _at(self, t: float, kind: str, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (t, self._seq, kind, payload))
+
+    def run(self, requests: Sequence[TraceRequest]) -> RunResult:
+        t0 = requests[0].timestamp_ms
+        for i, r in enumerate(requests):
+            local, seq = block_hashes(r, self.spec)
+            self._at((r.timestamp_ms - t0) / self.spec.arrival_speedup, "arrive", _Request(i, r, local, seq, 0.0))
+        while self.events:
+            now, _, kind, payload = heapq.heappop(self.events)
+            getattr(self, "_on_" + kind)(now, payload)
+        self.ttfts.sort()
+        duration_s = max(self.end_time, 1e-9) / 1000.0
+        return RunResult(
+            ttft_p50_ms=_percentile(self.ttfts, 50),
+            ttft_p90_ms=_percentile(self.ttfts, 90),
+            prefill_tokens=self.prefill_tokens,
+            input_tokens=self.served_input_tokens,
+            output_tokens_per_s=self.served_output_tokens / duration_s,
+        )
+
+    # -- router -------------------------------------------------------------------------------
+    def _route(self, rq: _Request) -> int:
+        if self.config == ROUND_ROBIN:
+            w = self._rr % self.n
+            self._rr += 1
+            rq.routed_prefill_tokens = rq.req.input_length
+            return w
+        bs = self.spec.block_size
+        isl = rq.req.input_length
+        device = self.device_index.overlaps(rq.local)
+        host: dict[int, int] = {}
+        if self.host_index is not None:
+            host = self.host_index.overlaps(rq.local)
+            if self.config == KV_POOL:
+                pooled = host.get(POOL_WORKER_ID, 0)
+                host = {w: pooled for w in range(self.n)}
+        weight = self.spec.host_weight if self.config in (KV_HOST, KV_POOL) else 0.0
+        best: list[int] = []
+        best_dev: list[int] = []
+        best_cost = float("inf")
+        for wk in self.workers:
+            dev = device.get(wk.wid, 0)
+            credit = dev + weight * max(0, host.get(wk.wid, 0) - dev)
+            prefill_blocks = (wk.active_prefill_tokens + isl) / bs
+            cost = max(0.0, prefill_blocks - credit) + wk.potential_blocks(rq.seq)
+            if cost < best_cost:
+                best_cost, best, best_dev = cost, [wk.wid], [dev]
+            elif cost == best_cost:
+                best.append(wk.wid)
+                best_dev.append(dev)
+        i = 0 if len(best) == 1 else self.rng.randrange(len(best))
+        rq.routed_prefill_tokens = max(0, isl - best_dev[i] * bs)
+        return best[i]
+
+    def _on_arrive(self, now: float, rq: _Request) -> None:
+        if -(-(rq.req.input_length + 1) // self.spec.block_size) > self.spec.gpu_blocks:
+            return  # never fits one worker's KV cache: Dynamo's mocker never completes it either
+        self.served_input_tokens += rq.req.input_length
+        self.served_output_tokens += rq.req.output_length
+        rq.arrival = now
+        w = self._route(rq)
+        rq.worker = w
+        wk = self.workers[w]
+        wk.active_prefill_tokens += rq.routed_prefill_tokens
+        wk.add_active(rq.seq)
+        wk.queue.append(rq)
+        self._try_start(now, wk)
+
+    # -- engine -------------------------------------------------------------------------------
+    def _try_start(self, now: float, wk: _Worker) -> None:
+        if wk.busy or not wk.queue:
+            return
+        rq = wk.queue[0]
+        bs = self.spec.block_size
+        isl = rq.req.input_length
+        max_hit = (isl - 1) // bs  # the last token is always computed
+        seq = rq.seq[:max_hit]
+        dev_hit = wk.gpu.prefix_hit(seq)
+        tier_hit = dev_hit
+        tier = wk.host if self.config == KV_HOST else self.pool
+        if tier is not None:
+            tier_hit = max(dev_hit, tier.prefix_hit(seq))
+        # vLLM allocates a prompt's blocks on admission and decode blocks as tokens come; the
+        # model reserves the prompt plus half the output up front (the average a decode holds).
+        total_blocks = -(-(isl + rq.req.output_length // 2) // bs)
+        new_shared = len(rq.seq) - dev_hit  # prompt blocks this request adds to the prefix cache
+        private = max(0, total_blocks - len(rq.seq))
+        need = new_shared + private
+        free_now = wk.gpu.capacity - wk.gpu.used() - wk.private_blocks
+        if need > free_now:
+            short = need - free_now
+            hits_free = sum(1 for s in rq.seq[:dev_hit] if s in wk.gpu.free)
+            if wk.gpu.evictable() - hits_free < short and wk.decode_due:
+                return  # wait for running requests to free blocks
+            wk.gpu.pin(rq.seq[:dev_hit])  # hits are in use from now on, not evictable
+            self.device_index.removed(wk.wid, wk.gpu.evict(short))
+        else:
+            wk.gpu.pin(rq.seq[:dev_hit])
+        wk.queue.pop(0)
+        wk.busy = True
+        wk.gpu.touch(rq.seq[:dev_hit])
+        if tier is not None and tier_hit > dev_hit:
+            tier.touch(rq.seq[dev_hit:tier_hit])
+        computed = isl - tier_hit * bs
+        load_tokens = (tier_hit - dev_hit) * bs
+        load_ms = 0.0
+        if load_tokens:
+            self.loads_in_flight += 1
+            gbps = self.spec.pool_gbps
+            if self.config == KV_POOL:
+                gbps = min(gbps, self.spec.pool_aggregate_gbps / self.loads_in_flight)
+            load_ms = load_tokens * self.spec.kv_bytes_per_token / (gbps * 1e9) * 1000.0
+        self.prefill_tokens += computed
+        rq.pinned = rq.seq[:dev_hit]
+        rq.blocks_needed = private
+        wk.private_blocks += private
+        chunks = max(1, -(-computed // STEP_TOKENS))
+        # Each prefill chunk runs in a step that also decodes the running requests (vLLM's mixed
+        # batch): the step takes the chunk's time plus a decode step's.
+        mixed_ms = chunks * self.timing.itl_ms(wk.context_tokens) if wk.decode_due else 0.0
+        duration = load_ms + self.timing.prefill_ms(computed) + mixed_ms
+        self._advance(now, wk)
+        wk.prefill_rate = chunks / duration if duration > 0 else None
+        self._reschedule(now, wk)
+        self._at(now + duration, "prefilled", (rq, bool(load_tokens), dev_hit))
+
+    # -- decode clock -------------------------------------------------------------------------
+    def _advance(self, now: float, wk: _Worker) -> None:
+        wk.decode_v += (now - wk.decode_at) * wk.decode_rate
+        wk.decode_at = now
+
+    def _reschedule(self, now: float, wk: _Worker) -> None:
+        if wk.prefill_rate is not None:
+            rate = wk.prefill_rate
+        elif wk.decode_due:
+            rate = 1.0 / self.timing.itl_ms(wk.context_tokens)
+        else:
+            rate = 0.0
+        wk.decode_rate = rate
+        wk.version += 1
+        if wk.decode_due and rate > 0:
+            self._at(now + max(0.0, wk.decode_due[0][0] - wk.decode_v) / rate, "decode_due", (wk, wk.version))
+
+    def _on_decode_due(self, now: float, payload: tuple[_Worker, int]) -> None:
+        wk, version = payload
+        if version != wk.version:
+            return  # the rate changed since this was scheduled
+        self._advance(now, wk)
+        while wk.decode_due and wk.decode_due[0][0] <= wk.decode_v + 1e-6:
+            _, _, rq = heapq.heappop(wk.decode_due)
+            self._finish(now, wk, rq)
+        self._try_start(now, wk)
+        self._reschedule(now, wk)
+
+    def _on_prefilled(self, now: float, payload: tuple[_Request, bool, int]) -> None:
+        rq, loaded, dev_hit = payload
+        wk = self.workers[rq.worker]
+        if loaded:
+            self.loads_in_flight -= 1
+        self._advance(now, wk)
+        wk.busy = False
+        wk.prefill_rate = None
+        rq.first_token = now
+        self.ttfts.append(now - rq.arrival)
+        # The prompt's blocks are now in the device prefix cache (computed or loaded): stored events.
+        new = list(zip(rq.local[dev_hit:], rq.seq[dev_hit:]))
+        wk.gpu.pin(rq.seq[dev_hit:])
+        rq.pinned = list(rq.seq)
+        parent = rq.seq[dev_hit - 1] if dev_hit else None
+        self.device_index.stored(wk.wid, parent, new)
+        wk.active_prefill_tokens -= rq.routed_prefill_tokens
+        self._write_through(wk, rq)
+        heapq.heappush(wk.decode_due, (wk.decode_v + rq.req.output_length - 1, rq.idx, rq))
+        wk.context_tokens += rq.req.input_length + rq.req.output_length // 2  # its KV, on average over its decode
+        self._try_start(now, wk)
+        self._reschedule(now, wk)
+
+    def _write_through(self, wk: _Worker, rq: _Request) -> None:
+        if self.config == KV_POOL:
+            tier, owner = self.pool, POOL_WORKER_ID
+        elif self.config == KV_HOST:
+            tier, owner = wk.host, wk.wid
+        else:
+            return
+        assert tier is not None and self.host_index is not None
+        new = tier.insert_unpinned(rq.local, rq.seq)
+        overflow = tier.used() - tier.capacity
+        if overflow > 0:
+            # Protect this request's own blocks from its own eviction where possible.
+            tier.touch(rq.seq)
+            self.host_index.removed(owner, tier.evict(overflow))
+        if new:
+            # A stored event chains on its parent; store from the first new block onward.
+            first = rq.seq.index(new[0][1])
+            chain = [(lh, s) for lh, s in zip(rq.local[first:], rq.seq[first:]) if s in tier.pins]
+            self.host_index.stored(owner, rq.seq[first - 1] if first else None, chain)
+
+    def _finish(self, now: float, wk: _Worker, rq: _Request) -> None:
+        wk.context_tokens -= rq.req.input_length + rq.req.output_length // 2
+        wk.gpu.unpin(rq.pinned)
+        wk.private_blocks -= rq.blocks_needed
+        wk.remove_active(rq.seq)
+        self.end_time = max(self.end_time, now)
+
+
+def _percentile(sorted_values: list[float], pct: float) -> float:
+    if not sorted_values:
+        return 0.0
+    k = (len(sorted_values) - 1) * pct / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+def replay(requests: Sequence[TraceRequest], spec: ClusterSpec, config: str, workers: int,
+           timing: MockerTiming, seed: int | None = None) -> RunResult:
+    return PoolModel(spec, config, workers, timing, seed).run(requests)
