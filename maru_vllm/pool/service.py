@@ -18,10 +18,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hmac
-import itertools
 import logging
 import os
-import resource
 import signal
 import socket
 import time
@@ -29,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maru_vllm.pool import protocol as P
-from maru_vllm.pool.address import Address, default_listen, parse_address, peer_credentials
+from maru_vllm.pool.address import Address, default_listen, parse_address
 from maru_vllm.pool.allocator import Allocator
 from maru_vllm.pool.auth import check_token
+from maru_vllm.pool.connections import Conn, ConnectionSlots, peer_name
 from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.events import EventPublisher
 from maru_vllm.pool.index import Obj, PoolIndex, SessionLimits
@@ -43,8 +42,6 @@ from maru_vllm.pool.region import Region
 logger = logging.getLogger(__name__)
 
 READY_LINE = "maru-pool serving on {address}"
-DEFAULT_MAX_CONNECTIONS = 1024
-FD_RESERVE = 32  # descriptors kept for the region, listeners, metrics, NATS and logs
 DEFAULT_MAX_PINS_PER_OBJECT = 1024
 
 
@@ -64,20 +61,10 @@ class ServiceConfig:
     group: int | None = None
     force: bool = False  # replace a region path that holds something other than a Maru region
     hello_timeout_s: float = 10.0
-    max_connections: int | None = None  # None: min(1024, open-file limit - FD_RESERVE)
+    max_connections: int | None = None  # None: min(1024, open-file limit - connections.FD_RESERVE)
     session_reserve_limit: int | None = None  # bytes; None: half the region
     session_pin_limit: int | None = None  # bytes; None: half the region
     max_pins_per_object: int = DEFAULT_MAX_PINS_PER_OBJECT
-
-
-@dataclass(eq=False)
-class _Conn:
-    """One accepted connection; `counted` while it holds a connection slot."""
-
-    writer: asyncio.StreamWriter
-    peer: str
-    sid: int | None = None
-    counted: bool = True
 
 
 class PoolService:
@@ -88,12 +75,8 @@ class PoolService:
             raise PoolError("a tcp listen address needs a shared-secret token (--token-file)")
         if cfg.token is not None:
             check_token(cfg.token)
-        self.max_connections = _connection_limit(cfg.max_connections)
-        self.max_pending = max(1, self.max_connections // 2)
-        self._pending: dict[_Conn, None] = {}  # waiting for hello, oldest first
-        self._nconn = 0
-        self._conn_ids = itertools.count(1)
         self._log = ThrottledLog(logger)
+        self.slots = ConnectionSlots(cfg.max_connections, self._log)
         self._auth = AuthThrottle()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.region: Region | None = None
@@ -200,8 +183,8 @@ class PoolService:
     # -- connections ------------------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self.index is not None
-        conn = _Conn(writer, _peer_name(writer))
-        if not self._admit(conn):
+        conn = Conn(writer, peer_name(writer))
+        if not self.slots.admit(conn):
             return
         try:
             while True:
@@ -210,7 +193,8 @@ class PoolService:
                         async with asyncio.timeout(self.cfg.hello_timeout_s):
                             body = await self._read_frame(reader, writer, P.MAX_HELLO_FRAME, "before hello")
                     except TimeoutError:
-                        self._log.log(logging.WARNING, "hello-timeout", "closed a connection from %s: no hello within %.1f s",
+                        self._log.log(logging.WARNING, "hello-timeout",
+                                      "closed a connection from %s: no hello within %.1f s",
                                       conn.peer, self.cfg.hello_timeout_s)
                         break
                 else:
@@ -222,7 +206,7 @@ class PoolService:
                 if op == "hello" and reply.ok and conn.sid is None:
                     conn.sid = reply.result["session"]
                     self._conns[conn.sid] = writer
-                    self._pending.pop(conn, None)
+                    self.slots.authenticated(conn)
                 elif conn.sid is None and not reply.ok:
                     await self._refused_before_hello(conn, reply)
                 writer.write(P.encode_reply(reply))
@@ -235,7 +219,7 @@ class PoolService:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
-            self._release_slot(conn)
+            self.slots.release(conn)
             if conn.sid is not None:
                 self._conns.pop(conn.sid, None)
                 res, pins = self.index.close_session(conn.sid)
@@ -249,42 +233,13 @@ class PoolService:
         """The next frame's body, or None after refusing an oversized one (the stream is then untrusted)."""
         n = P.LEN.unpack(await reader.readexactly(4))[0]
         if n > limit:
-            msg = f"frame of {n} bytes exceeds {limit}" + (f" (the limit {when}: a hello)" if when else "")
+            msg = f"frame of {n} bytes exceeds {limit}" + (f", the most accepted {when}" if when else "")
             writer.write(P.encode_reply(P.error_reply(0, "too_large", msg)))
             await writer.drain()
             return None
         return await reader.readexactly(n)
 
-    def _admit(self, conn: _Conn) -> bool:
-        """Take a connection slot for `conn`, or refuse it; peers waiting for hello get at most half."""
-        if self._nconn >= self.max_connections and not self._pending:
-            self._log.log(logging.WARNING, "conn-refused",
-                          "refused a connection from %s: %d connections open (--max-connections %d)",
-                          conn.peer, self._nconn, self.max_connections)
-            _send_and_close(conn.writer, "too_many_connections",
-                            f"the pool has {self._nconn} connections, its limit (--max-connections "
-                            f"{self.max_connections}); try again later")
-            return False
-        if self._nconn >= self.max_connections or len(self._pending) >= self.max_pending:
-            oldest = next(iter(self._pending))
-            self._release_slot(oldest)
-            self._log.log(logging.WARNING, "conn-dropped",
-                          "dropped a connection from %s that had not sent hello, to admit %s (%d waiting)",
-                          oldest.peer, conn.peer, self.max_pending)
-            _send_and_close(oldest.writer, "too_many_connections",
-                            f"dropped: more than {self.max_pending} connections were waiting for hello "
-                            f"(half of --max-connections {self.max_connections})")
-        self._pending[conn] = None
-        self._nconn += 1
-        return True
-
-    def _release_slot(self, conn: _Conn) -> None:
-        if conn.counted:
-            conn.counted = False
-            self._nconn -= 1
-            self._pending.pop(conn, None)
-
-    async def _refused_before_hello(self, conn: _Conn, reply: P.Reply) -> None:
+    async def _refused_before_hello(self, conn: Conn, reply: P.Reply) -> None:
         """Log (throttled) why an unauthenticated peer is being closed; space out wrong tokens."""
         code = reply.error.code if reply.error else "?"
         if code == "auth_failed":
@@ -451,8 +406,8 @@ class PoolService:
         lim = self.index.limits
         st.update(
             session_reserve_limit=lim.reserve_bytes, session_pin_limit=lim.pin_bytes,
-            max_pins_per_object=lim.pins_per_object, connections=self._nconn,
-            connections_waiting_for_hello=len(self._pending), max_connections=self.max_connections,
+            max_pins_per_object=lim.pins_per_object, connections=self.slots.open,
+            connections_waiting_for_hello=len(self.slots.pending), max_connections=self.slots.max_connections,
             auth_failures=self._auth.failures,
         )
         pub = self.publisher
@@ -467,39 +422,6 @@ class PoolService:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
-
-
-def _peer_name(writer: asyncio.StreamWriter) -> str:
-    peer = writer.get_extra_info("peername")
-    if isinstance(peer, tuple) and len(peer) >= 2:
-        return f"[{peer[0]}]:{peer[1]}" if ":" in str(peer[0]) else f"{peer[0]}:{peer[1]}"
-    try:
-        pid, uid, _ = peer_credentials(writer.get_extra_info("socket"))
-        return f"unix peer pid {pid} uid {uid}"
-    except (OSError, AttributeError):
-        return "unix peer"
-
-
-def _send_and_close(writer: asyncio.StreamWriter, code: str, message: str) -> None:
-    writer.write(P.encode_reply(P.error_reply(0, code, message)))
-    writer.close()  # flushes the reply, then closes
-
-
-def _connection_limit(requested: int | None) -> int:
-    """The connection cap: what was asked (raising the soft open-file limit if it must), or by
-    default as many as the open-file limit leaves room for, at most DEFAULT_MAX_CONNECTIONS."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if requested is None:
-        return max(4, min(DEFAULT_MAX_CONNECTIONS, soft - FD_RESERVE))
-    need = requested + FD_RESERVE
-    if need > soft:
-        if hard != resource.RLIM_INFINITY and need > hard:
-            raise PoolError(
-                f"--max-connections {requested} needs {need} open files but the limit is {hard} "
-                f"(ulimit -Hn); use at most {hard - FD_RESERVE}"
-            )
-        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-    return requested
 
 
 def _refuse_live_socket(path: str) -> None:
