@@ -212,6 +212,10 @@ def format_status(st: dict[str, Any]) -> str:
         ("reserved", f"{st.get('reserved', 0)} ({_human(st.get('reserved_bytes', 0))})"),
         ("pinned", st.get("pinned", 0)),
         ("sessions", st.get("sessions", 0)),
+        ("connections", f"{st.get('connections', 0)} of at most {st.get('max_connections', '?')}"
+         f" ({st.get('connections_waiting_for_hello', 0)} waiting for hello)"),
+        ("quota refusals", st.get("quota_refusals", 0)),
+        ("failed logins", st.get("auth_failures", 0)),
         ("hits / misses", f"{st.get('hits', 0)} / {st.get('misses', 0)}"
          + (f" ({100 * st.get('hits', 0) / lookups:.1f}% hit)" if lookups else "")),
         ("stores", st.get("stores", 0)),
