@@ -11,8 +11,10 @@ import dataclasses
 from vllm.logger import init_logger
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
+
+from maru_vllm.pool.auth import read_token_file
+from maru_vllm.pool.errors import InvalidArgument
 
 logger = init_logger(__name__)
 
@@ -50,7 +52,8 @@ KEYS: dict[str, tuple[Any, str]] = {
     "maru_enable_fused_load": (False, "fused multi-layer load (needs the LMCache kernels)"),
     "maru_namespace": ("", "extra isolation salt mixed into every key's namespace"),
     "maru_pool_timeout_s": (5.0, "timeout of one pool round trip, seconds"),
-    "maru_checksum": (True, "checksum (XXH3) every object on commit and verify it on load (a mismatch is a miss)"),
+    "maru_checksum": (True, "require and verify an XXH3 checksum on every load (a mismatch or a missing checksum "
+                            "is a miss); stores always carry one"),
 }
 
 
@@ -95,13 +98,10 @@ def parse_config(extra: Mapping[str, Any] | None, block_size: int) -> MaruConnec
     token = None
     token_file = extra.get("maru_pool_token_file")
     if token_file is not None:
-        path = Path(str(token_file))
         try:
-            token = path.read_text().strip()
-        except OSError as exc:
-            raise MaruConfigError(f"maru_pool_token_file={str(token_file)!r} cannot be read: {exc.strerror}") from None
-        if not token:
-            raise MaruConfigError(f"maru_pool_token_file={str(token_file)!r} is empty; it must hold the pool token")
+            token = read_token_file(str(token_file))
+        except InvalidArgument as exc:
+            raise MaruConfigError(f"maru_pool_token_file={str(token_file)!r}: {exc}") from None
 
     chunk = _as_positive_int("maru_kv_chunk_tokens", extra.get("maru_kv_chunk_tokens", KEYS["maru_kv_chunk_tokens"][0]))
     if chunk % block_size:

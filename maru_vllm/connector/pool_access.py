@@ -25,7 +25,9 @@ class PoolAccess:
     def __init__(self, address: str, token: str | None, timeout_s: float, checksum: bool, who: str) -> None:
         self.address = address
         self.who = who
-        self._client = PoolClient(address, token, timeout=timeout_s, checksum=checksum)
+        # stores always carry a checksum, so any reader that requires one can vouch for them;
+        # `checksum` decides whether this connector's loads require (and verify) one
+        self._client = PoolClient(address, token, timeout=timeout_s, checksum=checksum, write_checksum=True)
         self._lock = threading.Lock()
         self._down = False
         self.failures = 0

@@ -7,13 +7,12 @@ import asyncio
 import grp
 import json
 import logging
-import os
-import stat
 import sys
 from typing import Any
 
 from maru_vllm.pool.address import parse_address
-from maru_vllm.pool.errors import InvalidArgument, PoolError
+from maru_vllm.pool.auth import read_token_file
+from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.region import BACKENDS, RegionError, parse_size, validate_pool_name
 
 logger = logging.getLogger(__name__)
@@ -56,6 +55,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"invalid count {text!r}: use an integer >= 1")
+    return int(text)
+
+
+def _limit(text: str) -> int:
+    return parse_size(text, minimum=1)
+
+
 def _group(text: str) -> int:
     if text.isdigit():
         return int(text)
@@ -91,6 +100,19 @@ def register(subparsers: Any) -> None:
                        help="release a silent client's reservations and pins after this long (default 30)")
     serve.add_argument("--group", type=_arg_type(_group, "group"), help="make the region and socket group-accessible (0660)")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    serve.add_argument("--force", action="store_true",
+                       help="replace a file at the region path even if it is not a Maru region")
+    serve.add_argument("--hello-timeout", type=_arg_type(_seconds, "seconds"), default=10.0,
+                       help="close a connection that has not completed hello within this long (default 10)")
+    serve.add_argument("--max-connections", type=_arg_type(_count, "count"),
+                       help="most client connections at once; half may be waiting for hello "
+                            "(default: 1024, or fewer if the open-file limit is lower)")
+    serve.add_argument("--session-reserve-limit", type=_arg_type(_limit, "size"),
+                       help="most bytes one session may hold in uncommitted reservations (default: half the region)")
+    serve.add_argument("--session-pin-limit", type=_arg_type(_limit, "size"),
+                       help="most bytes of objects one session may pin at once (default: half the region)")
+    serve.add_argument("--max-pins-per-object", type=_arg_type(_count, "count"), default=1024,
+                       help="most concurrent pins on one object, over all sessions (default 1024)")
     serve.set_defaults(func=cmd_serve)
 
     status = psub.add_parser("status", help="show a running pool's capacity, usage and counters")
@@ -116,18 +138,7 @@ def _help(parser: argparse.ArgumentParser) -> int:
 
 
 def _read_token(path: str | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        st = os.stat(path)
-        token = open(path, encoding="utf-8").read().strip()
-    except OSError as exc:
-        raise InvalidArgument(f"cannot read token file {path!r}: {exc.strerror}") from exc
-    if not token:
-        raise InvalidArgument(f"token file {path!r} is empty")
-    if st.st_mode & stat.S_IROTH:
-        logger.warning("token file %s is world-readable; chmod 600 it", path)
-    return token
+    return None if path is None else read_token_file(path)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -139,7 +150,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             name=args.name, size=args.size, backend=args.backend, path=args.path, listen=args.listen,
             nats=args.nats, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
             token=_read_token(args.token_file), keep_region=args.keep_region, lease_s=args.lease_seconds,
-            group=args.group,
+            group=args.group, force=args.force, hello_timeout_s=args.hello_timeout,
+            max_connections=args.max_connections, session_reserve_limit=args.session_reserve_limit,
+            session_pin_limit=args.session_pin_limit, max_pins_per_object=args.max_pins_per_object,
         )
         return asyncio.run(serve(cfg))
     except (RegionError, PoolError, OSError) as exc:
@@ -199,6 +212,10 @@ def format_status(st: dict[str, Any]) -> str:
         ("reserved", f"{st.get('reserved', 0)} ({_human(st.get('reserved_bytes', 0))})"),
         ("pinned", st.get("pinned", 0)),
         ("sessions", st.get("sessions", 0)),
+        ("connections", f"{st.get('connections', 0)} of at most {st.get('max_connections', '?')}"
+         f" ({st.get('connections_waiting_for_hello', 0)} waiting for hello)"),
+        ("quota refusals", st.get("quota_refusals", 0)),
+        ("failed logins", st.get("auth_failures", 0)),
         ("hits / misses", f"{st.get('hits', 0)} / {st.get('misses', 0)}"
          + (f" ({100 * st.get('hits', 0) / lookups:.1f}% hit)" if lookups else "")),
         ("stores", st.get("stores", 0)),

@@ -10,6 +10,10 @@ the service goes away the failing call raises `PoolUnavailable`; the next call r
 (with backoff), maps the new incarnation's region, and old reservations/pins become inert
 (commit returns False, release does nothing). Metadata from one incarnation is never used to
 read another incarnation's region.
+
+Trust: on a unix socket the client checks who serves it (SO_PEERCRED) before sending its
+token: the server must run as this user, as root, or as the owner of the socket's directory
+(who controls what is in it). With `checksum=True` every read must carry a valid checksum.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maru_vllm.pool import protocol as P
-from maru_vllm.pool.address import parse_address
+from maru_vllm.pool.address import peer_credentials, parse_address
 from maru_vllm.pool.errors import InvalidArgument, PoolError, PoolProtocolError, PoolUnavailable
 from maru_vllm.pool.objects import OBJ_HEADER_SIZE, key_digest, validate, write_header
 from maru_vllm.pool.region import Region, RegionError
@@ -81,12 +85,14 @@ class PoolClient:
         region_path: str | None = None,
         heartbeat: bool = True,
         populate: bool = True,
+        write_checksum: bool | None = None,
     ) -> None:
         self.address = parse_address(address)
         self._address_text = address
         self.token = token
         self.timeout = timeout
-        self.checksum = checksum
+        self.checksum = checksum  # reads: require a valid checksum on every object
+        self.write_checksum = checksum if write_checksum is None else write_checksum
         self._region_path_override = region_path
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
@@ -126,9 +132,13 @@ class PoolClient:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.settimeout(self.timeout)
                 sock.connect(a.path)
+                _check_server_uid(sock, a.path)
             else:
                 sock = socket.create_connection((a.host, a.port), timeout=self.timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except PoolUnavailable:
+            sock.close()
+            raise
         except OSError as exc:
             raise PoolUnavailable(f"cannot connect to pool at {self._address_text}: {exc}") from exc
         self._sock = sock
@@ -225,6 +235,13 @@ class PoolClient:
         req_id = next(self._ids)
         try:
             sock.sendall(P.encode_request(req_id, op, args))
+        except OSError as exc:  # the service may have refused the connection just before
+            refusal = _pending_refusal(sock)
+            self._drop_connection()
+            if refusal is not None:
+                self._raise_connection_error(op, refusal)
+            raise PoolUnavailable(f"pool at {self._address_text} went away during {op}: {exc}") from exc
+        try:
             n = P.LEN.unpack(_recv_exact(sock, 4))[0]
             if n > P.MAX_FRAME:
                 raise PoolProtocolError(f"reply frame of {n} bytes exceeds {P.MAX_FRAME}")
@@ -238,6 +255,9 @@ class PoolClient:
         except P.FrameError as exc:
             self._drop_connection()
             raise PoolProtocolError(str(exc)) from exc
+        if reply.id == 0 and not reply.ok:  # about the connection, not a request: it is being closed
+            self._drop_connection()
+            self._raise_connection_error(op, reply)
         if reply.id != req_id:
             self._drop_connection()
             raise PoolProtocolError(f"reply id {reply.id} does not match request {req_id} ({op})")
@@ -249,6 +269,12 @@ class PoolClient:
                 raise PoolUnavailable(f"{op}: {msg}")
             raise PoolProtocolError(f"{op} rejected by pool ({code}): {msg}", code)
         return reply.result
+
+    def _raise_connection_error(self, op: str, reply: P.Reply) -> None:
+        code, msg = (reply.error.code, reply.error.message) if reply.error else ("unknown", "no error detail")
+        if code == "too_many_connections":
+            raise PoolUnavailable(f"pool at {self._address_text} refused the connection ({code}): {msg}")
+        raise PoolProtocolError(f"{op} rejected by pool ({code}): {msg}", code)
 
     def _call(self, op: str, args: dict[str, Any]) -> Any:
         with self._lock:
@@ -310,7 +336,8 @@ class PoolClient:
                 if r.done or r._gen != self._gen:
                     r.done = True
                     continue  # from a previous connection: that session's space is already gone
-                write_header(r._header, r.oid, r.size, key_digest(r.namespace, r.key), r.buffer, self.checksum)
+                write_header(r._header, r.oid, r.size, key_digest(r.namespace, r.key), r.buffer,
+                             self.write_checksum)
                 send.append(r.oid)
                 send_metas.append(metas[i] if metas is not None else None)
                 idx.append(i)
@@ -344,7 +371,8 @@ class PoolClient:
                     continue
                 oid, off, size = r
                 payload = view[off : off + size]
-                problem = validate(view[off - OBJ_HEADER_SIZE : off], payload, oid, size, key_digest(ns, key))
+                problem = validate(view[off - OBJ_HEADER_SIZE : off], payload, oid, size, key_digest(ns, key),
+                                   require_crc=self.checksum)
                 if problem is not None:
                     logger.warning("object %s/%s failed validation (%s); treating as a miss", ns, key.hex(), problem)
                     bad.append(oid)
@@ -411,6 +439,41 @@ class PoolClient:
 
     def ping(self) -> None:
         self._call("ping", {})
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    return peer_credentials(sock)[1]
+
+
+def _check_server_uid(sock: socket.socket, path: str) -> None:
+    """Refuse a unix-socket server run by someone who could not have put the socket there
+    legitimately (e.g. another user squatting a name in a shared directory like /tmp)."""
+    uid = _peer_uid(sock)
+    own = os.geteuid()
+    directory = os.path.dirname(path) or "/"
+    try:
+        dir_owner = os.stat(directory).st_uid
+    except OSError:
+        dir_owner = own
+    if uid in (own, 0, dir_owner):
+        return
+    raise PoolUnavailable(
+        f"the pool socket {path} is served by uid {uid}, not by you (uid {own}), root, or the owner of "
+        f"{directory} (uid {dir_owner}); refusing to connect (it may be squatted - check who runs it)"
+    )
+
+
+def _pending_refusal(sock: socket.socket) -> P.Reply | None:
+    """An error reply the service sent before closing, if one is waiting to be read."""
+    try:
+        sock.settimeout(0.5)
+        n = P.LEN.unpack(_recv_exact(sock, 4))[0]
+        if n > P.MAX_HELLO_FRAME:
+            return None
+        reply = P.decode_reply(_recv_exact(sock, n))
+    except (OSError, EOFError, P.FrameError):
+        return None
+    return None if reply.ok else reply
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -11,6 +11,11 @@ Object life cycle::
 
 Only unpinned committed objects are in the LRU, so eviction is O(1) per victim and pinned or
 in-flight objects can never be chosen.
+
+Quotas (`SessionLimits`) keep one session from starving the others: the bytes it holds in
+uncommitted reservations and the bytes of distinct objects it pins are capped, and so is the
+number of pins on one object. Past a limit a reservation is None (the writer skips the store)
+and an acquire is None (the reader misses and recomputes); both count in `quota_refusals`.
 """
 
 from __future__ import annotations
@@ -61,6 +66,17 @@ class Session:
     last_seen: float
     reservations: dict[int, Obj] = field(default_factory=dict)
     pins: dict[int, int] = field(default_factory=dict)  # oid -> pin count held by this session
+    reserved_bytes: int = 0  # payload bytes of `reservations`
+    pinned_bytes: int = 0  # payload bytes of the distinct objects in `pins`
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Per-session quotas (payload bytes) and the cap on pins of one object; None: unlimited."""
+
+    reserve_bytes: int | None = None
+    pin_bytes: int | None = None
+    pins_per_object: int | None = None
 
 
 EventSink = Callable[[str, Obj], None]
@@ -69,8 +85,12 @@ EventSink = Callable[[str, Obj], None]
 class PoolIndex:
     """All metadata of one pool incarnation. Not thread-safe: the service runs it on one loop."""
 
-    def __init__(self, allocator: Allocator, data_offset: int, on_event: EventSink | None = None) -> None:
+    def __init__(
+        self, allocator: Allocator, data_offset: int, on_event: EventSink | None = None,
+        limits: SessionLimits | None = None,
+    ) -> None:
         self.alloc = allocator
+        self.limits = limits or SessionLimits()
         self.data_offset = data_offset
         self.on_event = on_event
         self.objects: dict[tuple[str, bytes], Obj] = {}
@@ -81,7 +101,7 @@ class PoolIndex:
         self._next_sid = 1
         self.counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "stores", "duplicate_commits", "evictions", "corrupt_reads",
-             "reserve_failures", "reserve_existing", "aborts", "sessions_expired"),
+             "reserve_failures", "reserve_existing", "aborts", "sessions_expired", "quota_refusals"),
             0,
         )
 
@@ -154,14 +174,24 @@ class PoolIndex:
 
     def acquire(self, sid: int, ns: str, keys: Sequence[bytes]) -> list[Obj | None]:
         s = self.sessions[sid]
+        lim = self.limits
         out: list[Obj | None] = []
         for k in keys:
             obj = self.objects.get((ns, k))
             if obj is not None:
-                if obj.pins == 0:
-                    self.lru.pop(obj.oid, None)
-                obj.pins += 1
-                s.pins[obj.oid] = s.pins.get(obj.oid, 0) + 1
+                first = obj.oid not in s.pins
+                if (lim.pins_per_object is not None and obj.pins >= lim.pins_per_object) or (
+                    first and lim.pin_bytes is not None and s.pinned_bytes + obj.size > lim.pin_bytes
+                ):
+                    self.counters["quota_refusals"] += 1
+                    obj = None
+                else:
+                    if obj.pins == 0:
+                        self.lru.pop(obj.oid, None)
+                    obj.pins += 1
+                    s.pins[obj.oid] = s.pins.get(obj.oid, 0) + 1
+                    if first:
+                        s.pinned_bytes += obj.size
             out.append(obj)
         self._count([o is not None for o in out])
         return out
@@ -182,11 +212,13 @@ class PoolIndex:
             held = s.pins.get(oid, 0)
             if held == 0:
                 continue
+            obj = self.live.get(oid)
             if held == 1:
                 del s.pins[oid]
+                if obj is not None:
+                    s.pinned_bytes -= obj.size
             else:
                 s.pins[oid] = held - 1
-            obj = self.live.get(oid)
             if obj is not None:
                 self._unpin(obj, 1)
             released += 1
@@ -195,10 +227,15 @@ class PoolIndex:
     # -- writes -----------------------------------------------------------------------------
     def reserve(self, sid: int, ns: str, items: Sequence[tuple[bytes, int]]) -> list[Obj | None]:
         s = self.sessions[sid]
+        quota = self.limits.reserve_bytes
         out: list[Obj | None] = []
         for key, size in items:
             if (ns, key) in self.objects:
                 self.counters["reserve_existing"] += 1
+                out.append(None)
+                continue
+            if quota is not None and s.reserved_bytes + size > quota:
+                self.counters["quota_refusals"] += 1
                 out.append(None)
                 continue
             a = self._alloc_evicting(OBJ_HEADER_SIZE + size)
@@ -210,6 +247,7 @@ class PoolIndex:
             self._next_oid += 1
             self.live[obj.oid] = obj
             s.reservations[obj.oid] = obj
+            s.reserved_bytes += size
             out.append(obj)
         return out
 
@@ -227,6 +265,7 @@ class PoolIndex:
             if obj is None:
                 out.append(False)  # not ours, already committed/aborted, or from an old session
                 continue
+            s.reserved_bytes -= obj.size
             if (obj.ns, obj.key) in self.objects:
                 self.counters["duplicate_commits"] += 1
                 self._free(obj)
@@ -253,6 +292,7 @@ class PoolIndex:
         for oid in oids:
             obj = s.reservations.pop(oid, None)
             if obj is not None:
+                s.reserved_bytes -= obj.size
                 self._free(obj)
                 n += 1
         self.counters["aborts"] += n

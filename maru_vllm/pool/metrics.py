@@ -24,6 +24,7 @@ _GAUGES = {
     "pinned": "Objects pinned by at least one reader",
     "sessions": "Connected client sessions",
     "event_queue": "Events waiting to be published to NATS",
+    "connections": "Open client connections (including those still waiting for hello)",
 }
 _COUNTERS = {
     "hits": "Lookups/acquires that found the key",
@@ -35,6 +36,8 @@ _COUNTERS = {
     "reserve_failures": "Reservations that found no space",
     "sessions_expired": "Sessions closed by lease expiry",
     "events_dropped": "Events dropped because the NATS queue overflowed",
+    "quota_refusals": "Reservations and pins refused by a per-session quota or the pin cap per object",
+    "auth_failures": "Connections that presented a wrong token",
 }
 
 

@@ -46,9 +46,13 @@ def clear_header(buf: memoryview) -> None:
 
 
 def validate(
-    header: memoryview, payload: memoryview, oid: int, length: int, digest: bytes, *, check_crc: bool = True
+    header: memoryview, payload: memoryview, oid: int, length: int, digest: bytes, *, check_crc: bool = True,
+    require_crc: bool = False,
 ) -> str | None:
-    """None when the object is intact, else the reason it is not (for logs and counters)."""
+    """None when the object is intact, else the reason it is not (for logs and counters).
+
+    `require_crc`: an object written without a checksum is refused too (its bytes cannot be
+    vouched for: a stale writer may have overwritten them)."""
     magic, version, flags, h_oid, h_len, h_digest, crc = _OBJ.unpack_from(header, 0)
     if magic != OBJ_MAGIC or version != OBJ_VERSION:
         return "bad object magic/version"
@@ -58,6 +62,8 @@ def validate(
         return f"length {h_len} != expected {length}"
     if h_digest != digest:
         return "key digest mismatch"
+    if require_crc and not flags & FLAG_CHECKSUM:
+        return "object carries no checksum"
     if check_crc and flags & FLAG_CHECKSUM and payload_checksum(payload) != crc:
         return "checksum mismatch"
     return None

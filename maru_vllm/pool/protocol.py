@@ -8,6 +8,11 @@ refused and that connection is closed (its byte stream can no longer be trusted)
 
 Versioning: ``PROTOCOL_VERSION`` is checked on every request; a different version gets a
 ``bad_version`` error naming the versions the service speaks.
+
+Before ``hello`` a peer is unauthenticated: its first frame may be at most MAX_HELLO_FRAME
+bytes, and anything but a valid hello closes the connection. Bodies nested deeper than the
+decoder can follow are a ``bad_frame``/``bad_request`` error, never an uncaught RecursionError;
+chunk metadata may nest at most MAX_META_DEPTH levels (subscribers parse it again).
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import msgspec
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024 * 1024
+MAX_HELLO_FRAME = 64 * 1024  # a hello is a token, a client name and a pid
 MAX_KEY = 256
 MAX_NAMESPACE = 128
 MAX_BATCH = 65536
 MAX_META_BYTES = 16 * 1024
+MAX_META_DEPTH = 32
 LEN = struct.Struct(">I")
 
 Key = Annotated[bytes, msgspec.Meta(max_length=MAX_KEY)]
@@ -137,11 +144,16 @@ def error_reply(req_id: int, code: str, message: str) -> Reply:
     return Reply(PROTOCOL_VERSION, req_id, False, None, ErrorInfo(code, message))
 
 
+_TOO_DEEP = "nested too deeply to decode"
+
+
 def decode_request(body: bytes) -> Request:
     try:
         return _request_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FrameError("bad_frame", f"malformed request frame: {exc}") from exc
+    except RecursionError as exc:
+        raise FrameError("bad_frame", f"malformed request frame: {_TOO_DEEP}") from exc
 
 
 def decode_args(op: str, raw: msgspec.Raw) -> msgspec.Struct:
@@ -152,6 +164,8 @@ def decode_args(op: str, raw: msgspec.Raw) -> msgspec.Struct:
         return dec.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FrameError("bad_request", f"invalid arguments for {op!r}: {exc}") from exc
+    except RecursionError as exc:
+        raise FrameError("bad_request", f"invalid arguments for {op!r}: {_TOO_DEEP}") from exc
 
 
 def decode_reply(body: bytes) -> Reply:
@@ -159,6 +173,22 @@ def decode_reply(body: bytes) -> Reply:
         return _reply_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FrameError("bad_frame", f"malformed reply frame: {exc}") from exc
+    except RecursionError as exc:
+        raise FrameError("bad_frame", f"malformed reply frame: {_TOO_DEEP}") from exc
+
+
+def nesting_depth(value: Any, limit: int = MAX_META_DEPTH) -> int:
+    """How deeply `value` nests lists/dicts, counting no further than `limit` + 1 (iterative)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (list, tuple, dict)):
+            if depth > limit:
+                return depth
+            deepest = max(deepest, depth)
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def encode_meta(meta: dict[str, Any] | None) -> bytes:

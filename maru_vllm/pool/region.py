@@ -13,7 +13,9 @@ Backends:
 
 The service always creates a *new* file (unlink + O_EXCL create) rather than reusing an old
 one in place, so a client still mapping the previous incarnation keeps seeing the previous
-(immutable) contents instead of bytes being rewritten under it.
+(immutable) contents instead of bytes being rewritten under it. It only ever replaces a file
+that starts with the region magic (a region left behind); anything else at the path is
+refused unless `force` (``--force``), so a mistyped --path cannot delete someone's file.
 """
 
 from __future__ import annotations
@@ -106,8 +108,8 @@ def resolve_region_path(backend: str, name: str, path: str | None) -> Path:
     return p
 
 
-def parse_size(text: str | int) -> int:
-    """'4G', '512M', '64k', '1.5G' or plain bytes -> bytes (binary multiples)."""
+def parse_size(text: str | int, minimum: int = MIN_REGION_SIZE) -> int:
+    """'4G', '512M', '64k', '1.5G' or plain bytes -> bytes (binary multiples), at least `minimum`."""
     if isinstance(text, int):
         value = text
     else:
@@ -119,8 +121,10 @@ def parse_size(text: str | int) -> int:
             )
         mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
         value = int(float(m.group(1)) * mult)
-    if value < MIN_REGION_SIZE:
-        raise ValueError(f"invalid size {text!r}: the pool needs at least 1M ({MIN_REGION_SIZE} bytes)")
+    if value < minimum:
+        if minimum == MIN_REGION_SIZE:
+            raise ValueError(f"invalid size {text!r}: the pool needs at least 1M ({MIN_REGION_SIZE} bytes)")
+        raise ValueError(f"invalid size {text!r}: use at least {minimum} bytes")
     return value
 
 
@@ -167,6 +171,7 @@ class Region:
         path: str | None = None,
         group: int | None = None,
         sysfs: Path = DAX_SYSFS,
+        force: bool = False,
     ) -> Region:
         validate_pool_name(name)
         p = resolve_region_path(backend, name, path)
@@ -191,7 +196,7 @@ class Region:
                 size = round_up(size, max(PAGE_SIZE, os.statvfs(p.parent).f_bsize))
             else:
                 size = round_up(size, PAGE_SIZE)
-            fd = _create_fresh(p, mode)
+            fd = _create_fresh(p, mode, force)
             try:
                 os.ftruncate(fd, size)
                 _reserve_space(fd, size, p)
@@ -338,16 +343,26 @@ def _lock(fd: int, p: Path) -> None:
         raise RegionError(f"region {p} is in use by another running pool service") from exc
 
 
-def _create_fresh(p: Path, mode: int) -> int:
-    """Replace any old region file with a new inode, refusing if a live service holds it."""
+def _create_fresh(p: Path, mode: int, force: bool = False) -> int:
+    """Replace an old region file with a new inode, refusing if a live service holds it or
+    (unless `force`) if the file is not a Maru region."""
     try:
-        old = os.open(p, os.O_RDWR | os.O_NOFOLLOW)
+        old = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         old = -1
     except OSError as exc:
         raise RegionError(f"cannot open existing region {p}: {exc}") from exc
     if old >= 0:
         _lock(old, p)  # raises if another service holds it
+        if not stat.S_ISREG(os.fstat(old).st_mode):
+            os.close(old)
+            raise RegionError(f"{p} exists and is not a regular file; refusing to replace it")
+        if os.pread(old, len(REGION_MAGIC), 0) != REGION_MAGIC and not force:
+            os.close(old)
+            raise RegionError(
+                f"{p} exists and is not a maru pool region (no {REGION_MAGIC.decode()} header); refusing to "
+                "replace it: remove it yourself or pass --force"
+            )
         os.unlink(p)
         os.close(old)
         logger.info("replaced stale region file %s", p)

@@ -4,11 +4,19 @@ It handles metadata only - clients write and read payload bytes directly in the 
 Each connection is one session; when the connection closes (the client exited or was killed)
 its reservations and pins are released at once, and a lease (refreshed by any request,
 including the client's idle pings) releases a session whose peer went silent without closing.
+
+Peers are untrusted until `hello`: an unauthenticated connection gets one small frame
+(MAX_HELLO_FRAME) within `hello_timeout_s`, and anything but a valid hello closes it. Connections
+are capped (`max_connections`, derived from the open-file limit by default); peers still waiting
+for hello may hold at most half the slots, and the oldest of them makes room for a newcomer, so
+idle sockets can never lock real clients out. Failed authentications are spaced out
+service-wide, and repeated errors reach the log a few lines at a time (`logthrottle`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import logging
 import os
@@ -21,9 +29,12 @@ from typing import Any
 from maru_vllm.pool import protocol as P
 from maru_vllm.pool.address import Address, default_listen, parse_address
 from maru_vllm.pool.allocator import Allocator
+from maru_vllm.pool.auth import check_token
+from maru_vllm.pool.connections import Conn, ConnectionSlots, peer_name
 from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.events import EventPublisher
-from maru_vllm.pool.index import Obj, PoolIndex
+from maru_vllm.pool.index import Obj, PoolIndex, SessionLimits
+from maru_vllm.pool.logthrottle import AuthThrottle, ThrottledLog
 from maru_vllm.pool.metrics import PoolMetrics
 from maru_vllm.pool.objects import key_digest, validate
 from maru_vllm.pool.region import Region
@@ -31,6 +42,7 @@ from maru_vllm.pool.region import Region
 logger = logging.getLogger(__name__)
 
 READY_LINE = "maru-pool serving on {address}"
+DEFAULT_MAX_PINS_PER_OBJECT = 1024
 
 
 @dataclass
@@ -47,6 +59,12 @@ class ServiceConfig:
     keep_region: bool = False
     lease_s: float = 30.0
     group: int | None = None
+    force: bool = False  # replace a region path that holds something other than a Maru region
+    hello_timeout_s: float = 10.0
+    max_connections: int | None = None  # None: min(1024, open-file limit - connections.FD_RESERVE)
+    session_reserve_limit: int | None = None  # bytes; None: half the region
+    session_pin_limit: int | None = None  # bytes; None: half the region
+    max_pins_per_object: int = DEFAULT_MAX_PINS_PER_OBJECT
 
 
 class PoolService:
@@ -55,9 +73,15 @@ class PoolService:
         self.addresses: list[Address] = [parse_address(a) for a in cfg.listen] or [default_listen(cfg.name)]
         if any(a.kind == "tcp" for a in self.addresses) and not cfg.token:
             raise PoolError("a tcp listen address needs a shared-secret token (--token-file)")
+        if cfg.token is not None:
+            check_token(cfg.token)
+        self._log = ThrottledLog(logger)
+        self.slots = ConnectionSlots(cfg.max_connections, self._log)
+        self._auth = AuthThrottle()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.region: Region | None = None
         self.index: PoolIndex | None = None
-        self.metrics = PoolMetrics(cfg.name, self._stats)
+        self.metrics = PoolMetrics(cfg.name, self._stats_from_any_thread)
         self.publisher: EventPublisher | None = None
         self.seq = 0
         self.started = time.time()
@@ -69,33 +93,49 @@ class PoolService:
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> list[str]:
+        self._loop = asyncio.get_running_loop()
+        self._loop.set_exception_handler(self._loop_exception)
         for a in self.addresses:
             if a.kind == "unix":
                 _refuse_live_socket(a.path)
         self.region = Region.create(
-            self.cfg.name, self.cfg.size, backend=self.cfg.backend, path=self.cfg.path, group=self.cfg.group
+            self.cfg.name, self.cfg.size, backend=self.cfg.backend, path=self.cfg.path, group=self.cfg.group,
+            force=self.cfg.force,
         )
         data_offset = self.region.info.data_offset
-        self.index = PoolIndex(Allocator(self.region.size - data_offset), data_offset, self._on_event)
+        half = self.region.size // 2
+        limits = SessionLimits(
+            reserve_bytes=self.cfg.session_reserve_limit if self.cfg.session_reserve_limit is not None else half,
+            pin_bytes=self.cfg.session_pin_limit if self.cfg.session_pin_limit is not None else half,
+            pins_per_object=self.cfg.max_pins_per_object,
+        )
+        self.index = PoolIndex(Allocator(self.region.size - data_offset), data_offset, self._on_event, limits)
         if self.cfg.nats:
             self.publisher = EventPublisher(self.cfg.nats, self.cfg.name, self._snapshot)
             self.publisher.start()
         served = []
         try:
             for a in self.addresses:
-                if a.kind == "unix":
-                    srv = await asyncio.start_unix_server(self._handle, path=a.path, limit=P.MAX_FRAME)
-                    os.chmod(a.path, 0o660 if self.cfg.group is not None else 0o600)
-                    if self.cfg.group is not None:
-                        os.chown(a.path, -1, self.cfg.group)
-                    served.append(str(a))
-                else:
-                    srv = await asyncio.start_server(self._handle, host=a.host, port=a.port, limit=P.MAX_FRAME)
-                    port = srv.sockets[0].getsockname()[1]
-                    served.append(str(Address("tcp", host=a.host, port=port)))
+                try:
+                    if a.kind == "unix":
+                        srv = await asyncio.start_unix_server(self._handle, path=a.path, limit=P.MAX_FRAME)
+                        os.chmod(a.path, 0o660 if self.cfg.group is not None else 0o600)
+                        if self.cfg.group is not None:
+                            os.chown(a.path, -1, self.cfg.group)
+                        served.append(str(a))
+                    else:
+                        srv = await asyncio.start_server(self._handle, host=a.host, port=a.port, limit=P.MAX_FRAME)
+                        port = srv.sockets[0].getsockname()[1]
+                        served.append(str(Address("tcp", host=a.host, port=port)))
+                except OSError as exc:
+                    raise PoolError(f"cannot listen on {a}: {exc.strerror or exc}") from exc
                 self._servers.append(srv)
             if self.cfg.metrics_port is not None:
-                self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
+                try:
+                    self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
+                except OSError as exc:
+                    where = f"{self.cfg.metrics_host}:{self.cfg.metrics_port}"
+                    raise PoolError(f"cannot serve metrics on {where}: {exc.strerror or exc}") from exc
         except BaseException:
             await self.stop()
             raise
@@ -143,21 +183,32 @@ class PoolService:
     # -- connections ------------------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self.index is not None
-        sid: int | None = None
-        peer = writer.get_extra_info("peername") or "unix"
+        conn = Conn(writer, peer_name(writer))
+        if not self.slots.admit(conn):
+            return
         try:
             while True:
-                n = P.LEN.unpack(await reader.readexactly(4))[0]
-                if n > P.MAX_FRAME:
-                    writer.write(P.encode_reply(P.error_reply(0, "too_large", f"frame of {n} bytes exceeds {P.MAX_FRAME}")))
-                    await writer.drain()
+                if conn.sid is None:
+                    try:
+                        async with asyncio.timeout(self.cfg.hello_timeout_s):
+                            body = await self._read_frame(reader, writer, P.MAX_HELLO_FRAME, "before hello")
+                    except TimeoutError:
+                        self._log.log(logging.WARNING, "hello-timeout",
+                                      "closed a connection from %s: no hello within %.1f s",
+                                      conn.peer, self.cfg.hello_timeout_s)
+                        break
+                else:
+                    body = await self._read_frame(reader, writer, P.MAX_FRAME, "")
+                if body is None:
                     break
-                body = await reader.readexactly(n)
                 t0 = time.perf_counter()
-                reply, keep, op = self._dispatch(body, sid)
-                if op == "hello" and reply.ok and sid is None:
-                    sid = reply.result["session"]
-                    self._conns[sid] = writer
+                reply, keep, op = self._dispatch(body, conn.sid)
+                if op == "hello" and reply.ok and conn.sid is None:
+                    conn.sid = reply.result["session"]
+                    self._conns[conn.sid] = writer
+                    self.slots.authenticated(conn)
+                elif conn.sid is None and not reply.ok:
+                    await self._refused_before_hello(conn, reply)
                 writer.write(P.encode_reply(reply))
                 if writer.transport.get_write_buffer_size() > (1 << 20):
                     await writer.drain()
@@ -168,12 +219,43 @@ class PoolService:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
-            if sid is not None:
-                self._conns.pop(sid, None)
-                res, pins = self.index.close_session(sid)
+            self.slots.release(conn)
+            if conn.sid is not None:
+                self._conns.pop(conn.sid, None)
+                res, pins = self.index.close_session(conn.sid)
                 if res or pins:
-                    logger.info("client %s gone: released %d reservations and %d pins", peer, res, pins)
+                    logger.info("client %s gone: released %d reservations and %d pins", conn.peer, res, pins)
             writer.transport.abort()
+
+    async def _read_frame(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: int, when: str
+    ) -> bytes | None:
+        """The next frame's body, or None after refusing an oversized one (the stream is then untrusted)."""
+        n = P.LEN.unpack(await reader.readexactly(4))[0]
+        if n > limit:
+            msg = f"frame of {n} bytes exceeds {limit}" + (f", the most accepted {when}" if when else "")
+            writer.write(P.encode_reply(P.error_reply(0, "too_large", msg)))
+            await writer.drain()
+            return None
+        return await reader.readexactly(n)
+
+    async def _refused_before_hello(self, conn: Conn, reply: P.Reply) -> None:
+        """Log (throttled) why an unauthenticated peer is being closed; space out wrong tokens."""
+        code = reply.error.code if reply.error else "?"
+        if code == "auth_failed":
+            delay = self._auth.delay_for_failure()
+            self._log.log(logging.WARNING, "auth-failed", "authentication failed from %s (%d failures so far)",
+                          conn.peer, self._auth.failures)
+            await asyncio.sleep(delay)
+        else:
+            self._log.log(logging.WARNING, f"pre-hello-{code}", "closed a connection from %s before hello: %s: %s",
+                          conn.peer, code, reply.error.message if reply.error else "")
+
+    def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """asyncio's own errors (e.g. accept() out of descriptors) go through the throttled log."""
+        exc = context.get("exception")
+        self._log.log(logging.ERROR, f"loop-{context.get('message')}", "%s%s", context.get("message"),
+                      f": {type(exc).__name__}: {exc}" if exc else "")
 
     def _dispatch(self, body: bytes, sid: int | None) -> tuple[P.Reply, bool, str]:
         """(reply, keep the connection open, op label for metrics)."""
@@ -181,10 +263,10 @@ class PoolService:
         try:
             req = P.decode_request(body)
         except P.FrameError as exc:
-            return P.error_reply(0, exc.code, str(exc)), True, "invalid"
+            return P.error_reply(0, exc.code, str(exc)), sid is not None, "invalid"
         if req.v != P.PROTOCOL_VERSION:
             msg = f"protocol version {req.v} is not supported; this service speaks version {P.PROTOCOL_VERSION}"
-            return P.error_reply(req.id, "bad_version", msg), True, "invalid"
+            return P.error_reply(req.id, "bad_version", msg), sid is not None, "invalid"
         op = req.op if req.op in P.OP_ARGS else "invalid"
         try:
             args = P.decode_args(req.op, req.args)
@@ -205,7 +287,7 @@ class PoolService:
                 return P.error_reply(req.id, exc.code, str(exc)), False, op
             return P.error_reply(req.id, exc.code, str(exc)), True, op
         except Exception as exc:  # a bug must not take the service down; the client gets it
-            logger.exception("op %r failed", req.op)
+            self._log.log(logging.ERROR, f"op-failed-{op}", "op %r failed", req.op, exc_info=True)
             return P.error_reply(req.id, "internal", f"{req.op} failed: {type(exc).__name__}: {exc}"), True, op
 
     def _hello(self, req_id: int, args: P.HelloArgs) -> tuple[P.Reply, bool]:
@@ -243,6 +325,8 @@ class PoolService:
         if len(metas) != len(args.oids):
             raise P.FrameError("bad_request", f"commit has {len(args.oids)} oids but {len(metas)} metas")
         for m in metas:
+            if m is not None and P.nesting_depth(m) > P.MAX_META_DEPTH:
+                raise P.FrameError("bad_request", f"meta nests deeper than {P.MAX_META_DEPTH} levels")
             if m is not None and len(P.encode_meta(m)) > P.MAX_META_BYTES:
                 raise P.FrameError("bad_request", f"meta larger than {P.MAX_META_BYTES} bytes")
         return self.index.commit(sid, args.oids, metas, self._verify)  # type: ignore[union-attr]
@@ -290,10 +374,42 @@ class PoolService:
         return {"pool": self.cfg.name, "incarnation": self.region.info.incarnation, "seq": self.seq,
                 "objects": self.index.snapshot(ns)}
 
+    def _stats_from_any_thread(self) -> dict[str, Any]:
+        """`_stats`, computed on the event loop (the index is not thread-safe; scrapes run on
+        the metrics server's thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return {}
+        try:
+            if asyncio.get_running_loop() is loop:
+                return self._stats()
+        except RuntimeError:
+            pass
+        fut: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+
+        def compute() -> None:
+            try:
+                fut.set_result(self._stats())
+            except Exception as exc:  # handed to the scraping thread
+                fut.set_exception(exc)
+
+        try:
+            loop.call_soon_threadsafe(compute)
+        except RuntimeError:  # the loop is closing
+            return {}
+        return fut.result(timeout=10)
+
     def _stats(self) -> dict[str, Any]:
         if self.index is None or self.region is None:
             return {}
         st = self.index.stats()
+        lim = self.index.limits
+        st.update(
+            session_reserve_limit=lim.reserve_bytes, session_pin_limit=lim.pin_bytes,
+            max_pins_per_object=lim.pins_per_object, connections=self.slots.open,
+            connections_waiting_for_hello=len(self.slots.pending), max_connections=self.slots.max_connections,
+            auth_failures=self._auth.failures,
+        )
         pub = self.publisher
         st.update(
             pool=self.cfg.name, incarnation=self.region.info.incarnation, region_path=self.region.info.path,

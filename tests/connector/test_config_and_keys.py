@@ -31,7 +31,7 @@ def test_defaults() -> None:
         ({**POOL, "maru_namespace": 7}, "maru_namespace=7 must be a string"),
         ({**POOL, "maru_pool_timeout_s": -1}, "maru_pool_timeout_s=-1 must be > 0"),
         ({**POOL, "maru_chunk_tokens": 256}, "unknown key(s) ['maru_chunk_tokens']"),
-        ({**POOL, "maru_pool_token_file": "/nonexistent/token"}, "maru_pool_token_file='/nonexistent/token' cannot be read"),
+        ({**POOL, "maru_pool_token_file": "/nonexistent/token"}, "maru_pool_token_file='/nonexistent/token': cannot read token file"),
     ],
 )
 def test_bad_values_name_the_key_value_and_what_is_allowed(extra: dict, message: str) -> None:
@@ -48,10 +48,11 @@ def test_chunk_rounds_to_block_multiple(caplog: pytest.LogCaptureFixture) -> Non
 
 def test_token_file_and_env_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     token = tmp_path / "token"
-    token.write_text("s3cret\n")
+    token.write_text("s3cret-s3cret-s3cret\n")
+    token.chmod(0o600)
     monkeypatch.setenv("MARU_POOL_ADDRESS", "tcp://127.0.0.1:9999")
     cfg = parse_config({"maru_pool_token_file": str(token), "maru_checksum": "false"}, block_size=16)
-    assert (cfg.pool_address, cfg.pool_token, cfg.checksum) == ("tcp://127.0.0.1:9999", "s3cret", False)
+    assert (cfg.pool_address, cfg.pool_token, cfg.checksum) == ("tcp://127.0.0.1:9999", "s3cret-s3cret-s3cret", False)
 
 
 IDENTITY = KVIdentity(

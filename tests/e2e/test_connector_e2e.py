@@ -20,6 +20,7 @@ import pytest
 from maru_vllm.launch import ProcessGroup
 from maru_vllm.models import ensure_model
 from maru_vllm.pool import PoolClient
+from maru_vllm.pool.objects import payload_checksum
 from tests.e2e.conftest import PoolService, maru_kv_config, start_engine, start_pool, token_prompt, wait_engines
 from tests.e2e.openai_client import cached_tokens, completion
 
@@ -81,8 +82,9 @@ def logprobs(out: dict) -> list[float]:
 def corrupt_chunk(stack: Stack, prompt: list[int], chunk: int, *, keep_checksum: bool) -> None:
     """Flip payload bytes of one stored chunk in the shared region (as a bad DIMM would).
 
-    With keep_checksum=False the header's checksum flag is cleared as well: a corruption that no
-    checksum can see, used to show that the output comparison itself catches a bad load.
+    With keep_checksum=False the header gets the checksum of the corrupted bytes (XXH3 is not a
+    MAC: whoever can write the region can forge it): a corruption that no check can see, used to
+    show that the output comparison itself catches a bad load.
     """
     obj = stack.chunks_of(prompt)[chunk]
     with PoolClient.connect(stack.pool.address) as c:
@@ -96,9 +98,8 @@ def corrupt_chunk(stack: Stack, prompt: list[int], chunk: int, *, keep_checksum:
         middle = at + len(payload) // 2
         mm[middle:middle + 4096] = bytes(b ^ 0x5A for b in mm[middle:middle + 4096])
         if not keep_checksum:
-            flags_at = at - OBJ_HEADER + 6  # magic u32, version u16, flags u16
-            (flags,) = struct.unpack_from("<H", mm, flags_at)
-            struct.pack_into("<H", mm, flags_at, flags & ~1)
+            crc_at = at - OBJ_HEADER + 40  # magic u32, version u16, flags u16, oid u64, length u64, digest 16s
+            struct.pack_into("<I", mm, crc_at, payload_checksum(bytes(mm[at:at + len(payload)])))
 
 
 def test_cross_instance_pool_hit_equals_local_prefix_hit(maru: Stack) -> None:

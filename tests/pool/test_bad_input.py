@@ -115,7 +115,7 @@ def test_client_sees_server_rejections_as_pool_protocol_error(pool):
 
 def test_tcp_requires_token(pool_factory, tmp_path):
     token = tmp_path / "token"
-    token.write_text("s3cret\n")
+    token.write_text("s3cret-s3cret-s3cret\n")
     token.chmod(0o600)
     port = free_port()
     p = pool_factory(extra=["--listen", f"tcp://127.0.0.1:{port}", "--token-file", str(token)])
@@ -132,7 +132,7 @@ def test_tcp_requires_token(pool_factory, tmp_path):
         PoolClient.connect(tcp, token="nope")
     with pytest.raises(PoolProtocolError, match="auth_required"):
         PoolClient.connect(tcp)
-    with PoolClient.connect(tcp, token="s3cret") as c:
+    with PoolClient.connect(tcp, token="s3cret-s3cret-s3cret") as c:
         assert c.put(b"over-tcp", b"data")
         with c.get(b"over-tcp") as v:
             assert bytes(v) == b"data"

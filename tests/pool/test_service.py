@@ -114,7 +114,7 @@ def test_eviction_keeps_pinned_objects_intact(pool_factory):
 
 
 def test_full_pool_of_pinned_objects_fails_store_cleanly(pool_factory):
-    p = pool_factory(size="2M")
+    p = pool_factory(size="2M", extra=["--session-pin-limit", "2M"])  # lift the per-session quota
     with PoolClient.connect(p.address) as c:
         pins = []
         for i in range(50):  # store and pin until nothing can be evicted any more

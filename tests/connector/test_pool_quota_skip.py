@@ -1,0 +1,36 @@
+"""A store the pool refuses (a session quota) is a clean skip in the connector, never an error."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
+from maru_vllm.connector.pool_access import PoolAccess
+from maru_vllm.connector.worker import MaruWorkerSide
+from tests.connector.sched_harness import PoolService
+
+
+def test_stores_past_the_session_quota_are_skipped_and_the_rest_load() -> None:
+    d = Path(tempfile.mkdtemp(prefix="mqs-", dir="/tmp"))
+    svc = PoolService(d, size="2M").start()  # default quota: half the pool per session
+    try:
+        caches = {f"layer{i}": torch.randn(16, 2, 8, 32).to(torch.bfloat16) for i in range(3)}
+        side = MaruWorkerSide(namespace="kv:quota", rank=0, pool=PoolAccess(svc.address, None, 5.0, True, "test"),
+                              block_size=8, num_blocks=16, use_lmcache_kernels=False, enable_fused_load=False)
+        side.register_kv_caches(caches, "CPU_ATTN")
+        stores = [ChunkStore(f"r{i}", b"chunk-%d" % i, [2 * (i % 8), 2 * (i % 8) + 1], {"chunk": i})
+                  for i in range(300)]  # 300 x ~6 KiB in one step: more than 1 MiB
+        side.store(MaruConnectorMetadata(stores=stores))
+        c = side.take_counters()
+        assert c.store_failures == 0 and c.stores_skipped > 0
+        assert c.chunks_stored + c.stores_skipped == 300 and c.chunks_stored > 0
+        side.load(MaruConnectorMetadata(loads=[ChunkLoad("x", b"chunk-0", [14, 15])]))
+        assert side.take_failed_blocks() == set()
+        assert side.pool.available
+    finally:
+        svc.stop()
+        shutil.rmtree(d, ignore_errors=True)
