@@ -5,19 +5,22 @@ step, each pinned object is copied page by page into its blocks, and the pins ar
 chunk that is missing, fails validation or has the wrong size is a miss: its blocks are
 reported through vLLM's load-error path and recomputed. Nothing raises into the forward.
 
-Stores: in `wait_for_save`, after the step's forward, one `reserve` round trip gets space for
-every chunk the step completed, the pages are copied straight into the shared region, and one
-`commit` round trip publishes them with their metadata. The copy is synchronous on purpose:
-the blocks cannot be freed or reused while the step is still in `wait_for_save`, so no
-block-holding protocol (`request_finished` / `get_finished`) is needed, and on CPU a background
-copy would compete with the next forward for the same pinned core. A store that fails is
-skipped and counted; the request is unaffected.
+Stores: in `wait_for_save`, after the step's forward, the chunks the step completed are handed
+to the `StoreWriter` (store_writer.py, which says why and how it stays correct): its thread
+reserves space, copies the pages straight into the shared region and commits them, while the
+step returns. vLLM keeps a finished request's blocks until `finished_stores` reports it (the
+scheduler side returned True from `request_finished`), and `handle_preemptions` waits for a
+preempted request's copies. A producer-only engine (disaggregated prefill) stores inline: its
+response is what sends the decode engine to the pool, so the chunks must be there first. A
+store that fails is skipped and counted; the request is unaffected.
 """
 
 from __future__ import annotations
 
-from vllm.logger import init_logger
+import collections
 import time
+
+from vllm.logger import init_logger
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,8 +33,13 @@ from maru_vllm.connector.layouts import KVCacheSet, LayoutError
 from maru_vllm.connector.metadata import ChunkLoad, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.stats import TransferCounters
+from maru_vllm.connector.store_writer import StoreWriter
 
 logger = init_logger(__name__)
+
+# On a step that computes nothing, how long to wait for held requests' copies instead of
+# letting the engine spin through empty steps against the copy.
+IDLE_WAIT_S = 1.0
 
 
 class MaruWorkerSide:
@@ -45,10 +53,22 @@ class MaruWorkerSide:
         num_blocks: int | None,
         use_lmcache_kernels: bool,
         enable_fused_load: bool,
+        store_pool: PoolAccess | None = None,
+        write_behind: bool = True,
     ) -> None:
         self.namespace = namespace
         self.rank = rank
         self.pool = pool
+        # Stores use their own connection when given one, so loads never queue behind them.
+        self.store_pool = store_pool or pool
+        self.write_behind = write_behind
+        self.writer: StoreWriter | None = None
+        # Finished requests whose blocks vLLM holds for our stores: announced by the scheduler
+        # side (`held_for_stores`) and seen in `finished_req_ids`; reported once copied.
+        self._held_announced: set[str] = set()
+        self._held_finished: set[str] = set()
+        # The last steps' finished ids, should an announcement come a step late.
+        self._recent_finished: collections.deque[set[str]] = collections.deque(maxlen=8)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.codec: KVCacheSet | None = None
@@ -72,10 +92,13 @@ class MaruWorkerSide:
             logger.error("Maru connector disabled on this worker: unsupported KV cache layout (%s); every "
                          "planned load is recomputed and nothing is stored", exc)
             return
+        self.writer = StoreWriter(self.store_pool, self.namespace, self.rank, self.codec,
+                                  write_behind=self.write_behind)
         logger.info(
-            "Maru connector: %d KV layers (%d unique), %d bytes per block, layout %s, kernels %s",
+            "Maru connector: %d KV layers (%d unique), %d bytes per block, layout %s, kernels %s, stores %s",
             len(self.codec.layer_names), len(self.codec.unique_layers), self.codec.bytes_per_block,
             self.codec.layout_signature(), self.kernels.source if self.kernels else "torch",
+            "write-behind" if self.write_behind else "inline",
         )
 
     # -- loads -----------------------------------------------------------------------------------
@@ -128,51 +151,55 @@ class MaruWorkerSide:
 
     # -- stores ----------------------------------------------------------------------------------
     def store(self, meta: MaruConnectorMetadata) -> None:
+        """Hand this step's completed chunks to the writer (after the forward, in wait_for_save)."""
         failed, self.failed_requests = self.failed_requests, set()
         stores = [s for s in meta.stores if s.req_id not in failed]
         self.counters.stores_skipped += len(meta.stores) - len(stores)
-        if not stores or self.codec is None:
+        if not stores or self.writer is None:
             return
-        codec = self.codec
         t0 = time.perf_counter()
-        items = [(chunk_key(s.key, self.rank), codec.chunk_nbytes(len(s.block_ids))) for s in stores]
-        reservations = self.pool.call("reserve", lambda c: c.reserve(items, self.namespace))
-        if reservations is None:
-            self.counters.store_failures += len(stores)
+        self.writer.submit(stores)
+        self.counters.store_hold_seconds += time.perf_counter() - t0
+
+    def handle_preemptions(self, meta: MaruConnectorMetadata) -> None:
+        """vLLM freed the blocks of `meta.preempted_req_ids`: finish their copies before the forward."""
+        if not meta.preempted_req_ids or self.writer is None:
             return
-        to_commit, metas = [], []
-        for store, res in zip(stores, reservations):
-            if res is None:
-                self.counters.stores_skipped += 1  # already in the pool, or no space
-                continue
-            try:
-                codec.pack(store.block_ids, res.buffer)
-            except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
-                logger.warning("Maru store of a chunk failed while copying (%s); skipped", exc)
-                self.pool.call("abort", lambda c, r=res: c.abort([r]))
-                self.counters.store_failures += 1
-                continue
-            to_commit.append(res)
-            metas.append({**store.meta, "rank": self.rank})
-        if not to_commit:
-            return
-        committed = self.pool.call("commit", lambda c: c.commit(to_commit, metas))
-        if committed is None:
-            self.counters.store_failures += len(to_commit)
-            return
-        for ok, res in zip(committed, to_commit):
-            if ok:
-                self.counters.chunks_stored += 1
-                self.counters.bytes_stored += res.size
-            else:
-                self.counters.stores_skipped += 1
-        self.counters.store_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.writer.wait(meta.preempted_req_ids)
+        self.counters.store_hold_seconds += time.perf_counter() - t0
+
+    def finished_stores(self, finished_req_ids: set[str], meta: MaruConnectorMetadata | None) -> set[str]:
+        """Requests whose held blocks vLLM may free now: finished, announced, no copy pending."""
+        if finished_req_ids:
+            self._recent_finished.append(set(finished_req_ids))
+        if meta is not None and meta.held_for_stores:
+            self._held_announced |= meta.held_for_stores
+        for recent in self._recent_finished:
+            self._held_finished |= recent & self._held_announced
+        waiting = self._held_finished
+        if not waiting:
+            return set()
+        if self.writer is not None and meta is not None and meta.idle and self.writer.busy(waiting):
+            # The engine steps only to collect these: wait here rather than spin against the copy.
+            t0 = time.perf_counter()
+            self.writer.wait(waiting, timeout=IDLE_WAIT_S)
+            self.counters.store_hold_seconds += time.perf_counter() - t0
+        done = {r for r in waiting if self.writer is None or not self.writer.busy((r,))}
+        self._held_finished -= done
+        self._held_announced -= done
+        return done
+
+    def shutdown(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
     def take_counters(self) -> TransferCounters | None:
-        if self.counters.is_empty():
-            return None
         counters, self.counters = self.counters, TransferCounters()
-        return counters
+        if self.writer is not None:
+            counters.add(self.writer.take_counters())
+        return None if counters.is_empty() else counters
 
     def describe(self) -> dict[str, Any]:
-        return {"rank": self.rank, "namespace": self.namespace, "fused_load": self.fused_load}
+        return {"rank": self.rank, "namespace": self.namespace, "fused_load": self.fused_load,
+                "write_behind": self.write_behind}

@@ -122,6 +122,12 @@ def check_run(sim: Sim) -> None:
     (unless the pool already had it when the request looked)."""
     assert sim.sched.get_num_unfinished_requests() == 0
     assert set(sim.finished) == set(sim.requests)
+    # Requests whose blocks were held for write-behind stores were all released: none leaks.
+    assert sim.sched.requests == {}, f"held forever: {list(sim.sched.requests)}"
+    pool = sim.sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
+    held = {rid for rid in sim.requests if sim.stores and any(k[0] == rid for k in sim.stores)}
+    assert set(sim.finished_sending) == held, "held exactly the requests that had stores"
     assert sim.side.requests == {}, f"state left behind: {list(sim.side.requests)}"
     assert sorted(sim.probe.finished) == sorted(sim.requests), "request_finished not called once per request"
     for key, n in sim.stores.items():
