@@ -34,6 +34,7 @@ from maru_vllm.connector.namespace import identity_from_vllm
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.scheduler import MaruSchedulerSide
 from maru_vllm.connector.stats import MaruConnectorStats, MaruPromMetrics
+from maru_vllm.connector.transfer import FORMAT_PAGES, copy_format
 from maru_vllm.connector.worker import MaruWorkerSide
 
 if TYPE_CHECKING:
@@ -74,7 +75,12 @@ class MaruKVConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         block_size = int(vllm_config.cache_config.block_size)
         self.config = parse_config(transfer.kv_connector_extra_config, block_size)
-        identity = identity_from_vllm(vllm_config, kv_cache_config, self.config.namespace)
+        # Engines that copy in different object formats (transfer.py) must never share objects.
+        from vllm.platforms import current_platform
+
+        self.copy_format = copy_format(str(current_platform.device_type), self.config.use_lmcache_kernels)
+        salt = self.config.namespace if self.copy_format == FORMAT_PAGES else f"{self.config.namespace}|{self.copy_format}"
+        identity = identity_from_vllm(vllm_config, kv_cache_config, salt)
         self.namespace = identity.namespace()
         self.can_load = bool(transfer.is_kv_consumer)
         self.can_store = bool(transfer.is_kv_producer)
@@ -108,6 +114,8 @@ class MaruKVConnector(KVConnectorBase_V1):
                 pool=self.pool,
                 store_pool=store_pool,
                 write_behind=self.can_load,
+                blocks_per_chunk=self.config.blocks_per_chunk,
+                expected_format=self.copy_format,
                 block_size=block_size,
                 num_blocks=getattr(kv_cache_config, "num_blocks", None),
                 use_lmcache_kernels=self.config.use_lmcache_kernels,

@@ -47,22 +47,19 @@ from typing import Any
 import torch
 
 from maru_vllm.connector.chunks import chunk_key
-from maru_vllm.connector.layouts import KVCacheSet, LayoutError
+from maru_vllm.connector.cuda_host import HostRegistry
+from maru_vllm.connector.layouts import LayoutError
 from maru_vllm.connector.metadata import ChunkStore
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.stats import TransferCounters
+from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier
+
+Copier = TorchPageCopier | LMCacheBlockCopier
 
 logger = logging.getLogger(__name__)
 
 # How long shutdown waits for queued stores before dropping them (they are only a cache).
 SHUTDOWN_GRACE_S = 10.0
-
-PackFn = Callable[[KVCacheSet, list[int], Any], None]
-
-
-def torch_pack(codec: KVCacheSet, block_ids: list[int], out: Any) -> None:
-    codec.pack(block_ids, out)
-
 
 @dataclasses.dataclass
 class StoreJob:
@@ -80,14 +77,15 @@ class StoreJob:
 class StoreWriter:
     """Copies and commits store jobs, inline (`write_behind=False`) or on one daemon thread."""
 
-    def __init__(self, pool: PoolAccess, namespace: str, rank: int, codec: KVCacheSet, *,
-                 write_behind: bool = True, pack: PackFn = torch_pack) -> None:
+    def __init__(self, pool: PoolAccess, namespace: str, rank: int, copier: Copier, device: torch.device, *,
+                 write_behind: bool = True, host_registry: HostRegistry | None = None) -> None:
         self.pool = pool
         self.namespace = namespace
         self.rank = rank
-        self.codec = codec
+        self.copier = copier
         self.write_behind = write_behind
-        self.pack = pack
+        self.pack: Callable[[list[int], Any], None] = copier.pack
+        self.host_registry = host_registry
         self._cv = threading.Condition()
         self._queue: collections.deque[StoreJob] = collections.deque()
         self._running: StoreJob | None = None
@@ -96,7 +94,6 @@ class StoreWriter:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._stream = None
-        device = codec.device
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device=device)
 
@@ -182,15 +179,17 @@ class StoreWriter:
 
     def _write(self, job: StoreJob) -> None:
         """Reserve, copy every page, wait for the copy, commit: visible only when complete."""
-        codec = self.codec
+        copier = self.copier
         t0 = time.perf_counter()
         counters = TransferCounters()
         try:
-            items = [(chunk_key(s.key, self.rank), codec.chunk_nbytes(len(s.block_ids))) for s in job.stores]
+            items = [(chunk_key(s.key, self.rank), copier.chunk_nbytes(len(s.block_ids))) for s in job.stores]
             reservations = self.pool.call("reserve", lambda c: c.reserve(items, self.namespace))
             if reservations is None:
                 counters.store_failures += len(job.stores)
                 return
+            if self.host_registry is not None and self.pool.client.region_view is not None:
+                self.host_registry.ensure(self.pool.client.region_view)  # DMA into the region
             to_commit, metas = [], []
             stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with stream_ctx:
@@ -201,7 +200,7 @@ class StoreWriter:
                         counters.stores_skipped += 1  # already in the pool, or no space
                         continue
                     try:
-                        self.pack(codec, store.block_ids, res.buffer)
+                        self.pack(store.block_ids, res.buffer)
                     except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
                         logger.warning("Maru store of a chunk failed while copying (%s); skipped", exc)
                         self.pool.call("abort", lambda c, r=res: c.abort([r]))

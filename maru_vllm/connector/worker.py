@@ -33,7 +33,9 @@ from maru_vllm.connector.layouts import KVCacheSet, LayoutError
 from maru_vllm.connector.metadata import ChunkLoad, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.stats import TransferCounters
+from maru_vllm.connector.cuda_host import HostRegistry
 from maru_vllm.connector.store_writer import StoreWriter
+from maru_vllm.connector.transfer import FORMAT_PAGES, LMCacheBlockCopier, TorchPageCopier, make_copier
 
 logger = init_logger(__name__)
 
@@ -55,6 +57,8 @@ class MaruWorkerSide:
         enable_fused_load: bool,
         store_pool: PoolAccess | None = None,
         write_behind: bool = True,
+        blocks_per_chunk: int = 1,
+        expected_format: str = FORMAT_PAGES,
     ) -> None:
         self.namespace = namespace
         self.rank = rank
@@ -72,6 +76,12 @@ class MaruWorkerSide:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.codec: KVCacheSet | None = None
+        self.blocks_per_chunk = blocks_per_chunk
+        # The object format the namespace was made for (transfer.copy_format): a worker that
+        # cannot copy in that format must not touch the pool.
+        self.expected_format = expected_format
+        self.copier: TorchPageCopier | LMCacheBlockCopier | None = None
+        self.host_registry: HostRegistry | None = None
         self.kernels = resolve_lmcache_kernels(use_lmcache_kernels)
         self.fused_load = resolve_fused_load(enable_fused_load, self.kernels)
         self.failed_blocks: set[int] = set()
@@ -92,12 +102,34 @@ class MaruWorkerSide:
             logger.error("Maru connector disabled on this worker: unsupported KV cache layout (%s); every "
                          "planned load is recomputed and nothing is stored", exc)
             return
-        self.writer = StoreWriter(self.store_pool, self.namespace, self.rank, self.codec,
-                                  write_behind=self.write_behind)
+        codec = self.codec
+        try:
+            copier = make_copier(codec, kv_caches, self.kernels, block_size=self.block_size,
+                                 num_blocks=codec.num_blocks, blocks_per_chunk=self.blocks_per_chunk)
+        except (ImportError, ValueError, RuntimeError, AttributeError, TypeError) as exc:
+            logger.error("Maru connector disabled on this worker: LMCache's kernel cannot copy this KV layout "
+                         "(%s); set maru_use_lmcache_kernels=false to use the torch path", exc)
+            self.codec = None
+            return
+        if copier.format != self.expected_format:
+            logger.error("Maru connector disabled on this worker: it copies %s objects but its namespace is "
+                         "for %s objects", copier.format, self.expected_format)
+            self.codec = None
+            return
+        if self.fused_load and not isinstance(copier, LMCacheBlockCopier):
+            logger.warning("maru_enable_fused_load needs LMCache's block kernel on a CUDA KV cache; loading "
+                           "chunk by chunk with %s copies", copier.name)
+            self.fused_load = False
+        self.copier = copier
+        if codec.device.type == "cuda":
+            self.host_registry = HostRegistry()
+        self.writer = StoreWriter(self.store_pool, self.namespace, self.rank, copier, codec.device,
+                                  write_behind=self.write_behind, host_registry=self.host_registry)
         logger.info(
-            "Maru connector: %d KV layers (%d unique), %d bytes per block, layout %s, kernels %s, stores %s",
-            len(self.codec.layer_names), len(self.codec.unique_layers), self.codec.bytes_per_block,
-            self.codec.layout_signature(), self.kernels.source if self.kernels else "torch",
+            "Maru connector: %d KV layers (%d unique), %d bytes per block, layout %s, copies %s (%s objects), "
+            "fused load %s, stores %s",
+            len(codec.layer_names), len(codec.unique_layers), codec.bytes_per_block,
+            codec.layout_signature(), copier.name, copier.format, self.fused_load,
             "write-behind" if self.write_behind else "inline",
         )
 
@@ -105,8 +137,8 @@ class MaruWorkerSide:
     def load(self, meta: MaruConnectorMetadata) -> None:
         if not meta.loads:
             return
-        codec = self.codec
-        if codec is None:
+        copier = self.copier
+        if self.codec is None or copier is None:
             self._fail_all(meta, "KV caches not registered")
             return
         t0 = time.perf_counter()
@@ -117,20 +149,41 @@ class MaruWorkerSide:
             return
         loaded_bytes = 0
         try:
+            if self.host_registry is not None and self.pool.client.region_view is not None:
+                self.host_registry.ensure(self.pool.client.region_view)  # DMA from the region
+            if self.fused_load:
+                loaded_bytes = self._load_fused(meta, pins)
+                return
             for load, pin in zip(meta.loads, pins):
                 if pin is None:
                     self._fail(load, "missing or invalid in the pool")
                     continue
                 try:
-                    codec.unpack(load.block_ids, pin.data, skip_blocks=load.skip_blocks)
-                    loaded_bytes += codec.chunk_nbytes(len(load.block_ids))
+                    copier.unpack(load.block_ids, pin.data, skip_blocks=load.skip_blocks)
+                    loaded_bytes += copier.chunk_nbytes(len(load.block_ids))
                     self.counters.chunks_loaded += 1
                 except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
                     self._fail(load, f"cannot be copied in: {exc}")
         finally:
             self.pool.call("release", lambda c: c.release(pins))
-        self.counters.bytes_loaded += loaded_bytes
-        self.counters.load_seconds += time.perf_counter() - t0
+            self.counters.bytes_loaded += loaded_bytes
+            self.counters.load_seconds += time.perf_counter() - t0
+
+    def _load_fused(self, meta: MaruConnectorMetadata, pins: list) -> int:
+        """`maru_enable_fused_load`: every chunk of the step in as few kernel launches as possible."""
+        assert self.copier is not None
+        present = [(load, pin) for load, pin in zip(meta.loads, pins) if pin is not None]
+        for load, pin in zip(meta.loads, pins):
+            if pin is None:
+                self._fail(load, "missing or invalid in the pool")
+        try:
+            self.copier.unpack_many([(load.block_ids, pin.data, load.skip_blocks) for load, pin in present])
+        except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
+            for load, _ in present:
+                self._fail(load, f"cannot be copied in: {exc}")
+            return 0
+        self.counters.chunks_loaded += len(present)
+        return sum(self.copier.chunk_nbytes(len(load.block_ids)) for load, _ in present)
 
     def _fail(self, load: ChunkLoad, why: str) -> None:
         self.failed_blocks.update(load.block_ids)

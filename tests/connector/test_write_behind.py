@@ -18,7 +18,6 @@ import torch
 from maru_vllm.connector.chunks import chunk_key
 from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
-from maru_vllm.connector.store_writer import torch_pack
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.pool import PoolClient
 from tests.connector.sched_harness import BLOCK_SIZE, PoolService, Sim, make_request, make_scheduler, pool_keys, tokens
@@ -62,10 +61,12 @@ class Gate:
         self.open_ = threading.Event()
         self.entered = threading.Event()
 
-        def gated(codec, block_ids, out) -> None:
+        real = side.writer.pack
+
+        def gated(block_ids, out) -> None:
             self.entered.set()
             assert self.open_.wait(60), "gate never opened"
-            torch_pack(codec, block_ids, out)
+            real(block_ids, out)
 
         assert side.writer is not None
         side.writer.pack = gated
@@ -147,9 +148,10 @@ def test_held_request_is_reported_once_and_only_after_vllm_said_it_finished(pool
 def test_failed_copy_is_aborted_and_never_visible(pool: PoolService, client: PoolClient) -> None:
     worker, _ = make_worker(pool.address, "wb-fail", block_size=8)
 
-    def broken(codec, block_ids, out) -> None:
+    def broken(block_ids, out) -> None:
         raise RuntimeError("copy engine error")
 
+    real = worker.writer.pack
     worker.writer.pack = broken
     worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"f0", [1, 2], {"chunk": 0})]))
     assert worker.writer.wait(timeout=30)
@@ -157,7 +159,7 @@ def test_failed_copy_is_aborted_and_never_visible(pool: PoolService, client: Poo
     assert counters.store_failures == 1 and counters.chunks_stored == 0
     assert client.lookup([chunk_key(b"f0", 0)], "wb-fail") == [False]
     # The reservation was aborted: the same chunk stores fine afterwards.
-    worker.writer.pack = torch_pack
+    worker.writer.pack = real
     worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"f0", [1, 2], {"chunk": 0})]))
     assert worker.writer.wait(timeout=30)
     assert client.lookup([chunk_key(b"f0", 0)], "wb-fail") == [True]
