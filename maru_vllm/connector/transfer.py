@@ -126,8 +126,10 @@ class LMCacheBlockCopier:
         self._launch([self._object(out, len(block_ids))], list(block_ids), store=True, skip=0)
 
     def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0) -> None:
-        self._launch([self._object(src, len(block_ids) + skip_blocks)], list(block_ids), store=False,
-                     skip=skip_blocks)
+        # The kernel indexes block ids by position in the object; the skipped leading positions
+        # are never read, any valid id fills them.
+        ids = [int(block_ids[0])] * skip_blocks + list(block_ids) if block_ids else []
+        self._launch([self._object(src, len(block_ids) + skip_blocks)], ids, store=False, skip=skip_blocks)
 
     def unpack_many(self, items: Sequence[tuple[Sequence[int], Any, int]]) -> None:
         """Fused load: every whole chunk of the step in one launch (a partial first chunk alone)."""
