@@ -71,8 +71,9 @@ class Rig:
         pool.wait_for_log("maru-pool serving on", timeout=60)
         self.caches = kv_caches(num_blocks)
         self.sides = {}
-        for mode, behind in (("write-behind", True), ("inline", False)):
-            side = MaruWorkerSide(namespace=NS, rank=0, pool=PoolAccess(self.address, None, 10.0, True, mode),
+        for mode, behind, checksum in (("write-behind", True, True), ("inline", False, True),
+                                       ("no checksum", True, False)):
+            side = MaruWorkerSide(namespace=NS, rank=0, pool=PoolAccess(self.address, None, 10.0, checksum, mode),
                                   block_size=BLOCK, num_blocks=num_blocks, use_lmcache_kernels=False,
                                   enable_fused_load=False, write_behind=behind)
             side.register_kv_caches(self.caches, "CPU_ATTN")
@@ -241,13 +242,18 @@ def main() -> int:
                          "(measured: a 4096-token cold prefill, 64 MiB of KV, takes ~2.5 s)")
     ap.add_argument("--engines", action="store_true", help="also measure the miss tax with real vLLM engines")
     ap.add_argument("--engine-repeats", type=int, default=5)
+    ap.add_argument("--engines-only", action="store_true", help="only part 4 (the one that needs the heavy lock)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
     results: dict[str, object] = {"chunks": args.chunks}
     work = Path(tempfile.mkdtemp(prefix="maru-bstore-"))
+    if args.engines_only:
+        args.engines = True
     with ProcessGroup() as group:
+        if args.engines_only:
+            return report(args, results, engine_miss_tax(args))
         rig = Rig(group, work, num_blocks=max(64, args.chunks * BLOCKS_PER_CHUNK))
         nbytes = args.chunks * rig.chunk_bytes
         results["bytes_per_prompt"] = nbytes
@@ -264,12 +270,13 @@ def main() -> int:
 
             return run
 
-        alternate({"write-behind": sample("write-behind"), "inline": sample("inline"),
-                   "memcpy": lambda: memcpy_once(nbytes, bufs)}, 2)  # warm-up
+        configs = {"write-behind": sample("write-behind"), "inline": sample("inline"),
+                   "no checksum": sample("no checksum"), "memcpy": lambda: memcpy_once(nbytes, bufs)}
+        alternate(configs, 2)  # warm-up
         holds.clear()
         work_s.clear()
-        best = alternate({"write-behind": sample("write-behind"), "inline": sample("inline"),
-                          "memcpy": lambda: memcpy_once(nbytes, bufs)}, args.repeats)
+        best = alternate(configs, args.repeats)
+        holds.pop("no checksum")
         parts: dict[str, float] = {}
         for _ in range(args.repeats):
             for k, v in parts_once(rig, args.chunks).items():
@@ -278,6 +285,8 @@ def main() -> int:
         results["memcpy_GBps"] = gbps(best["memcpy"])
         results["store_GBps"] = gbps(work_s["write-behind"])
         results["store_over_memcpy"] = best["memcpy"] / work_s["write-behind"]
+        results["store_no_checksum_GBps"] = gbps(work_s["no checksum"])
+        results["store_no_checksum_over_memcpy"] = best["memcpy"] / work_s["no checksum"]
         results["parts_GBps"] = {k: gbps(v) for k, v in parts.items()}
         results["hold_ns_per_MiB"] = {m: holds[m] / (nbytes / 2**20) * 1e9 for m in holds}
         results["hold_s"] = dict(holds)
@@ -298,19 +307,32 @@ def main() -> int:
                             **{f"tax_{m}": ttfts[m] / base - 1 for m in ("inline", "write-behind")}}
         results["miss_tax_sim"] = taxes
         rig.close()
-    if args.engines:
-        eng = engine_miss_tax(args)
+    return report(args, results, engine_miss_tax(args) if args.engines else None)
+
+
+def report(args: argparse.Namespace, results: dict, eng: dict[str, float] | None) -> int:
+    if eng is not None:
         results["engines"] = {"cold_with_s": eng["with"], "cold_without_s": eng["without"],
                               "miss_tax": eng["with"] / eng["without"] - 1}
-
     if args.json:
         print(json.dumps(results, indent=2, default=str))
         return 0
+    if args.engines:
+        e = results["engines"]
+        print(f"vLLM engines (bench model, {args.chunks * 256 + 1}-token prompts), same core, cold TTFT min of "
+              f"{args.engine_repeats}: with connector {e['cold_with_s']:.3f} s, without "
+              f"{e['cold_without_s']:.3f} s, miss tax {e['miss_tax'] * 100:+.2f}%")
+    if "store_GBps" not in results:
+        return 0
+    taxes = results["miss_tax_sim"]
+    nbytes = results["bytes_per_prompt"]
     mib = nbytes / 2**20
     print(f"bench-model KV, {args.chunks} chunks = {mib:.0f} MiB per prompt, one core ({args.core}), "
           f"min of {args.repeats}")
     print(f"  store (writer: reserve + page copy + checksum + commit) {results['store_GBps']:6.2f} GB/s | "
           f"memcpy of the same bytes {results['memcpy_GBps']:6.2f} GB/s | store/memcpy {results['store_over_memcpy']:.2f}")
+    print(f"  store with maru_checksum=false {results['store_no_checksum_GBps']:6.2f} GB/s | "
+          f"store/memcpy {results['store_no_checksum_over_memcpy']:.2f}")
     print("  parts: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in results["parts_GBps"].items()))
     for m, ns in results["hold_ns_per_MiB"].items():
         print(f"  step held by the store ({m:12s}) {results['hold_s'][m] * 1e3:8.3f} ms per prompt "
@@ -319,10 +341,6 @@ def main() -> int:
         print(f"  miss tax at {label.upper()} prefill rate ({t['kv_rate_GBps']:.3f} GB/s of KV, TTFT without "
               f"{t['ttft_without_s'] * 1e3:.0f} ms): inline {t['tax_inline'] * 100:+.2f}%, "
               f"write-behind {t['tax_write-behind'] * 100:+.2f}%")
-    if args.engines:
-        e = results["engines"]
-        print(f"  vLLM engines, same core, cold TTFT: with connector {e['cold_with_s']:.3f} s, without "
-              f"{e['cold_without_s']:.3f} s, miss tax {e['miss_tax'] * 100:+.2f}%")
     return 0
 
 

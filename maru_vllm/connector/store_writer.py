@@ -1,12 +1,11 @@
 """Write-behind stores: a step hands its chunks over and goes on; one thread copies and commits.
 
 Why write-behind (measured with `benchmarks/bench_store.py`, numbers in the README):
-a synchronous store holds the step for reserve + page copy + checksum + commit, about
-1/11 GB/s per stored byte here. A CPU prefill produces KV at ~0.03 GB/s, so that is ~0.3% of
-a miss; a GPU prefill produces KV at ~1 GB/s (Qwen2.5-32B: 1.1 GB in 1.06 s), so a
-synchronous store would add ~10% to every miss. Handed to a thread, the step is held only for
-building the job (tens of microseconds per step, whatever the size), and the copy overlaps the
-next forward (GPU: the copy engine beside the compute; CPU: the core the forward leaves idle
+a synchronous store holds the step for reserve + page copy + checksum + commit, ~98 us per MiB
+stored here (10 GB/s). A CPU prefill produces KV at ~0.03 GB/s, so that is <1% of a miss; a
+GPU prefill produces KV at ~1 GB/s (Qwen2.5-32B: 1.1 GB in 1.06 s), and a synchronous store
+added 13% to a miss at that rate. Handed to a thread, the step is held only for building the
+job (0.44 us per MiB; +0.2% at the GPU rate), and the copy overlaps the next forward (GPU: the copy engine beside the compute; CPU: the core the forward leaves idle
 while it waits, and after the request's last prefill step, time after the first token went
 out). Per-layer stores inside the forward (`save_kv_layer`) were not chosen: they would put
 one pool round trip or Python call per layer into the forward, and on CPU they compete with
