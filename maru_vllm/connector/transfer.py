@@ -69,6 +69,9 @@ class TorchPageCopier:
         for block_ids, src, skip in items:
             self.unpack(block_ids, src, skip_blocks=skip)
 
+    def finish(self) -> None:
+        """Torch's copies from host memory return once the source was read: nothing to wait for."""
+
 
 class LMCacheBlockCopier:
     """LMCache's ``multi_layer_block_kv_transfer`` over the registered KV caches."""
@@ -148,6 +151,11 @@ class LMCacheBlockCopier:
             group = whole[i:i + (MAX_OBJECTS_PER_LAUNCH if self._compiled else len(whole))]
             self._launch([self._object(src, len(ids)) for ids, src in group],
                          [b for ids, _ in group for b in ids], store=False, skip=0)
+
+    def finish(self) -> None:
+        """Wait until launched kernels have read the pool objects (before their pins are released)."""
+        if self._compiled and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _launch(self, objects: list[torch.Tensor], block_ids: list[int], *, store: bool, skip: int) -> None:
         native = self._native

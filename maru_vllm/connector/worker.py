@@ -165,6 +165,7 @@ class MaruWorkerSide:
                 except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
                     self._fail(load, f"cannot be copied in: {exc}")
         finally:
+            copier.finish()  # an asynchronous kernel must have read the objects before they are unpinned
             self.pool.call("release", lambda c: c.release(pins))
             self.counters.bytes_loaded += loaded_bytes
             self.counters.load_seconds += time.perf_counter() - t0

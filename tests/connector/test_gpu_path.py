@@ -247,3 +247,26 @@ def test_cuda_store_and_load_through_the_registered_region(pool: PoolService) ->
         for side in sides:
             side.shutdown()
             side.host_registry.close()
+
+
+def test_load_waits_for_the_copies_before_unpinning_the_objects(pool: PoolService) -> None:
+    # An asynchronous kernel reads the pinned objects after its launch returns: the pins may only
+    # go once the copier says the reads are done.
+    side = MaruWorkerSide(namespace="order", rank=0, pool=PoolAccess(pool.address, None, 5.0, True, "t"),
+                          block_size=BS, num_blocks=NB, use_lmcache_kernels=False, enable_fused_load=False,
+                          blocks_per_chunk=BPC)
+    side.register_kv_caches(caches(1), "CPU_ATTN")
+    side.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"o0", [0, 1], {"chunk": 0})]))
+    assert side.writer.wait(timeout=30)
+    events: list[str] = []
+    real_call = side.pool.call
+    side.copier.finish = lambda: events.append("copies done")
+
+    def call(what, fn):
+        events.append(what)
+        return real_call(what, fn)
+
+    side.pool.call = call
+    side.load(MaruConnectorMetadata(loads=[ChunkLoad("r2", b"o0", [5, 6])]))
+    assert events == ["acquire", "copies done", "release"]
+    side.shutdown()
