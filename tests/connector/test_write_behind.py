@@ -41,14 +41,14 @@ def client(pool: PoolService) -> Iterator[PoolClient]:
     c.close()
 
 
-def make_worker(address: str, namespace: str, *, block_size: int = BLOCK_SIZE,
-                write_behind: bool = True) -> tuple[MaruWorkerSide, dict[str, torch.Tensor]]:
+def make_worker(address: str, namespace: str, *, block_size: int = BLOCK_SIZE, write_behind: bool = True,
+                num_blocks: int = NUM_BLOCKS) -> tuple[MaruWorkerSide, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     # vLLM 0.31 CPU layout: [num_blocks, kv_heads, block_size, 2 * head_size]
-    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(NUM_BLOCKS, 2, block_size, 128).to(torch.bfloat16)
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(num_blocks, 2, block_size, 128).to(torch.bfloat16)
               for i in range(2)}
     side = MaruWorkerSide(namespace=namespace, rank=0, pool=PoolAccess(address, None, 5.0, True, "test"),
-                          block_size=block_size, num_blocks=NUM_BLOCKS, use_lmcache_kernels=False,
+                          block_size=block_size, num_blocks=num_blocks, use_lmcache_kernels=False,
                           enable_fused_load=False, write_behind=write_behind)
     side.register_kv_caches(caches, "CPU_ATTN")
     return side, caches
