@@ -51,7 +51,6 @@ def main() -> int:
         return SKIPPED
 
     from maru_vllm.connector import transfer
-    from maru_vllm.connector.cuda_host import HostRegistry
     from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
     from maru_vllm.connector.pool_access import PoolAccess
     from maru_vllm.connector.worker import MaruWorkerSide

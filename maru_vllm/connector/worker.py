@@ -19,21 +19,20 @@ from __future__ import annotations
 
 import collections
 import time
-
-from vllm.logger import init_logger
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from vllm.logger import init_logger
 
 from maru_vllm.connector.chunks import chunk_key
 from maru_vllm.connector.cpu_amx import request_amx_permission
+from maru_vllm.connector.cuda_host import HostRegistry
 from maru_vllm.connector.kernels import resolve_fused_load, resolve_lmcache_kernels
 from maru_vllm.connector.layouts import KVCacheSet, LayoutError
 from maru_vllm.connector.metadata import ChunkLoad, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.stats import TransferCounters
-from maru_vllm.connector.cuda_host import HostRegistry
 from maru_vllm.connector.store_writer import StoreWriter
 from maru_vllm.connector.transfer import FORMAT_PAGES, LMCacheBlockCopier, TorchPageCopier, make_copier
 
@@ -247,6 +246,8 @@ class MaruWorkerSide:
     def shutdown(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.host_registry is not None:
+            self.host_registry.close()
 
     def take_counters(self) -> TransferCounters | None:
         counters, self.counters = self.counters, TransferCounters()
