@@ -34,6 +34,7 @@ from maru_vllm.connector.namespace import identity_from_vllm
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.scheduler import MaruSchedulerSide
 from maru_vllm.connector.stats import MaruConnectorStats, MaruPromMetrics
+from maru_vllm.connector.transfer import FORMAT_PAGES, copy_format
 from maru_vllm.connector.worker import MaruWorkerSide
 
 if TYPE_CHECKING:
@@ -74,7 +75,12 @@ class MaruKVConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         block_size = int(vllm_config.cache_config.block_size)
         self.config = parse_config(transfer.kv_connector_extra_config, block_size)
-        identity = identity_from_vllm(vllm_config, kv_cache_config, self.config.namespace)
+        # Engines that copy in different object formats (transfer.py) must never share objects.
+        from vllm.platforms import current_platform
+
+        self.copy_format = copy_format(str(current_platform.device_type), self.config.use_lmcache_kernels)
+        salt = self.config.namespace if self.copy_format == FORMAT_PAGES else f"{self.config.namespace}|{self.copy_format}"
+        identity = identity_from_vllm(vllm_config, kv_cache_config, salt)
         self.namespace = identity.namespace()
         self.can_load = bool(transfer.is_kv_consumer)
         self.can_store = bool(transfer.is_kv_producer)
@@ -97,10 +103,19 @@ class MaruKVConnector(KVConnectorBase_V1):
                 geometry, self.namespace, self.pool, can_load=self.can_load, can_store=self.can_store
             )
         else:
+            # Stores get their own pool connection (loads never wait behind them) and run
+            # write-behind, except on a producer-only engine (disaggregated prefill), whose
+            # response sends the decode engine to the pool: its chunks must be there first.
+            store_pool = PoolAccess(self.config.pool_address, self.config.pool_token, self.config.pool_timeout_s,
+                                    self.config.checksum, "worker-store") if self.can_store else None
             self.worker_side = MaruWorkerSide(
                 namespace=self.namespace,
                 rank=_worker_rank(),
                 pool=self.pool,
+                store_pool=store_pool,
+                write_behind=self.can_load,
+                blocks_per_chunk=self.config.blocks_per_chunk,
+                expected_format=self.copy_format,
                 block_size=block_size,
                 num_blocks=getattr(kv_cache_config, "num_blocks", None),
                 use_lmcache_kernels=self.config.use_lmcache_kernels,
@@ -127,7 +142,7 @@ class MaruKVConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        """Whole pages of every layer are stored after the forward, in wait_for_save."""
+        """Whole pages of every layer are stored after the forward (see store_writer.py for why)."""
 
     @_contained(None)
     def wait_for_save(self) -> None:
@@ -136,6 +151,20 @@ class MaruKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, MaruConnectorMetadata):
             self.worker_side.store(meta)
+
+    # Not contained: returning while a copy still reads freed blocks would be worse than an error.
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self.worker_side is not None and isinstance(kv_connector_metadata, MaruConnectorMetadata):
+            self.worker_side.handle_preemptions(kv_connector_metadata)
+
+    @_contained(lambda: (None, None))
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker_side is None:
+            return None, None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        done = self.worker_side.finished_stores(
+            finished_req_ids, meta if isinstance(meta, MaruConnectorMetadata) else None)
+        return (done or None), None
 
     @_contained(set)
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -149,6 +178,10 @@ class MaruKVConnector(KVConnectorBase_V1):
         return MaruConnectorStats.from_counters(counters) if counters is not None else None
 
     def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+            if self.worker_side.store_pool is not self.pool:
+                self.worker_side.store_pool.close()
         self.pool.close()
 
     # ==== scheduler side =======================================================================
@@ -169,9 +202,10 @@ class MaruKVConnector(KVConnectorBase_V1):
 
     @_contained(lambda: (False, None))
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self.scheduler_side is not None:
-            self.scheduler_side.request_finished(request)
-        return False, None
+        # True: a write-behind store may still read the blocks; the worker reports them in get_finished.
+        if self.scheduler_side is None:
+            return False, None
+        return bool(self.scheduler_side.request_finished(request)), None
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -347,6 +347,11 @@ class KVCacheSet:
             v0.storage_offset(),
         )
 
+    @property
+    def device(self) -> torch.device:
+        """Device of the registered caches (every layer is on the same one)."""
+        return self._pages[self.unique_layers[0]].device
+
     def chunk_nbytes(self, n_blocks: int) -> int:
         """Bytes of a pool object holding ``n_blocks`` blocks of every layer."""
         return n_blocks * self.bytes_per_block

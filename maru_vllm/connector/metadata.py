@@ -32,6 +32,14 @@ class ChunkStore:
 class MaruConnectorMetadata(KVConnectorMetadata):
     loads: list[ChunkLoad] = dataclasses.field(default_factory=list)
     stores: list[ChunkStore] = dataclasses.field(default_factory=list)
+    # Requests preempted this step: vLLM freed their blocks, so their pending stores must be
+    # finished before the forward may overwrite them (`handle_preemptions`).
+    preempted_req_ids: set[str] = dataclasses.field(default_factory=set)
+    # Finished requests whose blocks vLLM keeps until the worker reports their stores done
+    # (`request_finished` returned True; reported through `get_finished`).
+    held_for_stores: set[str] = dataclasses.field(default_factory=set)
+    # Nothing is computed this step (the engine only steps to collect finished transfers).
+    idle: bool = False
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.stores
+        return not (self.loads or self.stores or self.preempted_req_ids or self.held_for_stores)

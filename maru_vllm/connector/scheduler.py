@@ -10,7 +10,11 @@ Per request the scheduler side keeps a small `RequestState`:
   stores     -> in `build_connector_meta`, every chunk of the prompt that this step completes
                 (every step of a chunked prefill, resumed and preempted requests included), minus
                 the chunks the pool already had.
-  cleanup    -> `request_finished` drops the state, so nothing grows without bound.
+  cleanup    -> `request_finished` drops the state, so nothing grows without bound. When a
+                store was ever planned for the request, it returns True: the worker side's
+                write-behind copy may still read the request's blocks, so vLLM keeps them
+                until the worker reports the request in `get_finished` (the request id
+                reaches the worker in the next step's metadata, `held_for_stores`).
 
 Matched tokens are chunk-aligned, start beyond the local prefix-cache hit, and always leave at
 least one prompt token to compute (vLLM needs a token to sample from).
@@ -49,6 +53,8 @@ class RequestState:
     next_store_chunk: int = 0
     # num_computed_tokens vLLM should report next step unless it rolled the request back.
     expected_computed: int = -1
+    # A store was planned for this request (its blocks are held at the end, see request_finished).
+    has_stores: bool = False
 
 
 class MaruSchedulerSide:
@@ -67,6 +73,8 @@ class MaruSchedulerSide:
         self.can_load = can_load
         self.can_store = can_store
         self.requests: dict[str, RequestState] = {}
+        # Finished requests whose blocks vLLM holds for the worker's stores, not yet announced.
+        self.held_for_stores: set[str] = set()
         # Counters for vLLM's external prefix-cache metrics and our own.
         self.lookups = 0
         self.lookup_hit_tokens = 0
@@ -112,7 +120,8 @@ class MaruSchedulerSide:
 
     # -- per-step plan -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MaruConnectorMetadata:
-        meta = MaruConnectorMetadata()
+        meta = MaruConnectorMetadata(preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
+                                     idle=scheduler_output.total_num_scheduled_tokens == 0)
         for new_req in scheduler_output.scheduled_new_reqs:
             st = self.requests.get(new_req.req_id)
             if st is None:
@@ -136,6 +145,9 @@ class MaruSchedulerSide:
                     # there on were not (validly) in the pool, so store them again once recomputed.
                     st.next_store_chunk = min(st.next_store_chunk, num_computed // self.geometry.chunk_tokens)
             self._plan(st, cached.num_computed_tokens[i], scheduler_output.num_scheduled_tokens[req_id], meta)
+        # Announced only once a plan was built: a request the worker never hears of would keep
+        # its blocks forever.
+        meta.held_for_stores, self.held_for_stores = self.held_for_stores, set()
         return meta
 
     def _plan(self, st: RequestState, num_computed: int, num_scheduled: int, meta: MaruConnectorMetadata) -> None:
@@ -173,10 +185,16 @@ class MaruSchedulerSide:
                 )
             )
             st.next_store_chunk = c + 1
+            st.has_stores = True
 
     # -- end of a request --------------------------------------------------------------------
-    def request_finished(self, request: Request) -> None:
-        self.requests.pop(request.request_id, None)
+    def request_finished(self, request: Request) -> bool:
+        """Forget the request; True when vLLM must keep its blocks until the worker's stores are done."""
+        st = self.requests.pop(request.request_id, None)
+        if st is None or not st.has_stores:
+            return False
+        self.held_for_stores.add(request.request_id)
+        return True
 
     def stats(self) -> dict[str, Any]:
         return {"tracked_requests": len(self.requests), "lookups": self.lookups, "hit_tokens": self.lookup_hit_tokens}

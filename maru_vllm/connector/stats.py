@@ -23,6 +23,7 @@ class TransferCounters:
     chunks_stored: int = 0
     bytes_stored: int = 0
     store_seconds: float = 0.0
+    store_hold_seconds: float = 0.0
     store_failures: int = 0
     stores_skipped: int = 0
 
@@ -80,7 +81,8 @@ class MaruPromMetrics(KVConnectorPromMetrics):
         "load_failures": "chunk loads that failed and were recomputed",
         "chunks_stored": "KV chunks stored into the Maru pool",
         "bytes_stored": "bytes of KV stored into the Maru pool",
-        "store_seconds": "seconds spent storing KV into the Maru pool",
+        "store_seconds": "seconds spent storing KV into the Maru pool (by the write-behind thread)",
+        "store_hold_seconds": "seconds engine steps waited for stores (hand-over, preemptions, idle steps)",
         "store_failures": "chunk stores that failed and were skipped",
         "stores_skipped": "chunk stores skipped (already in the pool or no space)",
     }

@@ -5,33 +5,42 @@ step, each pinned object is copied page by page into its blocks, and the pins ar
 chunk that is missing, fails validation or has the wrong size is a miss: its blocks are
 reported through vLLM's load-error path and recomputed. Nothing raises into the forward.
 
-Stores: in `wait_for_save`, after the step's forward, one `reserve` round trip gets space for
-every chunk the step completed, the pages are copied straight into the shared region, and one
-`commit` round trip publishes them with their metadata. The copy is synchronous on purpose:
-the blocks cannot be freed or reused while the step is still in `wait_for_save`, so no
-block-holding protocol (`request_finished` / `get_finished`) is needed, and on CPU a background
-copy would compete with the next forward for the same pinned core. A store that fails is
-skipped and counted; the request is unaffected.
+Stores: in `wait_for_save`, after the step's forward, the chunks the step completed are handed
+to the `StoreWriter` (store_writer.py, which says why and how it stays correct): its thread
+reserves space, copies the pages straight into the shared region and commits them, while the
+step returns. vLLM keeps a finished request's blocks until `finished_stores` reports it (the
+scheduler side returned True from `request_finished`), and `handle_preemptions` waits for a
+preempted request's copies. A producer-only engine (disaggregated prefill) stores inline: its
+response is what sends the decode engine to the pool, so the chunks must be there first. A
+store that fails is skipped and counted; the request is unaffected.
 """
 
 from __future__ import annotations
 
-from vllm.logger import init_logger
+import collections
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from vllm.logger import init_logger
 
 from maru_vllm.connector.chunks import chunk_key
 from maru_vllm.connector.cpu_amx import request_amx_permission
+from maru_vllm.connector.cuda_host import HostRegistry
 from maru_vllm.connector.kernels import resolve_fused_load, resolve_lmcache_kernels
 from maru_vllm.connector.layouts import KVCacheSet, LayoutError
 from maru_vllm.connector.metadata import ChunkLoad, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.stats import TransferCounters
+from maru_vllm.connector.store_writer import StoreWriter
+from maru_vllm.connector.transfer import FORMAT_PAGES, LMCacheBlockCopier, TorchPageCopier, make_copier
 
 logger = init_logger(__name__)
+
+# On a step that computes nothing, how long to wait for held requests' copies instead of
+# letting the engine spin through empty steps against the copy.
+IDLE_WAIT_S = 1.0
 
 
 class MaruWorkerSide:
@@ -45,13 +54,33 @@ class MaruWorkerSide:
         num_blocks: int | None,
         use_lmcache_kernels: bool,
         enable_fused_load: bool,
+        store_pool: PoolAccess | None = None,
+        write_behind: bool = True,
+        blocks_per_chunk: int = 1,
+        expected_format: str = FORMAT_PAGES,
     ) -> None:
         self.namespace = namespace
         self.rank = rank
         self.pool = pool
+        # Stores use their own connection when given one, so loads never queue behind them.
+        self.store_pool = store_pool or pool
+        self.write_behind = write_behind
+        self.writer: StoreWriter | None = None
+        # Finished requests whose blocks vLLM holds for our stores: announced by the scheduler
+        # side (`held_for_stores`) and seen in `finished_req_ids`; reported once copied.
+        self._held_announced: set[str] = set()
+        self._held_finished: set[str] = set()
+        # The last steps' finished ids, should an announcement come a step late.
+        self._recent_finished: collections.deque[set[str]] = collections.deque(maxlen=8)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.codec: KVCacheSet | None = None
+        self.blocks_per_chunk = blocks_per_chunk
+        # The object format the namespace was made for (transfer.copy_format): a worker that
+        # cannot copy in that format must not touch the pool.
+        self.expected_format = expected_format
+        self.copier: TorchPageCopier | LMCacheBlockCopier | None = None
+        self.host_registry: HostRegistry | None = None
         self.kernels = resolve_lmcache_kernels(use_lmcache_kernels)
         self.fused_load = resolve_fused_load(enable_fused_load, self.kernels)
         self.failed_blocks: set[int] = set()
@@ -72,18 +101,43 @@ class MaruWorkerSide:
             logger.error("Maru connector disabled on this worker: unsupported KV cache layout (%s); every "
                          "planned load is recomputed and nothing is stored", exc)
             return
+        codec = self.codec
+        try:
+            copier = make_copier(codec, kv_caches, self.kernels, block_size=self.block_size,
+                                 num_blocks=codec.num_blocks, blocks_per_chunk=self.blocks_per_chunk)
+        except (ImportError, ValueError, RuntimeError, AttributeError, TypeError) as exc:
+            logger.error("Maru connector disabled on this worker: LMCache's kernel cannot copy this KV layout "
+                         "(%s); set maru_use_lmcache_kernels=false to use the torch path", exc)
+            self.codec = None
+            return
+        if copier.format != self.expected_format:
+            logger.error("Maru connector disabled on this worker: it copies %s objects but its namespace is "
+                         "for %s objects", copier.format, self.expected_format)
+            self.codec = None
+            return
+        if self.fused_load and not isinstance(copier, LMCacheBlockCopier):
+            logger.warning("maru_enable_fused_load needs LMCache's block kernel on a CUDA KV cache; loading "
+                           "chunk by chunk with %s copies", copier.name)
+            self.fused_load = False
+        self.copier = copier
+        if codec.device.type == "cuda":
+            self.host_registry = HostRegistry()
+        self.writer = StoreWriter(self.store_pool, self.namespace, self.rank, copier, codec.device,
+                                  write_behind=self.write_behind, host_registry=self.host_registry)
         logger.info(
-            "Maru connector: %d KV layers (%d unique), %d bytes per block, layout %s, kernels %s",
-            len(self.codec.layer_names), len(self.codec.unique_layers), self.codec.bytes_per_block,
-            self.codec.layout_signature(), self.kernels.source if self.kernels else "torch",
+            "Maru connector: %d KV layers (%d unique), %d bytes per block, layout %s, copies %s (%s objects), "
+            "fused load %s, stores %s",
+            len(codec.layer_names), len(codec.unique_layers), codec.bytes_per_block,
+            codec.layout_signature(), copier.name, copier.format, self.fused_load,
+            "write-behind" if self.write_behind else "inline",
         )
 
     # -- loads -----------------------------------------------------------------------------------
     def load(self, meta: MaruConnectorMetadata) -> None:
         if not meta.loads:
             return
-        codec = self.codec
-        if codec is None:
+        copier = self.copier
+        if self.codec is None or copier is None:
             self._fail_all(meta, "KV caches not registered")
             return
         t0 = time.perf_counter()
@@ -94,20 +148,42 @@ class MaruWorkerSide:
             return
         loaded_bytes = 0
         try:
+            if self.host_registry is not None and self.pool.client.region_view is not None:
+                self.host_registry.ensure(self.pool.client.region_view)  # DMA from the region
+            if self.fused_load:
+                loaded_bytes = self._load_fused(meta, pins)
+                return
             for load, pin in zip(meta.loads, pins):
                 if pin is None:
                     self._fail(load, "missing or invalid in the pool")
                     continue
                 try:
-                    codec.unpack(load.block_ids, pin.data, skip_blocks=load.skip_blocks)
-                    loaded_bytes += codec.chunk_nbytes(len(load.block_ids))
+                    copier.unpack(load.block_ids, pin.data, skip_blocks=load.skip_blocks)
+                    loaded_bytes += copier.chunk_nbytes(len(load.block_ids))
                     self.counters.chunks_loaded += 1
                 except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
                     self._fail(load, f"cannot be copied in: {exc}")
         finally:
+            copier.finish()  # an asynchronous kernel must have read the objects before they are unpinned
             self.pool.call("release", lambda c: c.release(pins))
-        self.counters.bytes_loaded += loaded_bytes
-        self.counters.load_seconds += time.perf_counter() - t0
+            self.counters.bytes_loaded += loaded_bytes
+            self.counters.load_seconds += time.perf_counter() - t0
+
+    def _load_fused(self, meta: MaruConnectorMetadata, pins: list) -> int:
+        """`maru_enable_fused_load`: every chunk of the step in as few kernel launches as possible."""
+        assert self.copier is not None
+        present = [(load, pin) for load, pin in zip(meta.loads, pins) if pin is not None]
+        for load, pin in zip(meta.loads, pins):
+            if pin is None:
+                self._fail(load, "missing or invalid in the pool")
+        try:
+            self.copier.unpack_many([(load.block_ids, pin.data, load.skip_blocks) for load, pin in present])
+        except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
+            for load, _ in present:
+                self._fail(load, f"cannot be copied in: {exc}")
+            return 0
+        self.counters.chunks_loaded += len(present)
+        return sum(self.copier.chunk_nbytes(len(load.block_ids)) for load, _ in present)
 
     def _fail(self, load: ChunkLoad, why: str) -> None:
         self.failed_blocks.update(load.block_ids)
@@ -128,51 +204,57 @@ class MaruWorkerSide:
 
     # -- stores ----------------------------------------------------------------------------------
     def store(self, meta: MaruConnectorMetadata) -> None:
+        """Hand this step's completed chunks to the writer (after the forward, in wait_for_save)."""
         failed, self.failed_requests = self.failed_requests, set()
         stores = [s for s in meta.stores if s.req_id not in failed]
         self.counters.stores_skipped += len(meta.stores) - len(stores)
-        if not stores or self.codec is None:
+        if not stores or self.writer is None:
             return
-        codec = self.codec
         t0 = time.perf_counter()
-        items = [(chunk_key(s.key, self.rank), codec.chunk_nbytes(len(s.block_ids))) for s in stores]
-        reservations = self.pool.call("reserve", lambda c: c.reserve(items, self.namespace))
-        if reservations is None:
-            self.counters.store_failures += len(stores)
+        self.writer.submit(stores)
+        self.counters.store_hold_seconds += time.perf_counter() - t0
+
+    def handle_preemptions(self, meta: MaruConnectorMetadata) -> None:
+        """vLLM freed the blocks of `meta.preempted_req_ids`: finish their copies before the forward."""
+        if not meta.preempted_req_ids or self.writer is None:
             return
-        to_commit, metas = [], []
-        for store, res in zip(stores, reservations):
-            if res is None:
-                self.counters.stores_skipped += 1  # already in the pool, or no space
-                continue
-            try:
-                codec.pack(store.block_ids, res.buffer)
-            except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
-                logger.warning("Maru store of a chunk failed while copying (%s); skipped", exc)
-                self.pool.call("abort", lambda c, r=res: c.abort([r]))
-                self.counters.store_failures += 1
-                continue
-            to_commit.append(res)
-            metas.append({**store.meta, "rank": self.rank})
-        if not to_commit:
-            return
-        committed = self.pool.call("commit", lambda c: c.commit(to_commit, metas))
-        if committed is None:
-            self.counters.store_failures += len(to_commit)
-            return
-        for ok, res in zip(committed, to_commit):
-            if ok:
-                self.counters.chunks_stored += 1
-                self.counters.bytes_stored += res.size
-            else:
-                self.counters.stores_skipped += 1
-        self.counters.store_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.writer.wait(meta.preempted_req_ids)
+        self.counters.store_hold_seconds += time.perf_counter() - t0
+
+    def finished_stores(self, finished_req_ids: set[str], meta: MaruConnectorMetadata | None) -> set[str]:
+        """Requests whose held blocks vLLM may free now: finished, announced, no copy pending."""
+        if finished_req_ids:
+            self._recent_finished.append(set(finished_req_ids))
+        if meta is not None and meta.held_for_stores:
+            self._held_announced |= meta.held_for_stores
+        for recent in self._recent_finished:
+            self._held_finished |= recent & self._held_announced
+        waiting = self._held_finished
+        if not waiting:
+            return set()
+        if self.writer is not None and meta is not None and meta.idle and self.writer.busy(waiting):
+            # The engine steps only to collect these: wait here rather than spin against the copy.
+            t0 = time.perf_counter()
+            self.writer.wait(waiting, timeout=IDLE_WAIT_S)
+            self.counters.store_hold_seconds += time.perf_counter() - t0
+        done = {r for r in waiting if self.writer is None or not self.writer.busy((r,))}
+        self._held_finished -= done
+        self._held_announced -= done
+        return done
+
+    def shutdown(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.host_registry is not None:
+            self.host_registry.close()
 
     def take_counters(self) -> TransferCounters | None:
-        if self.counters.is_empty():
-            return None
         counters, self.counters = self.counters, TransferCounters()
-        return counters
+        if self.writer is not None:
+            counters.add(self.writer.take_counters())
+        return None if counters.is_empty() else counters
 
     def describe(self) -> dict[str, Any]:
-        return {"rank": self.rank, "namespace": self.namespace, "fused_load": self.fused_load}
+        return {"rank": self.rank, "namespace": self.namespace, "fused_load": self.fused_load,
+                "write_behind": self.write_behind}

@@ -124,6 +124,13 @@ class PoolClient:
     def connected(self) -> bool:
         return self._sock is not None
 
+    @property
+    def region_view(self) -> memoryview | None:
+        """The current mapping of the whole region (None before the first connect), e.g. to
+        register it with a GPU once (cudaHostRegister)."""
+        region = self._region
+        return None if region is None else region.view
+
     # -- connection -------------------------------------------------------------------------
     def _connect(self) -> None:
         a = self.address

@@ -236,9 +236,9 @@ class Probe:
             self.allocs.append((request.request_id, num_external_tokens))
             orig_alloc(request, blocks, num_external_tokens)
 
-        def finished(request: Request) -> None:
+        def finished(request: Request) -> bool:
             self.finished.append(request.request_id)
-            orig_finished(request)
+            return orig_finished(request)
 
         side.pool.call = call  # type: ignore[method-assign]
         side.get_num_new_matched_tokens = match  # type: ignore[method-assign]
@@ -267,8 +267,14 @@ class StepRecord:
 
 
 class Sim:
+    """`worker`: a real `MaruWorkerSide` that stores (write-behind) and reports held requests;
+    without one, held requests are reported done in the step that announces them (as an
+    inline store would)."""
+
     def __init__(self, scheduler: Scheduler, *, play_worker_stores: bool = False,
-                 pool_client: PoolClient | None = None) -> None:
+                 pool_client: PoolClient | None = None, worker: Any = None) -> None:
+        self.worker = worker
+        self.finished_sending: dict[str, int] = {}  # req_id -> step that reported it
         self.sched = scheduler
         self.conn = scheduler.connector
         self.side = self.conn.scheduler_side
@@ -324,10 +330,18 @@ class Sim:
             key = (s.req_id, self.chunk_index(self.requests[s.req_id], s.key))
             self.stores[key] += 1
             self.store_steps[key].append(rec.index)
+        if self.worker is not None:
+            self.worker.handle_preemptions(meta)
+            self.worker.store(meta)
+            sending = self.worker.finished_stores(set(out.finished_req_ids), meta)
+        else:
+            sending = set(meta.held_for_stores)
         if self.play_worker_stores:
             assert self.client is not None
             for s in meta.stores:
                 self.client.put(chunk_key(s.key, 0), b"kv" * 32, self.namespace, meta=s.meta)
+        for rid in sending:
+            self.finished_sending[rid] = rec.index
         invalid = set(invalid_block_ids or ())
         for ld in meta.loads:
             if invalid_load_chunks and self.chunk_index(self.requests[ld.req_id], ld.key) in invalid_load_chunks:
@@ -346,7 +360,8 @@ class Sim:
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid) if invalid else None,
+            kv_connector_output=(KVConnectorOutput(invalid_block_ids=invalid, finished_sending=sending)
+                                 if invalid or sending else None),
         )
         sched.update_from_output(out, mro)
         for rid, r in list(self.requests.items()):

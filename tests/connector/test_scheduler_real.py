@@ -122,6 +122,12 @@ def check_run(sim: Sim) -> None:
     (unless the pool already had it when the request looked)."""
     assert sim.sched.get_num_unfinished_requests() == 0
     assert set(sim.finished) == set(sim.requests)
+    # Requests whose blocks were held for write-behind stores were all released: none leaks.
+    assert sim.sched.requests == {}, f"held forever: {list(sim.sched.requests)}"
+    pool = sim.sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
+    held = {rid for rid in sim.requests if sim.stores and any(k[0] == rid for k in sim.stores)}
+    assert set(sim.finished_sending) == held, "held exactly the requests that had stores"
     assert sim.side.requests == {}, f"state left behind: {list(sim.side.requests)}"
     assert sorted(sim.probe.finished) == sorted(sim.requests), "request_finished not called once per request"
     for key, n in sim.stores.items():
@@ -284,6 +290,36 @@ def test_preemption_and_resume(new_sim, client):
     # ...and some of them got their own stored chunks back from the pool (checked by check_step).
     resumed_loads = [ld for rec in sim.steps for ld in rec.meta.loads if ld.req_id in preempted]
     assert resumed_loads, "no resumed request loaded from the pool"
+
+
+def test_preemption_and_aborts_with_a_real_write_behind_worker(new_sim, client, pool_service):
+    # The worker side copies real pages behind every step; preempted requests' copies finish
+    # before their freed blocks can be reused, finished and aborted ones hold their blocks until
+    # reported, and in the end every request and block is released (check_run).
+    from tests.connector.test_write_behind import make_worker
+
+    sim = new_sim(num_blocks=24, max_num_seqs=8)
+    worker, _ = make_worker(pool_service.address, sim.namespace, num_blocks=24)
+    sim.worker = worker
+    waited: list[set[str]] = []
+    real_wait = worker.writer.wait
+
+    def wait(req_ids=None, timeout=None):
+        if req_ids is not None and timeout is None:
+            waited.append(set(req_ids))
+        return real_wait(req_ids, timeout)
+
+    worker.writer.wait = wait
+    for i in range(8):
+        sim.add(make_request(f"w{i}", tokens(60 + i, 520 + 41 * i), max_tokens=700))
+    for _ in range(40):
+        check_step(sim, sim.step(), client)
+    sim.sched.finish_requests(["w7"], RequestStatus.FINISHED_ABORTED)
+    run_checked(sim, client, max_steps=4000)
+    preempted = {rid for rid, n in sim.preemptions.items() if n}
+    assert preempted and set().union(*waited) >= preempted
+    assert worker.take_counters().chunks_stored > 0
+    worker.shutdown()
 
 
 # ---- 4. aborts -----------------------------------------------------------------------------

@@ -41,6 +41,7 @@ def test_store_then_load_into_another_instance(pool: PoolService) -> None:
     a, a_kv = make_worker(pool.address, 1)
     b, b_kv = make_worker(pool.address, 2)
     a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"chunk-a", [3, 4], {"chunk": 0})]))
+    assert a.writer.wait(timeout=30)  # write-behind: the step returned before the copy
     assert a.take_counters().chunks_stored == 1
     b.load(MaruConnectorMetadata(loads=[ChunkLoad("r9", b"chunk-a", [10, 11])]))
     assert b.take_failed_blocks() == set()
@@ -58,11 +59,13 @@ def test_failed_load_blocks_are_reported_and_that_requests_stores_are_dropped(po
     w.load(step)
     assert w.take_failed_blocks() == {0, 1}
     w.store(step)
+    assert w.writer.wait(timeout=30)
     counters = w.take_counters()
     assert counters.load_failures == 1 and counters.chunks_stored == 1 and counters.stores_skipped == 1
     assert w.pool.client.lookup([b"r1-chunk-1/r0", b"r2-chunk-0/r0"], namespace=NS) == [False, True]
     # The next step (after vLLM recomputed) stores r1's chunk normally.
     w.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"r1-chunk-1", [2, 3], {"chunk": 1})]))
+    assert w.writer.wait(timeout=30)
     assert w.take_counters().chunks_stored == 1
 
 
@@ -72,6 +75,7 @@ def test_pool_down_means_misses_and_skipped_stores_never_errors(tmp_path: Path) 
     w.load(MaruConnectorMetadata(loads=[ChunkLoad("r1", b"x", [0, 1])]))
     assert w.take_failed_blocks() == {0, 1}
     w.store(MaruConnectorMetadata(stores=[ChunkStore("r2", b"y", [2, 3], {})]))
+    assert w.writer.wait(timeout=30)
     counters = w.take_counters()
     assert counters.store_failures == 1 and counters.chunks_stored == 0
     assert all(torch.equal(before[k], kv[k]) for k in kv)

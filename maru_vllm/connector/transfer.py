@@ -1,0 +1,194 @@
+"""How pages move between the paged KV cache and pool objects: torch copies or LMCache's kernel.
+
+Two copiers with one interface (`pack`, `unpack`, `unpack_many`, `chunk_nbytes`, `format`):
+
+* `TorchPageCopier` (every device; the only one on CPU): `KVCacheSet`'s whole-page copies,
+  object format ``maru-pages`` (per block, every layer's page in storage order).
+* `LMCacheBlockCopier` (CUDA, `maru_use_lmcache_kernels: true` and LMCache's compiled
+  ``multi_layer_block_kv_transfer`` resolves): one kernel launch moves every layer of a chunk
+  (or, for a fused load, of every chunk of the step) between the paged cache and pool objects
+  in LMCache's object format (``lmcache-block``: [2,] layers x tokens x heads*head_size),
+  reading and writing the CUDA-registered pool region directly (see cuda_host.py). The engine
+  KV format and page geometry come from LMCache's own detector, so the kernel gets exactly what
+  LMCache itself would pass. Should a kernel launch fail at run time, the copier switches to
+  LMCache's torch implementation of the same kernel (same object format), logged once.
+
+The two formats are not interchangeable, so the format is part of the KV namespace
+(`copy_format` is computed identically by the scheduler and the worker processes): engines that
+copy differently never load each other's objects. On CPU nothing changes: ``maru-pages``.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from maru_vllm.connector.kernels import LMCacheKernels, resolve_lmcache_kernels
+from maru_vllm.connector.layouts import KVCacheSet, LayoutMismatch
+
+logger = logging.getLogger(__name__)
+
+FORMAT_PAGES = "maru-pages"
+FORMAT_LMCACHE_BLOCK = "lmcache-block"
+# LMCache's compiled block kernel takes at most this many objects per launch.
+MAX_OBJECTS_PER_LAUNCH = 4
+
+
+def block_kernel_available(kernels: LMCacheKernels | None) -> bool:
+    return kernels is not None and kernels.multi_layer_block_kv_transfer is not None
+
+
+def copy_format(device_type: str, use_lmcache_kernels: bool) -> str:
+    """The object format an engine on `device_type` with this config writes and reads."""
+    if device_type != "cuda" or not use_lmcache_kernels:
+        return FORMAT_PAGES
+    return FORMAT_LMCACHE_BLOCK if block_kernel_available(resolve_lmcache_kernels(True)) else FORMAT_PAGES
+
+
+class TorchPageCopier:
+    format = FORMAT_PAGES
+    name = "torch"
+
+    def __init__(self, codec: KVCacheSet) -> None:
+        self.codec = codec
+
+    def chunk_nbytes(self, n_blocks: int) -> int:
+        return self.codec.chunk_nbytes(n_blocks)
+
+    def pack(self, block_ids: Sequence[int], out: Any) -> None:
+        self.codec.pack(block_ids, out)
+
+    def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0) -> None:
+        self.codec.unpack(block_ids, src, skip_blocks=skip_blocks)
+
+    def unpack_many(self, items: Sequence[tuple[Sequence[int], Any, int]]) -> None:
+        for block_ids, src, skip in items:
+            self.unpack(block_ids, src, skip_blocks=skip)
+
+    def finish(self) -> None:
+        """Torch's copies from host memory return once the source was read: nothing to wait for."""
+
+
+class LMCacheBlockCopier:
+    """LMCache's ``multi_layer_block_kv_transfer`` over the registered KV caches."""
+
+    format = FORMAT_LMCACHE_BLOCK
+
+    def __init__(self, kernel: Any, kv_caches: Mapping[str, torch.Tensor], *, block_size: int,
+                 num_blocks: int, blocks_per_chunk: int, name: str = "lmcache") -> None:
+        from lmcache import lmcache_native
+        from lmcache.utils import EngineType
+        from lmcache.v1.gpu_connector.kv_format.detection import detect_format
+        from lmcache.v1.gpu_connector.utils import get_group_data_ptrs, make_page_buffer_shape_desc
+
+        self.name = name
+        self._native = lmcache_native
+        unique: dict[int, torch.Tensor] = {}
+        for t in kv_caches.values():
+            unique.setdefault(t.data_ptr(), t)
+        layers = list(unique.values())
+        self.device = layers[0].device
+        self.dtype = layers[0].dtype
+        self.engine_format, self.paged = detect_format(layers, EngineType.VLLM)
+        self.num_layers = len(layers)
+        self.block_size = block_size
+        self.chunk_tokens = block_size * blocks_per_chunk
+        self.shape_desc = make_page_buffer_shape_desc(self.paged, self.engine_format, 0, self.num_layers,
+                                                      num_blocks, block_size)
+        d = self.shape_desc
+        width = int(d.nh) * int(d.hs)
+        self._tokens_shape = ((2, self.num_layers) if int(d.kv_size) == 2 else (self.num_layers,), width)
+        self.bytes_per_token = int(d.kv_size) * self.num_layers * width * self.dtype.itemsize
+        self._kernel = kernel
+        self._compiled = _is_compiled(kernel)
+        self._ptrs = None
+        if self._compiled:
+            import numpy as np
+
+            ptrs = np.array(get_group_data_ptrs(self.paged, self.engine_format, list(range(self.num_layers))),
+                            dtype=np.uint64).view(np.int64)
+            self._ptrs = torch.from_numpy(ptrs).to(self.device)
+
+    def chunk_nbytes(self, n_blocks: int) -> int:
+        return n_blocks * self.block_size * self.bytes_per_token
+
+    def _object(self, buf: Any, n_blocks: int) -> torch.Tensor:
+        """A pool buffer as the CPU tensor LMCache's object format expects (no copy)."""
+        mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+        if mv.nbytes != self.chunk_nbytes(n_blocks):
+            raise LayoutMismatch(f"object has {mv.nbytes} bytes, {n_blocks} blocks need {self.chunk_nbytes(n_blocks)}")
+        lead, width = self._tokens_shape
+        flat = torch.frombuffer(mv, dtype=torch.uint8)
+        return flat.view(self.dtype).view(*lead, n_blocks * self.block_size, width)
+
+    def pack(self, block_ids: Sequence[int], out: Any) -> None:
+        self._launch([self._object(out, len(block_ids))], list(block_ids), store=True, skip=0)
+
+    def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0) -> None:
+        # The kernel indexes block ids by position in the object; the skipped leading positions
+        # are never read, any valid id fills them.
+        ids = [int(block_ids[0])] * skip_blocks + list(block_ids) if block_ids else []
+        self._launch([self._object(src, len(block_ids) + skip_blocks)], ids, store=False, skip=skip_blocks)
+
+    def unpack_many(self, items: Sequence[tuple[Sequence[int], Any, int]]) -> None:
+        """Fused load: every whole chunk of the step in one launch (a partial first chunk alone)."""
+        whole = [(ids, src) for ids, src, skip in items if skip == 0]
+        for ids, src, skip in items:
+            if skip:
+                self.unpack(ids, src, skip_blocks=skip)
+        if not whole:
+            return
+        sizes = {len(ids) for ids, _ in whole}
+        if len(sizes) != 1 or sizes.pop() * self.block_size != self.chunk_tokens:
+            for ids, src in whole:
+                self.unpack(ids, src)
+            return
+        for i in range(0, len(whole), MAX_OBJECTS_PER_LAUNCH if self._compiled else len(whole)):
+            group = whole[i:i + (MAX_OBJECTS_PER_LAUNCH if self._compiled else len(whole))]
+            self._launch([self._object(src, len(ids)) for ids, src in group],
+                         [b for ids, _ in group for b in ids], store=False, skip=0)
+
+    def finish(self) -> None:
+        """Wait until launched kernels have read the pool objects (before their pins are released)."""
+        if self._compiled and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _launch(self, objects: list[torch.Tensor], block_ids: list[int], *, store: bool, skip: int) -> None:
+        native = self._native
+        direction = native.TransferDirection.D2H if store else native.TransferDirection.H2D
+        if self._compiled:
+            args = (self._ptrs, [o.data_ptr() for o in objects],
+                    torch.tensor(block_ids, dtype=torch.int64, device=self.device))
+        else:
+            args = (self.paged, objects, block_ids)
+        tokens_per_object = objects[0].shape[-2]
+        try:
+            self._kernel(*args, self.device, direction, self.shape_desc, tokens_per_object, self.engine_format, skip)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            if not self._compiled:
+                raise
+            logger.warning("LMCache block kernel failed (%s); using LMCache's torch implementation of it "
+                           "from now on (same object format)", exc)
+            from lmcache.v1.platform.torch_ops.mp_mem_kernels import multi_layer_block_kv_transfer
+
+            self._kernel, self._compiled, self.name = multi_layer_block_kv_transfer, False, "lmcache-torch"
+            self._launch(objects, block_ids, store=store, skip=skip)
+
+
+def _is_compiled(fn: Any) -> bool:
+    """A pybind/C++ binding (takes device pointers) rather than a Python function (takes tensors)."""
+    return isinstance(fn, types.BuiltinFunctionType) or not isinstance(fn, types.FunctionType)
+
+
+def make_copier(codec: KVCacheSet, kv_caches: Mapping[str, torch.Tensor], kernels: LMCacheKernels | None, *,
+                block_size: int, num_blocks: int, blocks_per_chunk: int) -> TorchPageCopier | LMCacheBlockCopier:
+    """The copier for these caches: LMCache's block kernel on CUDA when it resolved, else torch."""
+    if codec.device.type == "cuda" and block_kernel_available(kernels):
+        assert kernels is not None and kernels.multi_layer_block_kv_transfer is not None
+        return LMCacheBlockCopier(kernels.multi_layer_block_kv_transfer, kv_caches, block_size=block_size,
+                                  num_blocks=num_blocks, blocks_per_chunk=blocks_per_chunk)
+    return TorchPageCopier(codec)
