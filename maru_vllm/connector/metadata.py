@@ -29,9 +29,22 @@ class ChunkStore:
 
 
 @dataclasses.dataclass
+class LoadFailure:
+    """Blocks vLLM counts as loaded that no load will write: the worker reports them failed."""
+
+    req_id: str
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
 class MaruConnectorMetadata(KVConnectorMetadata):
     loads: list[ChunkLoad] = dataclasses.field(default_factory=list)
     stores: list[ChunkStore] = dataclasses.field(default_factory=list)
+    load_failures: list[LoadFailure] = dataclasses.field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.stores
+        return not self.loads and not self.stores and not self.load_failures
+
+    def planned_load_blocks(self) -> set[int]:
+        """Every block this step's loads (or failed loads) cover."""
+        return {b for ld in self.loads for b in ld.block_ids} | {b for f in self.load_failures for b in f.block_ids}

@@ -329,6 +329,9 @@ class Sim:
             for s in meta.stores:
                 self.client.put(chunk_key(s.key, 0), b"kv" * 32, self.namespace, meta=s.meta)
         invalid = set(invalid_block_ids or ())
+        for failure in meta.load_failures:  # the worker reports what the scheduler could not plan
+            invalid.update(failure.block_ids)
+            self.failed_load_steps[failure.req_id].add(len(self.steps) - 1)
         for ld in meta.loads:
             if invalid_load_chunks and self.chunk_index(self.requests[ld.req_id], ld.key) in invalid_load_chunks:
                 invalid.update(ld.block_ids)
