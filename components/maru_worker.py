@@ -16,7 +16,8 @@ Options of its own (all others go to dynamo.vllm):
   --no-maru-pool-events      keep the pool connector but do not announce the pool's blocks to the
                              router (it then sees vLLM's own events only; for comparisons)
 
-PYTHONHASHSEED must be unset (then 0 is used) or "0", the graph's value.
+PYTHONHASHSEED must be unset (then 0 is used) or "0", the graph's value. On a CPU install with
+no KV cache size given it sets VLLM_CPU_KVCACHE_SPACE itself (`maru_vllm.launch.cpu_kv`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"maru_worker: {exc}")
     os.environ["PYTHONHASHSEED"] = "0"
     ours, rest = build(argv)
+    from maru_vllm.launch.cpu_kv import NotEnoughMemory, apply_default_kv_space
+
+    try:
+        apply_default_kv_space(rest)
+    except NotEnoughMemory as exc:
+        sys.exit(f"maru_worker: {exc}")
     if ours.maru_pool_events:
         from maru_vllm.events import install_pool_event_relay
 
