@@ -10,7 +10,9 @@ Load it the standard vLLM way::
 `kv_both` loads and stores; `kv_producer` only stores (disaggregated prefill); `kv_consumer`
 only loads (disaggregated decode). This class only adapts vLLM's hooks: the scheduler-side
 policy lives in `scheduler.py`, the data movement in `worker.py`, and every hook is wrapped so
-that no exception from the connector reaches vLLM's scheduler or model forward.
+that no exception from the connector reaches vLLM's scheduler or model forward. Containment
+fails closed on the load path: a failed load hook reports the step's planned blocks as failed
+(`load_guard.py`), so vLLM recomputes them instead of running the forward over unwritten KV.
 """
 
 from __future__ import annotations
