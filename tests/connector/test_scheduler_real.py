@@ -124,6 +124,7 @@ def check_run(sim: Sim) -> None:
     assert sim.sched.get_num_unfinished_requests() == 0
     assert set(sim.finished) == set(sim.requests)
     assert sim.side.requests == {}, f"state left behind: {list(sim.side.requests)}"
+    assert sim.conn.load_guard.failed_loads == 0, "the load guard refused a plan the scheduler side made"
     assert sorted(sim.probe.finished) == sorted(sim.requests), "request_finished not called once per request"
     for key, n in sim.stores.items():
         # A chunk computed in the step whose load failed (on top of bad KV) is planned again

@@ -85,3 +85,5 @@ def test_output_equals_a_plain_engine_whatever_hook_fails(engines, hook: str) ->
     again = token_prompt(950 + (SCHEDULER_HOOKS + WORKER_HOOKS).index(hook), 2 * CHUNK + 1)
     ask(urls["A"], model, again)
     assert cached_tokens(ask(urls["F"], model, again)) == 2 * CHUNK
+    # ... and the fail-closed guard never refused a plan of the unbroken connector.
+    assert "vLLM counts" not in f_proc.log_text()
