@@ -8,22 +8,27 @@ with every other argument unchanged.
 
 Options of its own (all others go to dynamo.vllm):
   --maru-pool-address ADDR   pool service address (unix:///path.sock or tcp://host:port)
-  --maru-pool-name NAME      pool name (its NATS subjects maru.<NAME>.*); NATS from $NATS_SERVER
+  --maru-pool-name NAME      pool name (its NATS subjects maru.<NAME>.*); NATS from $NATS_SERVER.
+                             Default: asked from the pool service (its stats); when given, it
+                             must match the pool's own name
   --maru-event-medium M      tier the router credits pool blocks at (default CPU_PINNED)
   --maru-chunk-tokens N      tokens per pool object (default 256)
   --no-maru-pool-events      keep the pool connector but do not announce the pool's blocks to the
                              router (it then sees vLLM's own events only; for comparisons)
 
-PYTHONHASHSEED must be unset (then 0 is used) or "0", the graph's value.
+PYTHONHASHSEED must be unset (then 0 is used) or "0", the graph's value. On a CPU install with
+no KV cache size given it sets VLLM_CPU_KVCACHE_SPACE itself (`maru_vllm.launch.cpu_kv`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import runpy
 import sys
+import time
 
 from maru_vllm.launch.argv import flag_value, has_flag
 from maru_vllm.launch.ports import free_port
@@ -32,12 +37,14 @@ KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # Lower tiers Dynamo 1.6.1's router credits: host (CPU_PINNED, CPU) or disk-like (DISK, EXTERNAL, SHARED).
 EVENT_MEDIUMS = ("CPU_PINNED", "CPU", "DISK", "EXTERNAL", "SHARED")
 
+logger = logging.getLogger(__name__)
+
 
 def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(our options, the dynamo.vllm argv with connector and KV-event configs filled in)."""
     p = argparse.ArgumentParser(prog="maru_worker", add_help=False)
     p.add_argument("--maru-pool-address", required=True)
-    p.add_argument("--maru-pool-name", required=True)
+    p.add_argument("--maru-pool-name", default=None)
     p.add_argument("--maru-event-medium", default="CPU_PINNED", choices=EVENT_MEDIUMS)
     p.add_argument("--maru-chunk-tokens", type=int, default=256)
     p.add_argument("--maru-pool-events", action=argparse.BooleanOptionalAction, default=True)
@@ -59,6 +66,38 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return ours, rest
 
 
+def resolve_pool_name(address: str, given: str | None, *, wait_s: float = 30.0) -> str:
+    """The pool's name as its service reports it (stats); `given`, when set, must match it.
+
+    Without `given` the pool must answer (within `wait_s`: a pool started just before its
+    workers may still be starting). With `given` an unreachable pool is no error: the worker
+    serves without it and the event relay catches up once it is there. Raises SystemExit with
+    one line otherwise.
+    """
+    from maru_vllm.pool import PoolClient
+    from maru_vllm.pool.errors import PoolError
+
+    deadline = time.monotonic() + (0.0 if given else wait_s)
+    while True:
+        try:
+            with PoolClient.connect(address, timeout=5.0, heartbeat=False, populate=False) as client:
+                actual = str(client.stats()["pool"])
+            break
+        except (PoolError, OSError, ValueError) as exc:
+            if given:
+                logger.warning("maru_worker: pool at %s not reachable (%s); using --maru-pool-name %s unchecked",
+                               address, exc, given)
+                return given
+            if time.monotonic() >= deadline:
+                raise SystemExit(f"maru_worker: cannot ask the pool at {address} for its name ({exc}); "
+                                 "start the pool first, or pass --maru-pool-name NAME") from None
+            time.sleep(0.5)
+    if given and given != actual:
+        raise SystemExit(f"maru_worker: --maru-pool-name {given!r} does not match the pool at {address}, "
+                         f"which is named {actual!r}; pass --maru-pool-name {actual} or leave it out")
+    return actual
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     from maru_vllm.text_only import install_text_only_stand_ins
@@ -72,10 +111,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"maru_worker: {exc}")
     os.environ["PYTHONHASHSEED"] = "0"
     ours, rest = build(argv)
+    from maru_vllm.launch.cpu_kv import NotEnoughMemory, apply_default_kv_space
+
+    try:
+        apply_default_kv_space(rest)
+    except NotEnoughMemory as exc:
+        sys.exit(f"maru_worker: {exc}")
     if ours.maru_pool_events:
         from maru_vllm.events import install_pool_event_relay
 
-        install_pool_event_relay(pool_name=ours.maru_pool_name, pool_address=ours.maru_pool_address,
+        pool_name = resolve_pool_name(ours.maru_pool_address, ours.maru_pool_name)
+        install_pool_event_relay(pool_name=pool_name, pool_address=ours.maru_pool_address,
                                  medium=ours.maru_event_medium)
     from maru_vllm.dynamo_pd import DynamoPdApiError, register_maru_pd_protocol
 

@@ -10,7 +10,9 @@ Load it the standard vLLM way::
 `kv_both` loads and stores; `kv_producer` only stores (disaggregated prefill); `kv_consumer`
 only loads (disaggregated decode). This class only adapts vLLM's hooks: the scheduler-side
 policy lives in `scheduler.py`, the data movement in `worker.py`, and every hook is wrapped so
-that no exception from the connector reaches vLLM's scheduler or model forward.
+that no exception from the connector reaches vLLM's scheduler or model forward. Containment
+fails closed on the load path: a failed load hook reports the step's planned blocks as failed
+(`load_guard.py`), so vLLM recomputes them instead of running the forward over unwritten KV.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from maru_vllm.connector.chunks import ChunkGeometry
 from maru_vllm.connector.config import parse_config
+from maru_vllm.connector.load_guard import SchedulerLoadGuard
 from maru_vllm.connector.metadata import MaruConnectorMetadata
 from maru_vllm.connector.namespace import identity_from_vllm
 from maru_vllm.connector.pool_access import PoolAccess
@@ -51,8 +54,13 @@ logger = init_logger(__name__)
 T = TypeVar("T")
 
 
-def _contained(default: Any) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Run a hook; log and return `default` on any error instead of failing the engine."""
+def _contained(default: Any, on_error: str | None = None) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Run a hook; on any error log it and return `default`, or what method `on_error` returns.
+
+    Hooks on the load path name an `on_error` that fails the step's planned loads closed (see
+    `load_guard`): "continue without the pool" must never mean "trust blocks nobody wrote". An
+    error inside `on_error` itself is not contained: stopping the engine beats wrong tokens.
+    """
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         @functools.wraps(fn)
@@ -62,6 +70,8 @@ def _contained(default: Any) -> Callable[[Callable[..., T]], Callable[..., T]]:
             except Exception:  # noqa: BLE001 - containment boundary: the engine must keep serving
                 self.contained_errors += 1
                 logger.exception("MaruKVConnector.%s failed; continuing without the pool for this step", fn.__name__)
+                if on_error is not None:
+                    return getattr(self, on_error)(*args, **kwargs)
                 return default() if callable(default) else default
 
         return inner
@@ -98,6 +108,7 @@ class MaruKVConnector(KVConnectorBase_V1):
                                self.config.checksum, who)
         self.scheduler_side: MaruSchedulerSide | None = None
         self.worker_side: MaruWorkerSide | None = None
+        self.load_guard = SchedulerLoadGuard(block_size)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = MaruSchedulerSide(
                 geometry, self.namespace, self.pool, can_load=self.can_load, can_store=self.can_store
@@ -131,11 +142,17 @@ class MaruKVConnector(KVConnectorBase_V1):
         assert self.worker_side is not None
         self.worker_side.register_kv_caches(kv_caches, _backend_name(self._vllm_config, kv_caches))
 
-    @_contained(None)
+    @_contained(None, on_error="_fail_step_loads")
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self.worker_side is not None and isinstance(meta, MaruConnectorMetadata):
             self.worker_side.load(meta)
+
+    def _fail_step_loads(self, *args: Any, **kwargs: Any) -> None:
+        """start_load_kv failed: whatever it copied, report every planned block of the step failed."""
+        meta = self._get_connector_metadata()
+        if self.worker_side is not None and isinstance(meta, MaruConnectorMetadata):
+            self.worker_side.fail_loads(meta, "connector error")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish in start_load_kv, before the forward starts."""
@@ -166,9 +183,16 @@ class MaruKVConnector(KVConnectorBase_V1):
             finished_req_ids, meta if isinstance(meta, MaruConnectorMetadata) else None)
         return (done or None), None
 
-    @_contained(set)
+    @_contained(set, on_error="_all_planned_blocks")
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed_blocks() if self.worker_side is not None else set()
+
+    def _all_planned_blocks(self) -> set[int]:
+        """Which loads failed is unknown: every block the step planned to load is recomputed."""
+        meta = self._get_connector_metadata()
+        if self.worker_side is not None:
+            self.worker_side.failed_blocks = set()
+        return meta.planned_load_blocks() if isinstance(meta, MaruConnectorMetadata) else set()
 
     @_contained(None)
     def get_kv_connector_stats(self) -> MaruConnectorStats | None:
@@ -190,22 +214,45 @@ class MaruKVConnector(KVConnectorBase_V1):
         assert self.scheduler_side is not None
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    @_contained(None)
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        # Recorded before anything can fail: vLLM now counts these tokens as loaded.
+        self.load_guard.granted_load(request.request_id, num_external_tokens)
+        self._plan_after_alloc(request, blocks, num_external_tokens)
+
+    @_contained(None, on_error="_alloc_failed")
+    def _plan_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler_side is not None
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    @_contained(MaruConnectorMetadata)
+    def _alloc_failed(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.load_guard.hook_failed(request.request_id)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.load_guard.seal(self._build_plan(scheduler_output), scheduler_output)
+
+    @_contained(None)
+    def _build_plan(self, scheduler_output: SchedulerOutput) -> MaruConnectorMetadata | None:
+        """The scheduler side's plan, or None when building it failed (the guard fails its loads)."""
         assert self.scheduler_side is not None
         return self.scheduler_side.build_connector_meta(scheduler_output)
 
-    @_contained(lambda: (False, None))
+    @_contained(None, on_error="_forget_request")
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # True: a write-behind store may still read the blocks; the worker reports them in get_finished.
         if self.scheduler_side is None:
             return False, None
         return bool(self.scheduler_side.request_finished(request)), None
+
+    def _forget_request(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """request_finished failed: still drop the request's state (it must not outlive the request),
+        and still hold its blocks if a write-behind store may read them."""
+        if self.scheduler_side is None:
+            return False, None
+        st = self.scheduler_side.requests.pop(request.request_id, None)
+        if st is not None and st.has_stores:
+            self.scheduler_side.held_for_stores.add(request.request_id)
+            return True, None
+        return False, None
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -29,6 +29,14 @@ class ChunkStore:
 
 
 @dataclasses.dataclass
+class LoadFailure:
+    """Blocks vLLM counts as loaded that no load will write: the worker reports them failed."""
+
+    req_id: str
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
 class MaruConnectorMetadata(KVConnectorMetadata):
     loads: list[ChunkLoad] = dataclasses.field(default_factory=list)
     stores: list[ChunkStore] = dataclasses.field(default_factory=list)
@@ -40,6 +48,12 @@ class MaruConnectorMetadata(KVConnectorMetadata):
     held_for_stores: set[str] = dataclasses.field(default_factory=set)
     # Nothing is computed this step (the engine only steps to collect finished transfers).
     idle: bool = False
+    load_failures: list[LoadFailure] = dataclasses.field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.preempted_req_ids or self.held_for_stores)
+        return not (self.loads or self.stores or self.preempted_req_ids or self.held_for_stores
+                    or self.load_failures)
+
+    def planned_load_blocks(self) -> set[int]:
+        """Every block this step's loads (or failed loads) cover."""
+        return {b for ld in self.loads for b in ld.block_ids} | {b for f in self.load_failures for b in f.block_ids}

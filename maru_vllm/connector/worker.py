@@ -134,17 +134,20 @@ class MaruWorkerSide:
 
     # -- loads -----------------------------------------------------------------------------------
     def load(self, meta: MaruConnectorMetadata) -> None:
+        for failure in meta.load_failures:  # granted by vLLM, but the scheduler side could not plan them
+            self.failed_blocks.update(failure.block_ids)
+            self.failed_requests.add(failure.req_id)
         if not meta.loads:
             return
         copier = self.copier
         if self.codec is None or copier is None:
-            self._fail_all(meta, "KV caches not registered")
+            self.fail_loads(meta, "KV caches not registered")
             return
         t0 = time.perf_counter()
         keys = [chunk_key(load.key, self.rank) for load in meta.loads]
         pins = self.pool.call("acquire", lambda c: c.acquire(keys, self.namespace))
         if pins is None:
-            self._fail_all(meta, "pool unavailable")
+            self.fail_loads(meta, "pool unavailable")
             return
         loaded_bytes = 0
         try:
@@ -191,10 +194,11 @@ class MaruWorkerSide:
         self.counters.load_failures += 1
         logger.warning("Maru chunk load failed (%s): %d blocks will be recomputed", why, len(load.block_ids))
 
-    def _fail_all(self, meta: MaruConnectorMetadata, why: str) -> None:
-        for load in meta.loads:
-            self.failed_blocks.update(load.block_ids)
-            self.failed_requests.add(load.req_id)
+    def fail_loads(self, meta: MaruConnectorMetadata, why: str) -> None:
+        """Report every load of the step failed, whatever was copied, and drop those requests' stores."""
+        self.failed_blocks |= meta.planned_load_blocks()
+        self.failed_requests.update(ld.req_id for ld in meta.loads)
+        self.failed_requests.update(f.req_id for f in meta.load_failures)
         self.counters.load_failures += len(meta.loads)
         logger.warning("Maru loads of this step failed (%s): %d chunks will be recomputed", why, len(meta.loads))
 

@@ -343,6 +343,9 @@ class Sim:
         for rid in sending:
             self.finished_sending[rid] = rec.index
         invalid = set(invalid_block_ids or ())
+        for failure in meta.load_failures:  # the worker reports what the scheduler could not plan
+            invalid.update(failure.block_ids)
+            self.failed_load_steps[failure.req_id].add(len(self.steps) - 1)
         for ld in meta.loads:
             if invalid_load_chunks and self.chunk_index(self.requests[ld.req_id], ld.key) in invalid_load_chunks:
                 invalid.update(ld.block_ids)

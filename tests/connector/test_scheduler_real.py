@@ -32,6 +32,7 @@ from sched_harness import (
 from vllm.v1.request import RequestStatus
 
 from maru_vllm.connector.chunks import chunk_key, hash_bytes
+from maru_vllm.connector.metadata import ChunkLoad
 from maru_vllm.pool import PoolClient
 
 
@@ -129,6 +130,7 @@ def check_run(sim: Sim) -> None:
     held = {rid for rid in sim.requests if sim.stores and any(k[0] == rid for k in sim.stores)}
     assert set(sim.finished_sending) == held, "held exactly the requests that had stores"
     assert sim.side.requests == {}, f"state left behind: {list(sim.side.requests)}"
+    assert sim.conn.load_guard.failed_loads == 0, "the load guard refused a plan the scheduler side made"
     assert sorted(sim.probe.finished) == sorted(sim.requests), "request_finished not called once per request"
     for key, n in sim.stores.items():
         # A chunk computed in the step whose load failed (on top of bad KV) is planned again
@@ -406,3 +408,79 @@ def test_pool_down_requests_still_finish(new_sim, caplog, tmp_path):
     assert sim.conn.contained_errors == 0
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "unavailable" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
+# ---- 7. a load hook fails: its blocks are recomputed, never trusted ----------------------------
+def _break(sim: Sim, fault: str) -> None:
+    """Make one scheduler-side load hook fail the way a bug would (inside the connector)."""
+    side = sim.side
+
+    def raises(*args, **kwargs):
+        raise KeyError(f"injected {fault}")
+
+    if fault == "update_state_after_alloc-raises":
+        real_state = side._state
+        calls = []
+
+        def state(request):  # the lookup's call passes, update_state_after_alloc's raises
+            calls.append(request.request_id)
+            if calls.count(request.request_id) == 2:
+                raise KeyError(f"injected {fault}")
+            return real_state(request)
+
+        side._state = state
+    elif fault == "build_connector_meta-raises":
+        side.build_connector_meta = raises
+    elif fault == "plan-forgets-a-chunk":  # no exception at all: a load silently left out
+        real = side.build_connector_meta
+
+        def forgets(out):
+            meta = real(out)
+            meta.loads = meta.loads[:-1]
+            return meta
+
+        side.build_connector_meta = forgets
+    else:
+        raise AssertionError(fault)
+
+
+@pytest.mark.parametrize("fault", ["update_state_after_alloc-raises", "build_connector_meta-raises",
+                                   "plan-forgets-a-chunk"])
+def test_failed_load_hook_fails_every_granted_block(new_sim, client, fault):
+    sim = new_sim()
+    req = make_request("hf", tokens(70, 1400), max_tokens=3)
+    other = make_request("ok", tokens(71, 600), max_tokens=3)  # a bystander without a pool hit
+    _put_chunks(client, sim, req, 3)
+    sim.add(req)
+    sim.add(other)
+    _break(sim, fault)
+    rec = sim.step()
+    assert rec.allocs["hf"] == 3 * CHUNK_TOKENS  # vLLM counted 768 tokens as loaded
+    assert not rec.meta.loads  # all or nothing: no partial load of a broken plan
+    assert [(f.req_id, f.block_ids) for f in rec.meta.load_failures] == [("hf", rec.blocks["hf"][:6])]
+    # The worker reports them (the harness plays it): vLLM rolls the request back to token 0.
+    assert req.num_computed_tokens == 0 and not req.output_token_ids
+    assert sim.sched.connector.contained_errors == (0 if fault == "plan-forgets-a-chunk" else 1)
+    sim.side.__dict__.pop("build_connector_meta", None)
+    sim.side.__dict__.pop("_state", None)
+    sim.run()
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(req.output_token_ids) == 3
+    assert other.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert sim.side.requests == {}
+
+
+def test_loads_for_requests_granted_nothing_are_dropped(new_sim, client):
+    sim = new_sim()
+    req = make_request("stray", tokens(72, 700), max_tokens=2)
+    sim.add(req)
+    real = sim.side.build_connector_meta
+
+    def strays(out):
+        meta = real(out)
+        blocks = list(sim.sched.kv_cache_manager.get_block_ids("stray")[0])
+        meta.loads.append(ChunkLoad("stray", b"k" * 16, blocks[:2]))  # would overwrite computed blocks
+        return meta
+
+    sim.side.build_connector_meta = strays
+    rec = sim.step()
+    assert rec.allocs == {"stray": 0} and not rec.meta.loads and not rec.meta.load_failures

@@ -91,3 +91,99 @@ def test_unsupported_layout_disables_the_connector_instead_of_the_engine(pool: P
     assert side.take_failed_blocks() == {0, 1}  # recomputed, never loaded into an unknown layout
     side.store(MaruConnectorMetadata(stores=[ChunkStore("r2", b"k2", [2, 3], {})]))
     assert side.pool.client.lookup([b"k2/r0"], namespace=NS) == [False]
+
+
+# ---- fail closed: a contained error on the load path reports every planned block ---------------
+def worker_connector(side: MaruWorkerSide):
+    """MaruKVConnector's worker-role hooks around `side` (constructed without a VllmConfig)."""
+    from maru_vllm.connector.connector import MaruKVConnector
+
+    conn = MaruKVConnector.__new__(MaruKVConnector)
+    conn.worker_side, conn.scheduler_side, conn.contained_errors = side, None, 0
+    conn._connector_metadata = None
+    return conn
+
+
+def settle(w: MaruWorkerSide) -> None:
+    """Wait until the write-behind writer has committed everything handed to it."""
+    if w.writer is not None:
+        assert w.writer.wait(timeout=30)
+
+
+def step_with_a_pool_hit(w: MaruWorkerSide) -> MaruConnectorMetadata:
+    """r1 loads two stored chunks and stores a third it computes on top; r2 only stores."""
+    w.store(MaruConnectorMetadata(stores=[ChunkStore("r0", b"fc-0", [0, 1], {"chunk": 0}),
+                                          ChunkStore("r0", b"fc-1", [2, 3], {"chunk": 1})]))
+    settle(w)
+    w.take_counters()
+    return MaruConnectorMetadata(
+        loads=[ChunkLoad("r1", b"fc-0", [4, 5]), ChunkLoad("r1", b"fc-1", [6, 7])],
+        stores=[ChunkStore("r1", b"fc-r1-2", [8, 9], {"chunk": 2}), ChunkStore("r2", b"fc-r2-0", [10, 11], {})],
+    )
+
+
+@pytest.mark.parametrize("where", ["before-copy", "after-first-chunk"])
+def test_start_load_kv_error_reports_every_planned_block(pool: PoolService, where: str) -> None:
+    w, _ = make_worker(pool.address, 5)
+    step = step_with_a_pool_hit(w)
+    conn = worker_connector(w)
+    if where == "before-copy":
+        w.pool.call = lambda *a, **k: (_ for _ in ()).throw(KeyError("injected"))  # type: ignore[method-assign]
+    else:
+        real = w.codec.unpack
+        calls = []
+
+        def unpack(*a, **k):
+            calls.append(1)
+            if len(calls) > 1:
+                raise KeyError("injected")  # not a copy error the worker expects: a bug
+            return real(*a, **k)
+
+        w.codec.unpack = unpack  # type: ignore[method-assign]
+    conn.bind_connector_metadata(step)
+    conn.start_load_kv(None)  # contained: no exception reaches the engine
+    assert conn.contained_errors == 1
+    if where != "before-copy":
+        del w.codec.unpack
+    w.pool.__dict__.pop("call", None)
+    conn.wait_for_save()
+    settle(w)
+    assert conn.get_block_ids_with_load_errors() == {4, 5, 6, 7}
+    # r1's chunk 2 was computed on top of blocks nobody wrote: it never reaches the pool.
+    assert w.pool.client.lookup([b"fc-r1-2/r0", b"fc-r2-0/r0"], namespace=NS) == [False, True]
+
+
+def test_load_errors_hook_error_reports_every_planned_block(pool: PoolService) -> None:
+    w, _ = make_worker(pool.address, 6)
+    step = step_with_a_pool_hit(w)
+    step.loads.append(ChunkLoad("r3", b"never-stored", [12, 13]))  # really fails
+    conn = worker_connector(w)
+    conn.bind_connector_metadata(step)
+    conn.start_load_kv(None)
+    assert w.failed_blocks == {12, 13}
+
+    def broken() -> set[int]:
+        raise KeyError("injected")
+
+    w.take_failed_blocks = broken  # type: ignore[method-assign]
+    assert conn.get_block_ids_with_load_errors() == {4, 5, 6, 7, 12, 13}
+    assert conn.contained_errors == 1
+    del w.take_failed_blocks
+    assert w.take_failed_blocks() == set()  # not reported twice
+
+
+def test_loads_the_scheduler_could_not_plan_are_reported_and_their_stores_dropped(pool: PoolService) -> None:
+    from maru_vllm.connector.metadata import LoadFailure
+
+    w, _ = make_worker(pool.address, 7)
+    step = step_with_a_pool_hit(w)
+    step.load_failures.append(LoadFailure("r4", [14, 15]))
+    step.stores.append(ChunkStore("r4", b"fc-r4-1", [1, 2], {"chunk": 1}))
+    conn = worker_connector(w)
+    conn.bind_connector_metadata(step)
+    conn.start_load_kv(None)
+    conn.wait_for_save()
+    settle(w)
+    assert conn.get_block_ids_with_load_errors() == {14, 15}
+    assert conn.contained_errors == 0
+    assert w.pool.client.lookup([b"fc-r4-1/r0", b"fc-r1-2/r0"], namespace=NS) == [False, True]
