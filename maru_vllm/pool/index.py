@@ -11,6 +11,11 @@ Object life cycle::
 
 Only unpinned committed objects are in the LRU, so eviction is O(1) per victim and pinned or
 in-flight objects can never be chosen.
+
+Parts: a commit may name an object's leading parts (`parts[i]` is a key for its first i + 1
+units, e.g. KV blocks of a chunk), so a reader can find and use the start of an object whose
+whole key it does not share. The part index holds at most MAX_PARTS entries per committed
+object and drops them when the object is hidden (evicted, removed, found corrupt).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 from maru_vllm.pool.allocator import Allocation, Allocator
 from maru_vllm.pool.objects import OBJ_HEADER_SIZE
+from maru_vllm.pool.protocol import MAX_PARTS
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +44,7 @@ class Obj:
     data_offset: int  # absolute region offset of the data area
     session: int
     meta: dict[str, Any] | None = None
+    parts: tuple[bytes, ...] = ()  # parts[i] names the first i + 1 units (see module docstring)
     committed: bool = False
     pins: int = 0
     doomed: bool = False
@@ -76,6 +83,8 @@ class PoolIndex:
         self.objects: dict[tuple[str, bytes], Obj] = {}
         self.live: dict[int, Obj] = {}  # every allocated object by oid (reserved, committed, doomed)
         self.lru: OrderedDict[int, Obj] = OrderedDict()
+        # (ns, part key) -> the committed objects naming it, oldest first: {oid: (obj, units)}
+        self.parts: dict[tuple[str, bytes], dict[int, tuple[Obj, int]]] = {}
         self.sessions: dict[int, Session] = {}
         self._next_oid = 1
         self._next_sid = 1
@@ -137,6 +146,37 @@ class PoolIndex:
         self.counters["misses"] += 1 if n < len(keys) else 0
         return n
 
+    def _part(self, ns: str, key: bytes) -> tuple[Obj, int] | None:
+        """The most recently committed object naming `key` as a part, and the units it names."""
+        holders = self.parts.get((ns, key))
+        if not holders:
+            return None
+        return holders[next(reversed(holders))]
+
+    def lookup_parts(self, ns: str, keys: Sequence[bytes]) -> list[int]:
+        """For each key, how many leading units of a committed object it names (0: none)."""
+        out = []
+        for k in keys:
+            found = self._part(ns, k)
+            if found is None:
+                out.append(0)
+                continue
+            self._touch(found[0])
+            out.append(found[1])
+        return out
+
+    def acquire_parts(self, sid: int, ns: str, keys: Sequence[bytes]) -> list[tuple[Obj, int] | None]:
+        """Pin, for each part key, an object it names; (object, units) or None."""
+        s = self.sessions[sid]
+        out: list[tuple[Obj, int] | None] = []
+        for k in keys:
+            found = self._part(ns, k)
+            if found is not None:
+                self._pin(s, found[0])
+            out.append(found)
+        self._count([o is not None for o in out])
+        return out
+
     def remove(self, ns: str, keys: Sequence[bytes] | None) -> int:
         """Hide committed objects of `ns` (all of them when `keys` is None); returns how many.
 
@@ -158,10 +198,7 @@ class PoolIndex:
         for k in keys:
             obj = self.objects.get((ns, k))
             if obj is not None:
-                if obj.pins == 0:
-                    self.lru.pop(obj.oid, None)
-                obj.pins += 1
-                s.pins[obj.oid] = s.pins.get(obj.oid, 0) + 1
+                self._pin(s, obj)
             out.append(obj)
         self._count([o is not None for o in out])
         return out
@@ -219,10 +256,11 @@ class PoolIndex:
         oids: Sequence[int],
         metas: Sequence[dict[str, Any] | None],
         verify: Callable[[Obj], str | None],
+        parts: Sequence[Sequence[bytes] | None] | None = None,
     ) -> list[bool]:
         s = self.sessions[sid]
         out = []
-        for oid, meta in zip(oids, metas):
+        for i, (oid, meta) in enumerate(zip(oids, metas)):
             obj = s.reservations.pop(oid, None)
             if obj is None:
                 out.append(False)  # not ours, already committed/aborted, or from an old session
@@ -240,6 +278,10 @@ class PoolIndex:
                 continue
             obj.committed = True
             obj.meta = meta
+            if parts is not None and parts[i]:
+                obj.parts = tuple(parts[i][:MAX_PARTS])
+                for units, pkey in enumerate(obj.parts, 1):
+                    self.parts.setdefault((obj.ns, pkey), {})[oid] = (obj, units)
             self.objects[(obj.ns, obj.key)] = obj
             self.lru[oid] = obj
             self.counters["stores"] += 1
@@ -271,6 +313,7 @@ class PoolIndex:
             object_bytes=sum(o.size for o in self.objects.values()),
             reserved=len(reserved),
             reserved_bytes=sum(o.alloc.capacity for o in reserved),
+            part_keys=len(self.parts),
             pinned=sum(1 for o in self.live.values() if o.pins),
             pins=sum(o.pins for o in self.live.values()),
             doomed=sum(1 for o in self.live.values() if o.doomed),
@@ -312,11 +355,18 @@ class PoolIndex:
         self.lru.pop(obj.oid, None)
         if self.objects.get((obj.ns, obj.key)) is obj:
             del self.objects[(obj.ns, obj.key)]
+        self._drop_parts(obj)
         self._emit(event, obj)
         if obj.pins == 0:
             self._free(obj)
         else:
             obj.doomed = True
+
+    def _pin(self, s: Session, obj: Obj) -> None:
+        if obj.pins == 0:
+            self.lru.pop(obj.oid, None)
+        obj.pins += 1
+        s.pins[obj.oid] = s.pins.get(obj.oid, 0) + 1
 
     def _unpin(self, obj: Obj, count: int) -> None:
         obj.pins -= count
@@ -331,6 +381,15 @@ class PoolIndex:
     def _free(self, obj: Obj) -> None:
         if self.live.pop(obj.oid, None) is not None:
             self.alloc.free(obj.alloc)
+
+    def _drop_parts(self, obj: Obj) -> None:
+        for pkey in obj.parts:
+            holders = self.parts.get((obj.ns, pkey))
+            if holders is not None:
+                holders.pop(obj.oid, None)
+                if not holders:
+                    del self.parts[(obj.ns, pkey)]
+        obj.parts = ()
 
     def _emit(self, kind: str, obj: Obj) -> None:
         if self.on_event is not None:
