@@ -1,7 +1,9 @@
 """Worker side of MaruKVConnector: the data plane between the paged KV cache and the pool.
 
 Loads: in `start_load_kv`, before the forward, one `acquire` round trip pins every chunk of the
-step, each pinned object is copied page by page into its blocks, and the pins are released. A
+step (a second one, `acquire_parts`, the chunks a request shares only in part: found by the
+hash of their last shared block, of which only the leading blocks are copied), each pinned
+object is copied page by page into its blocks, and the pins are released. A
 chunk that is missing, fails validation or has the wrong size is a miss: its blocks are
 reported through vLLM's load-error path and recomputed. Nothing raises into the forward.
 
@@ -30,6 +32,7 @@ from maru_vllm.connector.layouts import KVCacheSet, LayoutError
 from maru_vllm.connector.metadata import ChunkLoad, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.stats import TransferCounters
+from maru_vllm.pool import PartPin, ReadPin
 
 logger = init_logger(__name__)
 
@@ -87,8 +90,7 @@ class MaruWorkerSide:
             self._fail_all(meta, "KV caches not registered")
             return
         t0 = time.perf_counter()
-        keys = [chunk_key(load.key, self.rank) for load in meta.loads]
-        pins = self.pool.call("acquire", lambda c: c.acquire(keys, self.namespace))
+        pins = self._acquire(meta.loads)
         if pins is None:
             self._fail_all(meta, "pool unavailable")
             return
@@ -98,16 +100,43 @@ class MaruWorkerSide:
                 if pin is None:
                     self._fail(load, "missing or invalid in the pool")
                     continue
+                if isinstance(pin, PartPin) and pin.units != load.skip_blocks + len(load.block_ids):
+                    self._fail(load, f"its part key names {pin.units} blocks of the chunk, not "
+                                     f"{load.skip_blocks + len(load.block_ids)}")
+                    continue
                 try:
-                    codec.unpack(load.block_ids, pin.data, skip_blocks=load.skip_blocks)
+                    codec.unpack(load.block_ids, pin.data, skip_blocks=load.skip_blocks,
+                                 chunk_blocks=load.chunk_blocks or None)
                     loaded_bytes += codec.chunk_nbytes(len(load.block_ids))
                     self.counters.chunks_loaded += 1
+                    self.counters.blocks_loaded += len(load.block_ids)
                 except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
                     self._fail(load, f"cannot be copied in: {exc}")
         finally:
             self.pool.call("release", lambda c: c.release(pins))
         self.counters.bytes_loaded += loaded_bytes
         self.counters.load_seconds += time.perf_counter() - t0
+
+    def _acquire(self, loads: list[ChunkLoad]) -> list[ReadPin | None] | None:
+        """Pin every chunk of the step: whole chunks by key, chunks shared in part by part key."""
+        keys = [chunk_key(load.key, self.rank) for load in loads]
+        whole = [i for i, load in enumerate(loads) if not load.chunk_blocks]
+        parts = [i for i, load in enumerate(loads) if load.chunk_blocks]
+        pins: list[ReadPin | None] = [None] * len(loads)
+        if whole:
+            got = self.pool.call("acquire", lambda c: c.acquire([keys[i] for i in whole], self.namespace))
+            if got is None:
+                return None
+            for i, pin in zip(whole, got):
+                pins[i] = pin
+        if parts:
+            got_parts = self.pool.call("acquire", lambda c: c.acquire_parts([keys[i] for i in parts], self.namespace))
+            if got_parts is None:
+                self.pool.call("release", lambda c: c.release(pins))
+                return None
+            for i, pin in zip(parts, got_parts):
+                pins[i] = pin
+        return pins
 
     def _fail(self, load: ChunkLoad, why: str) -> None:
         self.failed_blocks.update(load.block_ids)
@@ -140,7 +169,7 @@ class MaruWorkerSide:
         if reservations is None:
             self.counters.store_failures += len(stores)
             return
-        to_commit, metas = [], []
+        to_commit, metas, parts = [], [], []
         for store, res in zip(stores, reservations):
             if res is None:
                 self.counters.stores_skipped += 1  # already in the pool, or no space
@@ -154,9 +183,10 @@ class MaruWorkerSide:
                 continue
             to_commit.append(res)
             metas.append({**store.meta, "rank": self.rank})
+            parts.append([chunk_key(h, self.rank) for h in store.parts])
         if not to_commit:
             return
-        committed = self.pool.call("commit", lambda c: c.commit(to_commit, metas))
+        committed = self.pool.call("commit", lambda c: c.commit(to_commit, metas, parts))
         if committed is None:
             self.counters.store_failures += len(to_commit)
             return
