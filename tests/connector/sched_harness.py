@@ -268,13 +268,14 @@ class StepRecord:
 
 class Sim:
     def __init__(self, scheduler: Scheduler, *, play_worker_stores: bool = False,
-                 pool_client: PoolClient | None = None) -> None:
+                 pool_client: PoolClient | None = None, play_part_keys: bool = True) -> None:
         self.sched = scheduler
         self.conn = scheduler.connector
         self.side = self.conn.scheduler_side
         self.namespace = self.conn.namespace
         self.probe = Probe(scheduler)
         self.play_worker_stores = play_worker_stores
+        self.play_part_keys = play_part_keys  # stores carry their part keys, as the worker commits them
         self.client = pool_client
         self.steps: list[StepRecord] = []
         self.requests: dict[str, Request] = {}
@@ -337,7 +338,7 @@ class Sim:
             assert self.client is not None
             for s in meta.stores:
                 self.client.put(chunk_key(s.key, 0), b"kv" * 32, self.namespace, meta=s.meta,
-                                parts=[chunk_key(h, 0) for h in s.parts])
+                                parts=[chunk_key(h, 0) for h in s.parts] if self.play_part_keys else None)
         invalid = set(invalid_block_ids or ())
         for ld in meta.loads:
             if invalid_load_chunks and self.load_chunk(self.requests[ld.req_id], ld) in invalid_load_chunks:

@@ -58,11 +58,12 @@ def new_sim(tiny_model: Path, pool_service: PoolService, client: PoolClient):
     """Factory: a scheduler with a fresh salt (so every test has its own pool namespace)."""
     made: list[Sim] = []
 
-    def make(*, play_worker_stores: bool = False, address: str | None = None, **kw) -> Sim:
+    def make(*, play_worker_stores: bool = False, play_part_keys: bool = True, address: str | None = None,
+             **kw) -> Sim:
         extra = kw.pop("extra", {})
         extra.setdefault("maru_namespace", f"t{len(made)}-{id(made)}")
         sched = make_scheduler(tiny_model, address or pool_service.address, extra=extra, **kw)
-        sim = Sim(sched, play_worker_stores=play_worker_stores, pool_client=client)
+        sim = Sim(sched, play_worker_stores=play_worker_stores, pool_client=client, play_part_keys=play_part_keys)
         made.append(sim)
         return sim
 
@@ -297,6 +298,36 @@ def test_prompt_sharing_part_of_a_pool_chunk_loads_the_shared_blocks(new_sim, cl
     assert rec.computed_before["b"] == shared
     run_checked(engine_b, client)
     assert ("b", 2) in engine_b.stores and ("b", 1) not in engine_b.stores
+
+
+def test_part_keys_raise_the_pool_hit_rate_on_the_chat_workload(new_sim, client):
+    """The README's routing workload (2 system prompts of 2.5 chunks, 5 sessions x 3 turns), round
+    robin over four engines sharing one pool. A session's system prompt ends mid-chunk; once a
+    longer prompt stored that chunk, an engine new to the system prompt loads its shared first
+    block with part keys instead of computing it (measured here: 5248 -> 4992 prompt tokens
+    computed of 13440)."""
+    from maru_vllm.workload import WorkloadSpec, build_workload
+
+    workload = build_workload(WorkloadSpec())
+    supplied: dict[bool, dict[str, int]] = {}
+    for parts in (False, True):
+        salt = {"maru_namespace": f"wl{int(parts)}-{id(client)}"}
+        engines = [new_sim(play_worker_stores=True, play_part_keys=parts, extra=dict(salt)) for _ in range(4)]
+        local = pool = 0
+        for r in workload:
+            sim = engines[r.index % len(engines)]
+            rid = f"w{r.index}"
+            sim.add(make_request(rid, list(r.prompt), max_tokens=1))
+            run_checked(sim, client)
+            admitted = next(rec for rec in sim.steps if rid in rec.allocs)
+            local += admitted.match[rid].local_tokens
+            pool += admitted.allocs[rid]
+        supplied[parts] = {"local": local, "pool": pool,
+                           "computed": workload.total_prompt_tokens - local - pool}
+    print(f"workload of {workload.total_prompt_tokens} prompt tokens: whole chunks {supplied[False]}, "
+          f"with part keys {supplied[True]}")
+    assert supplied[True]["pool"] > supplied[False]["pool"]
+    assert supplied[True]["computed"] < supplied[False]["computed"]
 
 
 def test_one_lookup_while_waiting_for_memory(new_sim, client, pool_service):
