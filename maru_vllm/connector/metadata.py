@@ -33,7 +33,7 @@ class ChunkStore:
     key: bytes
     block_ids: list[int]
     meta: dict[str, Any]
-    parts: list[bytes] = dataclasses.field(default_factory=list)  # rank-less part keys (chunks.part_keys)
+    parts: list[bytes] = dataclasses.field(default_factory=list)  # rank-less part keys (ChunkGeometry.part_hashes)
 
 
 @dataclasses.dataclass
