@@ -3,8 +3,8 @@
 Per request the scheduler side keeps a small `RequestState`:
 
   lookup     -> one batched pool lookup the first time the scheduler asks how many tokens the
-                pool can supply (the leading whole chunks), plus one of the part keys of the
-                next chunk when the prompt goes on beyond them (the leading blocks it shares with
+                pool can supply (the leading whole chunks), plus one lookup of the next chunk's
+                part keys when the prompt goes on beyond them (the leading blocks it shares with
                 a pool chunk); the answer is cached until the request is scheduled or ends,
                 so a request waiting for memory does not hit the pool on every step.
   load plan  -> set in `update_state_after_alloc` when vLLM accepted the external tokens:
