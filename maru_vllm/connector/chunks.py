@@ -5,6 +5,10 @@ block hash of its last block (that hash already chains the whole prefix, so equa
 equal prefixes) plus the worker's rank in the TP x PP world, since every rank stores its own slice. Nothing
 here re-hashes tokens.
 
+Its part keys are the hashes of its other blocks (same rank suffix): part j names the chunk's
+first j + 1 blocks, so a request that shares only the start of a chunk finds the object and
+loads those blocks (the pool's part index, `PoolClient.lookup_parts` / `acquire_parts`).
+
 The metadata committed with a chunk carries what a KV event needs per block - the block
 hashes, the parent block hash, each block's token ids, the block size, the LoRA name - so the
 pool's events can be turned into router events without re-deriving anything.
@@ -49,6 +53,11 @@ class ChunkGeometry:
     def chunk_hash(self, block_hashes: Sequence[Any], chunk_index: int) -> bytes:
         """The rank-less key part of a chunk: the hash of its last block."""
         return hash_bytes(block_hashes[(chunk_index + 1) * self.blocks_per_chunk - 1])
+
+    def part_hashes(self, block_hashes: Sequence[Any], chunk_index: int) -> list[bytes]:
+        """Rank-less part keys of a chunk: the hashes of all its blocks but the last."""
+        first = chunk_index * self.blocks_per_chunk
+        return [hash_bytes(block_hashes[b]) for b in range(first, first + self.blocks_per_chunk - 1)]
 
     def keys_all_ranks(self, block_hashes: Sequence[Any], num_chunks: int) -> list[bytes]:
         """Keys of chunks 0..num_chunks-1, every TP rank of a chunk next to each other."""

@@ -378,8 +378,12 @@ class KVCacheSet:
         parts.append(f"{count}*({prev})")
         return f"{_SIGNATURE_VERSION};layers={len(self.unique_layers)};" + ";".join(parts)
 
-    def _check(self, block_ids: Sequence[int], nbytes: int, what: str, skip_blocks: int = 0) -> int:
-        n = len(block_ids) + skip_blocks
+    def _check(self, block_ids: Sequence[int], nbytes: int, what: str, skip_blocks: int = 0,
+               chunk_blocks: int | None = None) -> int:
+        n = len(block_ids) + skip_blocks if chunk_blocks is None else chunk_blocks
+        if n < len(block_ids) + skip_blocks:
+            raise ValueError(f"{what}: blocks [{skip_blocks}, {skip_blocks + len(block_ids)}) are not all in "
+                             f"a chunk of {n} blocks")
         want = self.chunk_nbytes(n)
         if nbytes != want:
             raise LayoutMismatch(
@@ -409,18 +413,22 @@ class KVCacheSet:
         _copy_all(dsts, srcs)
         return flat.numel()
 
-    def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0) -> None:
+    def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0,
+               chunk_blocks: int | None = None) -> None:
         """Copy a chunk made by :meth:`pack` into the pages of ``block_ids``.
 
         With ``skip_blocks=k`` the chunk holds ``k + len(block_ids)`` blocks and
         its first ``k`` are not copied (the engine already has them locally).
+        With ``chunk_blocks=n`` the chunk holds ``n`` blocks and only blocks
+        ``[k, k + len(block_ids))`` are copied (a chunk shared in part: every
+        layer's pages of those blocks, read out of the layer-major object).
         Raises :class:`LayoutMismatch` when ``src`` is not exactly the size this
         geometry expects (a stale or foreign object: treat as a miss).
         """
         if skip_blocks < 0:
             raise ValueError(f"skip_blocks={skip_blocks} must be >= 0")
         flat = _byte_tensor(src, writable=False)
-        n = self._check(block_ids, flat.numel(), "unpack", skip_blocks)
+        n = self._check(block_ids, flat.numel(), "unpack", skip_blocks, chunk_blocks)
         runs = block_runs(block_ids)
         dsts, srcs = [], []
         for buf, cache in self._pairs(flat, n):

@@ -10,12 +10,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclasses.dataclass
 class ChunkLoad:
-    """Load the blocks [skip_blocks:] of one pool chunk into `block_ids`."""
+    """Load blocks [skip_blocks, skip_blocks + len(block_ids)) of one pool chunk into `block_ids`.
+
+    A whole chunk (`chunk_blocks` 0) is found by its key and holds exactly those blocks. A
+    chunk the request shares only in part (`chunk_blocks` > 0: the chunk object's block count)
+    is found by the hash of the last block to load, one of the chunk's part keys, and only its
+    leading blocks are copied.
+    """
 
     req_id: str
     key: bytes  # rank-less key; the worker appends its own rank
     block_ids: list[int]
     skip_blocks: int = 0
+    chunk_blocks: int = 0
 
 
 @dataclasses.dataclass
@@ -26,6 +33,7 @@ class ChunkStore:
     key: bytes
     block_ids: list[int]
     meta: dict[str, Any]
+    parts: list[bytes] = dataclasses.field(default_factory=list)  # rank-less part keys (ChunkGeometry.part_hashes)
 
 
 @dataclasses.dataclass

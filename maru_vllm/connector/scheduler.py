@@ -3,10 +3,13 @@
 Per request the scheduler side keeps a small `RequestState`:
 
   lookup     -> one batched pool lookup the first time the scheduler asks how many tokens the
-                pool can supply; the answer is cached until the request is scheduled or ends,
+                pool can supply (the leading whole chunks), plus one lookup of the next chunk's
+                part keys when the prompt goes on beyond them (the leading blocks it shares with
+                a pool chunk); the answer is cached until the request is scheduled or ends,
                 so a request waiting for memory does not hit the pool on every step.
   load plan  -> set in `update_state_after_alloc` when vLLM accepted the external tokens:
-                chunk by chunk, the blocks beyond the local prefix-cache hit.
+                chunk by chunk, the blocks beyond the local prefix-cache hit; the last chunk
+                may be loaded in part.
   stores     -> in `build_connector_meta`, every chunk of the prompt that this step completes
                 (every step of a chunked prefill, resumed and preempted requests included), minus
                 the chunks the pool already had.
@@ -16,8 +19,10 @@ Per request the scheduler side keeps a small `RequestState`:
                 until the worker reports the request in `get_finished` (the request id
                 reaches the worker in the next step's metadata, `held_for_stores`).
 
-Matched tokens are chunk-aligned, start beyond the local prefix-cache hit, and always leave at
-least one prompt token to compute (vLLM needs a token to sample from).
+Matched tokens are block-aligned - exactly the leading blocks of the prompt that some pool
+chunk holds, which is what the event relay credits at Dynamo's router - start beyond the local
+prefix-cache hit, and always leave at least one prompt token to compute (vLLM needs a token to
+sample from).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import dataclasses
 from vllm.logger import init_logger
 from typing import TYPE_CHECKING, Any
 
-from maru_vllm.connector.chunks import ChunkGeometry
+from maru_vllm.connector.chunks import ChunkGeometry, chunk_key, hash_bytes
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 
@@ -42,9 +47,11 @@ logger = init_logger(__name__)
 class RequestState:
     request: Request
     block_ids: list[int] = dataclasses.field(default_factory=list)
-    # Lookup cache: how many leading chunks were checked and how many the pool holds.
-    checked_chunks: int = -1
+    # Lookup cache: how many leading blocks were checked, how many whole chunks the pool holds
+    # and how many leading blocks of the next chunk (a chunk shared in part).
+    checked_blocks: int = -1
     pool_chunks: int = 0
+    part_blocks: int = 0
     # Tokens computed locally (prefix cache) when vLLM asked; where a load starts.
     local_tokens: int = 0
     # Load decided in update_state_after_alloc, emitted in the next build_connector_meta.
@@ -86,28 +93,50 @@ class MaruSchedulerSide:
             st = self.requests[request.request_id] = RequestState(request)
         return st
 
-    def _loadable_chunks(self, request: Request) -> int:
+    def _loadable_blocks(self, request: Request) -> int:
         # Leave at least one token to compute.
-        return self.geometry.full_chunks(max(request.num_tokens - 1, 0), len(request.block_hashes))
+        return min(max(request.num_tokens - 1, 0) // self.geometry.block_size, len(request.block_hashes))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
         st.local_tokens = num_computed_tokens
         if not self.can_load:
             return 0, False
-        max_chunks = self._loadable_chunks(request)
-        if max_chunks == 0:
+        max_blocks = self._loadable_blocks(request)
+        if max_blocks == 0:
             return 0, False
-        if st.checked_chunks != max_chunks:
-            keys = self.geometry.keys_all_ranks(request.block_hashes, max_chunks)
-            present = self.pool.call("lookup", lambda c: c.lookup_prefix(keys, self.namespace))
+        if st.checked_blocks != max_blocks:
+            g = self.geometry
+            max_chunks = max_blocks // g.blocks_per_chunk
+            present = 0
+            if max_chunks:
+                keys = g.keys_all_ranks(request.block_hashes, max_chunks)
+                present = self.pool.call("lookup", lambda c: c.lookup_prefix(keys, self.namespace)) or 0
             self.lookups += 1
-            st.checked_chunks = max_chunks
-            st.pool_chunks = (present or 0) // self.geometry.ranks
+            st.checked_blocks = max_blocks
+            st.pool_chunks = present // g.ranks
+            st.part_blocks = self._shared_part(request, st.pool_chunks, max_blocks)
             # Chunks the pool has need no store.
             st.next_store_chunk = max(st.next_store_chunk, st.pool_chunks)
-        hit_tokens = st.pool_chunks * self.geometry.chunk_tokens
+        hit_tokens = (st.pool_chunks * self.geometry.blocks_per_chunk + st.part_blocks) * self.geometry.block_size
         return max(0, hit_tokens - num_computed_tokens), False
+
+    def _shared_part(self, request: Request, chunk: int, max_blocks: int) -> int:
+        """How many leading blocks of `chunk` (not in the pool whole) some pool chunk holds, on
+        every rank (each rank's part key names the same blocks of that rank's object)."""
+        g = self.geometry
+        first = chunk * g.blocks_per_chunk
+        n = min(g.blocks_per_chunk - 1, max_blocks - first)
+        if n <= 0:
+            return 0
+        keys = [chunk_key(request.block_hashes[first + j], r) for j in range(n) for r in range(g.ranks)]
+        units = self.pool.call("lookup_parts", lambda c: c.lookup_parts(keys, self.namespace))
+        if not units:
+            return 0
+        shared = 0
+        while shared < n and all(u == shared + 1 for u in units[shared * g.ranks:(shared + 1) * g.ranks]):
+            shared += 1
+        return shared
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._state(request)
@@ -116,7 +145,7 @@ class MaruSchedulerSide:
         if num_external_tokens:
             self.lookup_hit_tokens += num_external_tokens
         # Scheduled: the next time vLLM asks (after a preemption) look up again.
-        st.checked_chunks = -1
+        st.checked_blocks = -1
 
     # -- per-step plan -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MaruConnectorMetadata:
@@ -159,12 +188,17 @@ class MaruSchedulerSide:
             start_tok = st.local_tokens
             end_tok = start_tok + st.pending_load_tokens
             st.pending_load_tokens = 0
-            first_chunk = start_tok // g.chunk_tokens
-            for c in range(first_chunk, end_tok // g.chunk_tokens):
+            end_block = end_tok // g.block_size
+            for c in range(start_tok // g.chunk_tokens, -(-end_block // bpc)):
                 first_block = max(c * bpc, start_tok // g.block_size)
-                block_ids = st.block_ids[first_block:(c + 1) * bpc]
+                last_block = min((c + 1) * bpc, end_block)
+                block_ids = st.block_ids[first_block:last_block]
+                if last_block == (c + 1) * bpc:
+                    key, chunk_blocks = g.chunk_hash(req.block_hashes, c), 0
+                else:  # the chunk shared in part: found by the part key of its last shared block
+                    key, chunk_blocks = hash_bytes(req.block_hashes[last_block - 1]), bpc
                 meta.loads.append(
-                    ChunkLoad(req.request_id, g.chunk_hash(req.block_hashes, c), block_ids, first_block - c * bpc)
+                    ChunkLoad(req.request_id, key, block_ids, first_block - c * bpc, chunk_blocks)
                 )
         if not self.can_store:
             return
@@ -182,6 +216,7 @@ class MaruSchedulerSide:
                     g.chunk_hash(req.block_hashes, c),
                     block_ids,
                     g.chunk_meta(req.block_hashes, req.prompt_token_ids or [], c, lora),
+                    g.part_hashes(req.block_hashes, c),
                 )
             )
             st.next_store_chunk = c + 1

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 @dataclasses.dataclass
 class TransferCounters:
     chunks_loaded: int = 0
+    blocks_loaded: int = 0
     bytes_loaded: int = 0
     load_seconds: float = 0.0
     load_failures: int = 0
@@ -76,6 +77,7 @@ class MaruPromMetrics(KVConnectorPromMetrics):
 
     _COUNTERS = {
         "chunks_loaded": "KV chunks loaded from the Maru pool",
+        "blocks_loaded": "KV blocks loaded from the Maru pool (a chunk shared in part adds its leading blocks)",
         "bytes_loaded": "bytes of KV loaded from the Maru pool",
         "load_seconds": "seconds spent loading KV from the Maru pool",
         "load_failures": "chunk loads that failed and were recomputed",

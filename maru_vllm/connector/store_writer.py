@@ -189,7 +189,7 @@ class StoreWriter:
                 return
             if self.host_registry is not None and self.pool.client.region_view is not None:
                 self.host_registry.ensure(self.pool.client.region_view)  # DMA into the region
-            to_commit, metas = [], []
+            to_commit, metas, parts = [], [], []
             stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with stream_ctx:
                 if job.source_ready is not None:
@@ -207,11 +207,12 @@ class StoreWriter:
                         continue
                     to_commit.append(res)
                     metas.append({**store.meta, "rank": self.rank})
+                    parts.append([chunk_key(h, self.rank) for h in store.parts])
                 if self._stream is not None:
                     self._stream.synchronize()  # the bytes are in the region before any commit
             if not to_commit:
                 return
-            committed = self.pool.call("commit", lambda c: c.commit(to_commit, metas))
+            committed = self.pool.call("commit", lambda c: c.commit(to_commit, metas, parts))
             if committed is None:
                 counters.store_failures += len(to_commit)
                 return

@@ -62,8 +62,9 @@ class TorchPageCopier:
     def pack(self, block_ids: Sequence[int], out: Any) -> None:
         self.codec.pack(block_ids, out)
 
-    def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0) -> None:
-        self.codec.unpack(block_ids, src, skip_blocks=skip_blocks)
+    def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0,
+               chunk_blocks: int | None = None) -> None:
+        self.codec.unpack(block_ids, src, skip_blocks=skip_blocks, chunk_blocks=chunk_blocks)
 
     def unpack_many(self, items: Sequence[tuple[Sequence[int], Any, int]]) -> None:
         for block_ids, src, skip in items:
@@ -128,11 +129,18 @@ class LMCacheBlockCopier:
     def pack(self, block_ids: Sequence[int], out: Any) -> None:
         self._launch([self._object(out, len(block_ids))], list(block_ids), store=True, skip=0)
 
-    def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0) -> None:
+    def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0,
+               chunk_blocks: int | None = None) -> None:
         # The kernel indexes block ids by position in the object; the skipped leading positions
         # are never read, any valid id fills them.
         ids = [int(block_ids[0])] * skip_blocks + list(block_ids) if block_ids else []
-        self._launch([self._object(src, len(block_ids) + skip_blocks)], ids, store=False, skip=skip_blocks)
+        used = len(block_ids) + skip_blocks
+        obj = self._object(src, chunk_blocks or used)
+        if chunk_blocks and chunk_blocks != used:
+            # A chunk shared in part: its leading blocks only. The object is token-major, so their
+            # tokens are a strided slice of every layer; the kernel wants one contiguous object.
+            obj = obj[..., : used * self.block_size, :].contiguous()
+        self._launch([obj], ids, store=False, skip=skip_blocks)
 
     def unpack_many(self, items: Sequence[tuple[Sequence[int], Any, int]]) -> None:
         """Fused load: every whole chunk of the step in one launch (a partial first chunk alone)."""

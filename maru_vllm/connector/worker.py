@@ -1,7 +1,9 @@
 """Worker side of MaruKVConnector: the data plane between the paged KV cache and the pool.
 
 Loads: in `start_load_kv`, before the forward, one `acquire` round trip pins every chunk of the
-step, each pinned object is copied page by page into its blocks, and the pins are released. A
+step (a second one, `acquire_parts`, the chunks a request shares only in part: found by the
+hash of their last shared block, of which only the leading blocks are copied), each pinned
+object is copied page by page into its blocks, and the pins are released. A
 chunk that is missing, fails validation or has the wrong size is a miss: its blocks are
 reported through vLLM's load-error path and recomputed. Nothing raises into the forward.
 
@@ -35,6 +37,7 @@ from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.stats import TransferCounters
 from maru_vllm.connector.store_writer import StoreWriter
 from maru_vllm.connector.transfer import FORMAT_PAGES, LMCacheBlockCopier, TorchPageCopier, make_copier
+from maru_vllm.pool import PartPin, ReadPin
 
 logger = init_logger(__name__)
 
@@ -144,8 +147,7 @@ class MaruWorkerSide:
             self.fail_loads(meta, "KV caches not registered")
             return
         t0 = time.perf_counter()
-        keys = [chunk_key(load.key, self.rank) for load in meta.loads]
-        pins = self.pool.call("acquire", lambda c: c.acquire(keys, self.namespace))
+        pins = self._acquire(meta.loads)
         if pins is None:
             self.fail_loads(meta, "pool unavailable")
             return
@@ -157,36 +159,76 @@ class MaruWorkerSide:
                 loaded_bytes = self._load_fused(meta, pins)
                 return
             for load, pin in zip(meta.loads, pins):
-                if pin is None:
-                    self._fail(load, "missing or invalid in the pool")
-                    continue
-                try:
-                    copier.unpack(load.block_ids, pin.data, skip_blocks=load.skip_blocks)
-                    loaded_bytes += copier.chunk_nbytes(len(load.block_ids))
-                    self.counters.chunks_loaded += 1
-                except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
-                    self._fail(load, f"cannot be copied in: {exc}")
+                loaded_bytes += self._load_one(load, pin)
         finally:
             copier.finish()  # an asynchronous kernel must have read the objects before they are unpinned
             self.pool.call("release", lambda c: c.release(pins))
             self.counters.bytes_loaded += loaded_bytes
             self.counters.load_seconds += time.perf_counter() - t0
 
-    def _load_fused(self, meta: MaruConnectorMetadata, pins: list) -> int:
-        """`maru_enable_fused_load`: every chunk of the step in as few kernel launches as possible."""
+    def _load_one(self, load: ChunkLoad, pin: ReadPin | None) -> int:
+        """Copy one pinned chunk (or its leading blocks) into its blocks; the bytes copied, 0 on a miss."""
         assert self.copier is not None
-        present = [(load, pin) for load, pin in zip(meta.loads, pins) if pin is not None]
+        if pin is None:
+            self._fail(load, "missing or invalid in the pool")
+            return 0
+        if isinstance(pin, PartPin) and pin.units != load.skip_blocks + len(load.block_ids):
+            self._fail(load, f"its part key names {pin.units} blocks of the chunk, not "
+                             f"{load.skip_blocks + len(load.block_ids)}")
+            return 0
+        try:
+            self.copier.unpack(load.block_ids, pin.data, skip_blocks=load.skip_blocks,
+                               chunk_blocks=load.chunk_blocks or None)
+        except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
+            self._fail(load, f"cannot be copied in: {exc}")
+            return 0
+        self.counters.chunks_loaded += 1
+        self.counters.blocks_loaded += len(load.block_ids)
+        return self.copier.chunk_nbytes(len(load.block_ids))
+
+    def _load_fused(self, meta: MaruConnectorMetadata, pins: list) -> int:
+        """`maru_enable_fused_load`: every whole chunk of the step in as few kernel launches as possible
+        (misses and chunks shared in part go one by one)."""
+        assert self.copier is not None
+        loaded = 0
+        present = []
         for load, pin in zip(meta.loads, pins):
-            if pin is None:
-                self._fail(load, "missing or invalid in the pool")
+            if pin is None or isinstance(pin, PartPin):
+                loaded += self._load_one(load, pin)
+            else:
+                present.append((load, pin))
+        if not present:
+            return loaded
         try:
             self.copier.unpack_many([(load.block_ids, pin.data, load.skip_blocks) for load, pin in present])
         except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
             for load, _ in present:
                 self._fail(load, f"cannot be copied in: {exc}")
-            return 0
+            return loaded
         self.counters.chunks_loaded += len(present)
-        return sum(self.copier.chunk_nbytes(len(load.block_ids)) for load, _ in present)
+        self.counters.blocks_loaded += sum(len(load.block_ids) for load, _ in present)
+        return loaded + sum(self.copier.chunk_nbytes(len(load.block_ids)) for load, _ in present)
+
+    def _acquire(self, loads: list[ChunkLoad]) -> list[ReadPin | None] | None:
+        """Pin every chunk of the step: whole chunks by key, chunks shared in part by part key."""
+        keys = [chunk_key(load.key, self.rank) for load in loads]
+        whole = [i for i, load in enumerate(loads) if not load.chunk_blocks]
+        parts = [i for i, load in enumerate(loads) if load.chunk_blocks]
+        pins: list[ReadPin | None] = [None] * len(loads)
+        if whole:
+            got = self.pool.call("acquire", lambda c: c.acquire([keys[i] for i in whole], self.namespace))
+            if got is None:
+                return None
+            for i, pin in zip(whole, got):
+                pins[i] = pin
+        if parts:
+            got_parts = self.pool.call("acquire", lambda c: c.acquire_parts([keys[i] for i in parts], self.namespace))
+            if got_parts is None:
+                self.pool.call("release", lambda c: c.release(pins))
+                return None
+            for i, pin in zip(parts, got_parts):
+                pins[i] = pin
+        return pins
 
     def _fail(self, load: ChunkLoad, why: str) -> None:
         self.failed_blocks.update(load.block_ids)

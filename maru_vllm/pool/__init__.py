@@ -5,7 +5,7 @@ Client side: `PoolClient` (synchronous, thread-safe). Service: `maru-dynamo pool
 `python -m maru_vllm.pool serve`. See docs/pool.md.
 """
 
-from maru_vllm.pool.client import PoolClient, ReadPin, Reservation
+from maru_vllm.pool.client import PartPin, PoolClient, ReadPin, Reservation
 from maru_vllm.pool.errors import InvalidArgument, PoolError, PoolProtocolError, PoolUnavailable
 from maru_vllm.pool.events import events_subject, snapshot_subject
 
@@ -15,6 +15,7 @@ __all__ = [
     "PoolError",
     "PoolProtocolError",
     "PoolUnavailable",
+    "PartPin",
     "ReadPin",
     "Reservation",
     "events_subject",

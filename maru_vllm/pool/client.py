@@ -37,7 +37,7 @@ from maru_vllm.pool.region import Region, RegionError
 
 logger = logging.getLogger(__name__)
 
-_IDEMPOTENT = frozenset({"lookup", "lookup_prefix", "stats", "snapshot", "ping"})
+_IDEMPOTENT = frozenset({"lookup", "lookup_prefix", "lookup_parts", "stats", "snapshot", "ping"})
 
 
 @dataclass(eq=False)
@@ -72,6 +72,13 @@ class ReadPin:
     def __exit__(self, *exc: object) -> None:
         if self._client is not None:
             self._client.release([self])
+
+
+@dataclass(eq=False)
+class PartPin(ReadPin):
+    """A pinned object found by a part key: its leading `units` units are what the key names."""
+
+    units: int = 0
 
 
 class PoolClient:
@@ -306,6 +313,11 @@ class PoolClient:
     def lookup_prefix(self, keys: Sequence[bytes], namespace: str = "default") -> int:
         return self._call("lookup_prefix", {"keys": _keys(keys), "ns": _ns(namespace)})
 
+    def lookup_parts(self, keys: Sequence[bytes], namespace: str = "default") -> list[int]:
+        """For each part key (see `commit`), how many leading units of a committed object it
+        names; 0 where no object names it."""
+        return self._call("lookup_parts", {"keys": _keys(keys), "ns": _ns(namespace)})
+
     def reserve(self, items: Sequence[tuple[bytes, int]], namespace: str = "default") -> list[Reservation | None]:
         clean = []
         for key, size in items:
@@ -329,14 +341,26 @@ class PoolClient:
             return out
 
     def commit(
-        self, reservations: Sequence[Reservation], metas: Sequence[dict[str, Any] | None] | None = None
+        self,
+        reservations: Sequence[Reservation],
+        metas: Sequence[dict[str, Any] | None] | None = None,
+        parts: Sequence[Sequence[bytes] | None] | None = None,
     ) -> list[bool]:
+        """Publish reservations with their metadata; `parts[i][j]` (optional) is a key naming the
+        first j + 1 units of object i, for `lookup_parts` / `acquire_parts`."""
         if metas is not None and len(metas) != len(reservations):
             raise InvalidArgument(f"commit got {len(reservations)} reservations but {len(metas)} metas")
+        if parts is not None and len(parts) != len(reservations):
+            raise InvalidArgument(f"commit got {len(reservations)} reservations but {len(parts)} part lists")
+        if parts is not None:
+            for p in parts:
+                if p is not None and len(p) > P.MAX_PARTS:
+                    raise InvalidArgument(f"{len(p)} part keys for one object; at most {P.MAX_PARTS}")
         with self._lock:
             self._ensure()
             send: list[int] = []
             send_metas: list[dict[str, Any] | None] = []
+            send_parts: list[list[bytes] | None] = []
             idx: list[int] = []
             out = [False] * len(reservations)
             for i, r in enumerate(reservations):
@@ -347,9 +371,13 @@ class PoolClient:
                              self.write_checksum)
                 send.append(r.oid)
                 send_metas.append(metas[i] if metas is not None else None)
+                send_parts.append(_keys(parts[i]) if parts is not None and parts[i] else None)
                 idx.append(i)
             if send:
-                result = self._roundtrip("commit", {"oids": send, "metas": send_metas})
+                args: dict[str, Any] = {"oids": send, "metas": send_metas}
+                if parts is not None:
+                    args["parts"] = send_parts
+                result = self._roundtrip("commit", args)
                 for i, ok in zip(idx, result):
                     out[i] = bool(ok)
                     reservations[i].done = True
@@ -377,18 +405,45 @@ class PoolClient:
                     out.append(None)
                     continue
                 oid, off, size = r
-                payload = view[off : off + size]
-                problem = validate(view[off - OBJ_HEADER_SIZE : off], payload, oid, size, key_digest(ns, key),
-                                   require_crc=self.checksum)
-                if problem is not None:
-                    logger.warning("object %s/%s failed validation (%s); treating as a miss", ns, key.hex(), problem)
-                    bad.append(oid)
-                    out.append(None)
-                    continue
-                out.append(ReadPin(key, payload.toreadonly(), ns, oid, self._gen, self))
+                payload = self._validated(view, ns, key, oid, off, size, bad)
+                out.append(None if payload is None else ReadPin(key, payload, ns, oid, self._gen, self))
             if bad:
                 self._roundtrip("release", {"oids": bad, "bad": bad})
             return out
+
+    def acquire_parts(self, keys: Sequence[bytes], namespace: str = "default") -> list[PartPin | None]:
+        """Pin, for each part key (see `commit`), the latest committed object naming it; release
+        them with `release`. A pin's `.key` is the object's own key, `.units` what the part names."""
+        ns = _ns(namespace)
+        keys = _keys(keys)
+        with self._lock:
+            self._ensure()
+            result = self._roundtrip("acquire_parts", {"keys": keys, "ns": ns})
+            view = self._region.view  # type: ignore[union-attr]
+            out: list[PartPin | None] = []
+            bad: list[int] = []
+            for r in result:
+                if r is None:
+                    out.append(None)
+                    continue
+                oid, off, size, key, units = r
+                payload = self._validated(view, ns, key, oid, off, size, bad)
+                out.append(None if payload is None else PartPin(key, payload, ns, oid, self._gen, self, units=units))
+            if bad:
+                self._roundtrip("release", {"oids": bad, "bad": bad})
+            return out
+
+    def _validated(self, view: memoryview, ns: str, key: bytes, oid: int, off: int, size: int,
+                   bad: list[int]) -> memoryview | None:
+        """The read-only payload of a pinned object, or None (its oid added to `bad`) if invalid."""
+        payload = view[off : off + size]
+        problem = validate(view[off - OBJ_HEADER_SIZE : off], payload, oid, size, key_digest(ns, key),
+                           require_crc=self.checksum)
+        if problem is not None:
+            logger.warning("object %s/%s failed validation (%s); treating as a miss", ns, key.hex(), problem)
+            bad.append(oid)
+            return None
+        return payload.toreadonly()
 
     def release(self, pins: Sequence[ReadPin | None]) -> None:
         with self._lock:
@@ -402,9 +457,10 @@ class PoolClient:
             if oids and self._sock is not None:
                 self._roundtrip("release", {"oids": oids})
 
-    def put(self, key: bytes, data: Any, namespace: str = "default", meta: dict[str, Any] | None = None) -> bool:
-        """Store one object (reserve, copy into the region, commit). False if it was not stored
-        (already present, or no space could be freed)."""
+    def put(self, key: bytes, data: Any, namespace: str = "default", meta: dict[str, Any] | None = None,
+            parts: Sequence[bytes] | None = None) -> bool:
+        """Store one object (reserve, copy into the region, commit; `parts` as in `commit`).
+        False if it was not stored (already present, or no space could be freed)."""
         src = memoryview(data).cast("B")
         (res,) = self.reserve([(key, src.nbytes)], namespace)
         if res is None:
@@ -414,7 +470,7 @@ class PoolClient:
         except BaseException:
             self.abort([res])
             raise
-        return self.commit([res], [meta])[0]
+        return self.commit([res], [meta], None if parts is None else [parts])[0]
 
     @contextmanager
     def get(self, key: bytes, namespace: str = "default") -> Iterator[memoryview | None]:

@@ -16,6 +16,11 @@ Quotas (`SessionLimits`) keep one session from starving the others: the bytes it
 uncommitted reservations and the bytes of distinct objects it pins are capped, and so is the
 number of pins on one object. Past a limit a reservation is None (the writer skips the store)
 and an acquire is None (the reader misses and recomputes); both count in `quota_refusals`.
+
+Parts: a commit may name an object's leading parts (`parts[i]` is a key for its first i + 1
+units, e.g. KV blocks of a chunk), so a reader can find and use the start of an object whose
+whole key it does not share. The part index holds at most MAX_PARTS entries per committed
+object and drops them when the object is hidden (evicted, removed, found corrupt).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 
 from maru_vllm.pool.allocator import Allocation, Allocator
 from maru_vllm.pool.objects import OBJ_HEADER_SIZE
+from maru_vllm.pool.protocol import MAX_PARTS
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,7 @@ class Obj:
     data_offset: int  # absolute region offset of the data area
     session: int
     meta: dict[str, Any] | None = None
+    parts: tuple[bytes, ...] = ()  # parts[i] names the first i + 1 units (see module docstring)
     committed: bool = False
     pins: int = 0
     doomed: bool = False
@@ -96,6 +103,8 @@ class PoolIndex:
         self.objects: dict[tuple[str, bytes], Obj] = {}
         self.live: dict[int, Obj] = {}  # every allocated object by oid (reserved, committed, doomed)
         self.lru: OrderedDict[int, Obj] = OrderedDict()
+        # (ns, part key) -> the committed objects naming it, oldest first: {oid: (obj, units)}
+        self.parts: dict[tuple[str, bytes], dict[int, tuple[Obj, int]]] = {}
         self.sessions: dict[int, Session] = {}
         self._next_oid = 1
         self._next_sid = 1
@@ -157,6 +166,37 @@ class PoolIndex:
         self.counters["misses"] += 1 if n < len(keys) else 0
         return n
 
+    def _part(self, ns: str, key: bytes) -> tuple[Obj, int] | None:
+        """The most recently committed object naming `key` as a part, and the units it names."""
+        holders = self.parts.get((ns, key))
+        if not holders:
+            return None
+        return holders[next(reversed(holders))]
+
+    def lookup_parts(self, ns: str, keys: Sequence[bytes]) -> list[int]:
+        """For each key, how many leading units of a committed object it names (0: none)."""
+        out = []
+        for k in keys:
+            found = self._part(ns, k)
+            if found is None:
+                out.append(0)
+                continue
+            self._touch(found[0])
+            out.append(found[1])
+        return out
+
+    def acquire_parts(self, sid: int, ns: str, keys: Sequence[bytes]) -> list[tuple[Obj, int] | None]:
+        """Pin, for each part key, an object it names; (object, units) or None."""
+        s = self.sessions[sid]
+        out: list[tuple[Obj, int] | None] = []
+        for k in keys:
+            found = self._part(ns, k)
+            if found is not None and not self._pin(s, found[0]):
+                found = None
+            out.append(found)
+        self._count([o is not None for o in out])
+        return out
+
     def remove(self, ns: str, keys: Sequence[bytes] | None) -> int:
         """Hide committed objects of `ns` (all of them when `keys` is None); returns how many.
 
@@ -174,24 +214,12 @@ class PoolIndex:
 
     def acquire(self, sid: int, ns: str, keys: Sequence[bytes]) -> list[Obj | None]:
         s = self.sessions[sid]
-        lim = self.limits
         out: list[Obj | None] = []
         for k in keys:
             obj = self.objects.get((ns, k))
             if obj is not None:
-                first = obj.oid not in s.pins
-                if (lim.pins_per_object is not None and obj.pins >= lim.pins_per_object) or (
-                    first and lim.pin_bytes is not None and s.pinned_bytes + obj.size > lim.pin_bytes
-                ):
-                    self.counters["quota_refusals"] += 1
+                if not self._pin(s, obj):
                     obj = None
-                else:
-                    if obj.pins == 0:
-                        self.lru.pop(obj.oid, None)
-                    obj.pins += 1
-                    s.pins[obj.oid] = s.pins.get(obj.oid, 0) + 1
-                    if first:
-                        s.pinned_bytes += obj.size
             out.append(obj)
         self._count([o is not None for o in out])
         return out
@@ -257,10 +285,11 @@ class PoolIndex:
         oids: Sequence[int],
         metas: Sequence[dict[str, Any] | None],
         verify: Callable[[Obj], str | None],
+        parts: Sequence[Sequence[bytes] | None] | None = None,
     ) -> list[bool]:
         s = self.sessions[sid]
         out = []
-        for oid, meta in zip(oids, metas):
+        for i, (oid, meta) in enumerate(zip(oids, metas)):
             obj = s.reservations.pop(oid, None)
             if obj is None:
                 out.append(False)  # not ours, already committed/aborted, or from an old session
@@ -279,6 +308,10 @@ class PoolIndex:
                 continue
             obj.committed = True
             obj.meta = meta
+            if parts is not None and parts[i]:
+                obj.parts = tuple(parts[i][:MAX_PARTS])
+                for units, pkey in enumerate(obj.parts, 1):
+                    self.parts.setdefault((obj.ns, pkey), {})[oid] = (obj, units)
             self.objects[(obj.ns, obj.key)] = obj
             self.lru[oid] = obj
             self.counters["stores"] += 1
@@ -311,6 +344,7 @@ class PoolIndex:
             object_bytes=sum(o.size for o in self.objects.values()),
             reserved=len(reserved),
             reserved_bytes=sum(o.alloc.capacity for o in reserved),
+            part_keys=len(self.parts),
             pinned=sum(1 for o in self.live.values() if o.pins),
             pins=sum(o.pins for o in self.live.values()),
             doomed=sum(1 for o in self.live.values() if o.doomed),
@@ -352,11 +386,29 @@ class PoolIndex:
         self.lru.pop(obj.oid, None)
         if self.objects.get((obj.ns, obj.key)) is obj:
             del self.objects[(obj.ns, obj.key)]
+        self._drop_parts(obj)
         self._emit(event, obj)
         if obj.pins == 0:
             self._free(obj)
         else:
             obj.doomed = True
+
+    def _pin(self, s: Session, obj: Obj) -> bool:
+        """Pin `obj` for session `s`; False (and a quota refusal counted) past the session's limits."""
+        lim = self.limits
+        first = obj.oid not in s.pins
+        if (lim.pins_per_object is not None and obj.pins >= lim.pins_per_object) or (
+            first and lim.pin_bytes is not None and s.pinned_bytes + obj.size > lim.pin_bytes
+        ):
+            self.counters["quota_refusals"] += 1
+            return False
+        if obj.pins == 0:
+            self.lru.pop(obj.oid, None)
+        obj.pins += 1
+        s.pins[obj.oid] = s.pins.get(obj.oid, 0) + 1
+        if first:
+            s.pinned_bytes += obj.size
+        return True
 
     def _unpin(self, obj: Obj, count: int) -> None:
         obj.pins -= count
@@ -371,6 +423,15 @@ class PoolIndex:
     def _free(self, obj: Obj) -> None:
         if self.live.pop(obj.oid, None) is not None:
             self.alloc.free(obj.alloc)
+
+    def _drop_parts(self, obj: Obj) -> None:
+        for pkey in obj.parts:
+            holders = self.parts.get((obj.ns, pkey))
+            if holders is not None:
+                holders.pop(obj.oid, None)
+                if not holders:
+                    del self.parts[(obj.ns, pkey)]
+        obj.parts = ()
 
     def _emit(self, kind: str, obj: Obj) -> None:
         if self.on_event is not None:

@@ -30,6 +30,7 @@ MAX_NAMESPACE = 128
 MAX_BATCH = 65536
 MAX_META_BYTES = 16 * 1024
 MAX_META_DEPTH = 32
+MAX_PARTS = 256  # leading-part keys one object may declare (its part keys share MAX_META_BYTES)
 LEN = struct.Struct(">I")
 
 Key = Annotated[bytes, msgspec.Meta(max_length=MAX_KEY)]
@@ -79,9 +80,14 @@ class ReserveArgs(msgspec.Struct):
     ns: Namespace = "default"
 
 
+PartKeys = Annotated[list[Key], msgspec.Meta(max_length=MAX_PARTS)]
+
+
 class CommitArgs(msgspec.Struct):
     oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_BATCH)]
     metas: list[dict[str, Any] | None] | None = None
+    # Per object, keys naming its leading parts: parts[i][j] names the first j + 1 units.
+    parts: list[PartKeys | None] | None = None
 
 
 class OidsArgs(msgspec.Struct):
@@ -107,6 +113,8 @@ OP_ARGS: dict[str, type[msgspec.Struct]] = {
     "commit": CommitArgs,
     "abort": OidsArgs,
     "acquire": KeysArgs,
+    "lookup_parts": KeysArgs,
+    "acquire_parts": KeysArgs,
     "release": OidsArgs,
     "stats": EmptyArgs,
     "snapshot": SnapshotArgs,

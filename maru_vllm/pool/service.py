@@ -324,12 +324,17 @@ class PoolService:
         metas = args.metas if args.metas is not None else [None] * len(args.oids)
         if len(metas) != len(args.oids):
             raise P.FrameError("bad_request", f"commit has {len(args.oids)} oids but {len(metas)} metas")
-        for m in metas:
+        parts = args.parts if args.parts is not None else [None] * len(args.oids)
+        if len(parts) != len(args.oids):
+            raise P.FrameError("bad_request", f"commit has {len(args.oids)} oids but {len(parts)} part lists")
+        for m, p in zip(metas, parts):
             if m is not None and P.nesting_depth(m) > P.MAX_META_DEPTH:
                 raise P.FrameError("bad_request", f"meta nests deeper than {P.MAX_META_DEPTH} levels")
-            if m is not None and len(P.encode_meta(m)) > P.MAX_META_BYTES:
-                raise P.FrameError("bad_request", f"meta larger than {P.MAX_META_BYTES} bytes")
-        return self.index.commit(sid, args.oids, metas, self._verify)  # type: ignore[union-attr]
+            size = (len(P.encode_meta(m)) if m is not None else 0) + sum(len(k) for k in p or ())
+            if size > P.MAX_META_BYTES:
+                raise P.FrameError("bad_request", f"meta and part keys of {size} bytes exceed "
+                                                  f"{P.MAX_META_BYTES} bytes per object")
+        return self.index.commit(sid, args.oids, metas, self._verify, parts)  # type: ignore[union-attr]
 
     def _op_abort(self, sid: int, args: P.OidsArgs) -> int:
         return self.index.abort(sid, args.oids)  # type: ignore[union-attr]
@@ -337,6 +342,13 @@ class PoolService:
     def _op_acquire(self, sid: int, args: P.KeysArgs) -> list[Any]:
         objs = self.index.acquire(sid, args.ns, args.keys)  # type: ignore[union-attr]
         return [None if o is None else (o.oid, o.payload_offset, o.size) for o in objs]
+
+    def _op_lookup_parts(self, sid: int, args: P.KeysArgs) -> list[int]:
+        return self.index.lookup_parts(args.ns, args.keys)  # type: ignore[union-attr]
+
+    def _op_acquire_parts(self, sid: int, args: P.KeysArgs) -> list[Any]:
+        found = self.index.acquire_parts(sid, args.ns, args.keys)  # type: ignore[union-attr]
+        return [None if f is None else (f[0].oid, f[0].payload_offset, f[0].size, f[0].key, f[1]) for f in found]
 
     def _op_release(self, sid: int, args: P.OidsArgs) -> int:
         return self.index.release(sid, args.oids, args.bad)  # type: ignore[union-attr]

@@ -8,7 +8,7 @@ worker's stores into the pool, samples one token for every request whose prompt 
 feeds a `ModelRunnerOutput` (with `invalid_block_ids` when asked) back to `update_from_output`.
 
 `Probe` wraps the connector's scheduler-side calls to record what vLLM asked and answered and
-how many pool lookups each request caused.
+how many times each request looked the pool up.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class MatchCall:
     req_id: str
     local_tokens: int
     answer: int
-    lookups: int  # pool lookups this call caused
+    lookups: int  # pool lookups this call caused (whole chunks and part keys together count once)
 
 
 class Probe:
@@ -216,8 +216,8 @@ class Probe:
         orig_call = side.pool.call
 
         def call(what: str, fn: Any) -> Any:
-            if what == "lookup":
-                self._current[0] += 1
+            if what in ("lookup", "lookup_parts"):
+                self._current[0] = 1
             return orig_call(what, fn)
 
         def match(request: Request, num_computed_tokens: int) -> Any:
@@ -272,7 +272,8 @@ class Sim:
     inline store would)."""
 
     def __init__(self, scheduler: Scheduler, *, play_worker_stores: bool = False,
-                 pool_client: PoolClient | None = None, worker: Any = None) -> None:
+                 pool_client: PoolClient | None = None, worker: Any = None,
+                 play_part_keys: bool = True) -> None:
         self.worker = worker
         self.finished_sending: dict[str, int] = {}  # req_id -> step that reported it
         self.sched = scheduler
@@ -281,6 +282,7 @@ class Sim:
         self.namespace = self.conn.namespace
         self.probe = Probe(scheduler)
         self.play_worker_stores = play_worker_stores
+        self.play_part_keys = play_part_keys  # stores carry their part keys, as the worker commits them
         self.client = pool_client
         self.steps: list[StepRecord] = []
         self.requests: dict[str, Request] = {}
@@ -301,6 +303,15 @@ class Sim:
             if hash_bytes(req.block_hashes[(c + 1) * BPC - 1]) == key:
                 return c
         raise AssertionError(f"key {key.hex()} is not a chunk of {req.request_id}")
+
+    def load_chunk(self, req: Request, load: Any) -> int:
+        """The chunk index a load reads: by its key, or (a chunk shared in part) by its part key."""
+        if not load.chunk_blocks:
+            return self.chunk_index(req, load.key)
+        for b, h in enumerate(req.block_hashes):
+            if hash_bytes(h) == load.key:
+                return b // BPC
+        raise AssertionError(f"part key {load.key.hex()} is not a block of {req.request_id}")
 
     def step(self, invalid_block_ids: set[int] | None = None,
              invalid_load_chunks: set[int] | None = None) -> StepRecord:
@@ -339,7 +350,8 @@ class Sim:
         if self.play_worker_stores:
             assert self.client is not None
             for s in meta.stores:
-                self.client.put(chunk_key(s.key, 0), b"kv" * 32, self.namespace, meta=s.meta)
+                self.client.put(chunk_key(s.key, 0), b"kv" * 32, self.namespace, meta=s.meta,
+                                parts=[chunk_key(h, 0) for h in s.parts] if self.play_part_keys else None)
         for rid in sending:
             self.finished_sending[rid] = rec.index
         invalid = set(invalid_block_ids or ())
@@ -347,7 +359,7 @@ class Sim:
             invalid.update(failure.block_ids)
             self.failed_load_steps[failure.req_id].add(len(self.steps) - 1)
         for ld in meta.loads:
-            if invalid_load_chunks and self.chunk_index(self.requests[ld.req_id], ld.key) in invalid_load_chunks:
+            if invalid_load_chunks and self.load_chunk(self.requests[ld.req_id], ld) in invalid_load_chunks:
                 invalid.update(ld.block_ids)
         rec.invalid = invalid
         for ld in meta.loads:

@@ -374,3 +374,38 @@ def test_unpack_skips_leading_blocks_of_a_chunk() -> None:
         assert torch.count_nonzero(dst[name][others]) == 0
     with pytest.raises(LayoutMismatch):
         b.unpack([9, 10], memoryview(bytes(buf)), skip_blocks=1)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "single-allocation"])
+def test_unpack_reads_a_block_range_out_of_a_longer_chunk(stacked) -> None:
+    """A chunk shared in part: blocks [skip, skip + n) of every layer, out of the layer-major object."""
+    L, nb = 3, 12
+    g = torch.Generator().manual_seed(5)
+    if stacked:
+        big_src = torch.randn(L, nb, 2, 16, 8, generator=g)
+        big_dst = torch.zeros_like(big_src)
+        src = {f"l{i}": big_src[i] for i in range(L)}
+        dst = {f"l{i}": big_dst[i] for i in range(L)}
+    else:
+        src = {f"l{i}": torch.randn(nb, 2, 16, 8, generator=g) for i in range(L)}
+        dst = {name: torch.zeros_like(t) for name, t in src.items()}
+    a = KVCacheSet(src, 16, num_blocks=nb)
+    b = KVCacheSet(dst, 16, num_blocks=nb)
+    assert (a._stack is not None) == stacked
+    buf = bytes(_packed(a, [2, 3, 4, 5]))
+    b.unpack([9, 10], memoryview(buf), skip_blocks=1, chunk_blocks=4)  # blocks 1 and 2 of the chunk
+    b.unpack([7], memoryview(buf), chunk_blocks=4)  # block 0 only
+    for name in src:
+        assert torch.equal(dst[name][9], src[name][3]) and torch.equal(dst[name][10], src[name][4])
+        assert torch.equal(dst[name][7], src[name][2])
+        assert torch.count_nonzero(dst[name][[i for i in range(nb) if i not in (7, 9, 10)]]) == 0
+    with pytest.raises(ValueError, match=r"blocks \[3, 5\) are not all in a chunk of 4 blocks"):
+        b.unpack([9, 10], memoryview(buf), skip_blocks=3, chunk_blocks=4)
+    with pytest.raises(LayoutMismatch):  # the object is not a chunk of 5 blocks
+        b.unpack([9], memoryview(buf), chunk_blocks=5)
+
+
+def _packed(codec: KVCacheSet, block_ids: list[int]) -> bytearray:
+    buf = bytearray(codec.chunk_nbytes(len(block_ids)))
+    codec.pack(block_ids, buf)
+    return buf

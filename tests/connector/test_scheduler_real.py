@@ -59,11 +59,12 @@ def new_sim(tiny_model: Path, pool_service: PoolService, client: PoolClient):
     """Factory: a scheduler with a fresh salt (so every test has its own pool namespace)."""
     made: list[Sim] = []
 
-    def make(*, play_worker_stores: bool = False, address: str | None = None, **kw) -> Sim:
+    def make(*, play_worker_stores: bool = False, play_part_keys: bool = True, address: str | None = None,
+             **kw) -> Sim:
         extra = kw.pop("extra", {})
         extra.setdefault("maru_namespace", f"t{len(made)}-{id(made)}")
         sched = make_scheduler(tiny_model, address or pool_service.address, extra=extra, **kw)
-        sim = Sim(sched, play_worker_stores=play_worker_stores, pool_client=client)
+        sim = Sim(sched, play_worker_stores=play_worker_stores, pool_client=client, play_part_keys=play_part_keys)
         made.append(sim)
         return sim
 
@@ -105,17 +106,27 @@ def check_step(sim: Sim, rec: StepRecord, client: PoolClient | None = None) -> N
             continue
         req = sim.requests[rid]
         end = local + ext
-        assert end % CHUNK_TOKENS == 0 and ext > 0 and end < req.num_tokens
-        chunks = [sim.chunk_index(req, ld.key) for ld in loads]
-        assert chunks == list(range(local // CHUNK_TOKENS, end // CHUNK_TOKENS)), (rid, local, ext, chunks)
+        # Block-granular: the last chunk may be loaded in part; one prompt token is left to compute.
+        assert end % BLOCK_SIZE == 0 and ext > 0 and end < req.num_tokens
+        chunks = [sim.load_chunk(req, ld) for ld in loads]
+        assert chunks == list(range(local // CHUNK_TOKENS, -(-end // CHUNK_TOKENS))), (rid, local, ext, chunks)
         for ld, c in zip(loads, chunks):
             first = max(c * BPC, local // BLOCK_SIZE)
+            last = min((c + 1) * BPC, end // BLOCK_SIZE)
             assert ld.skip_blocks == first - c * BPC
-            assert ld.block_ids == rec.blocks[rid][first:(c + 1) * BPC]
+            assert ld.block_ids == rec.blocks[rid][first:last]
+            if last == (c + 1) * BPC:
+                assert ld.chunk_blocks == 0
+            else:  # a part: keyed by its last block, which is the request's own block
+                assert ld.chunk_blocks == BPC and ld.key == hash_bytes(req.block_hashes[last - 1])
         assert sum(len(ld.block_ids) for ld in loads) * BLOCK_SIZE == ext
         if client is not None:
-            present = client.lookup([chunk_key(ld.key, 0) for ld in loads], sim.namespace)
+            whole = [ld for ld in loads if not ld.chunk_blocks]
+            present = client.lookup([chunk_key(ld.key, 0) for ld in whole], sim.namespace)
             assert all(present), f"{rid} loads chunks the pool does not hold: {present}"
+            parts = [ld for ld in loads if ld.chunk_blocks]
+            units = client.lookup_parts([chunk_key(ld.key, 0) for ld in parts], sim.namespace)
+            assert units == [ld.skip_blocks + len(ld.block_ids) for ld in parts], (rid, units)
 
 
 def check_run(sim: Sim) -> None:
@@ -181,9 +192,11 @@ def test_concurrent_requests_store_every_chunk_once(new_sim, client, play_worker
 
 
 # ---- 2. pool hits --------------------------------------------------------------------------
-def _put_chunks(client: PoolClient, sim: Sim, req, n: int) -> None:
-    for key in pool_keys(req, n):
-        assert client.put(key, b"x" * 64, sim.namespace)
+def _put_chunks(client: PoolClient, sim: Sim, req, n: int, parts: bool = False) -> None:
+    """Put `req`'s first `n` chunks; with `parts`, with the part keys the worker commits."""
+    for c, key in enumerate(pool_keys(req, n)):
+        part_keys = [chunk_key(req.block_hashes[b], 0) for b in range(c * BPC, (c + 1) * BPC - 1)]
+        assert client.put(key, b"x" * 64, sim.namespace, parts=part_keys if parts else None)
 
 
 def _admit(sim: Sim, req, client: PoolClient | None) -> StepRecord:
@@ -234,21 +247,95 @@ def test_pool_hit_leaves_one_token_to_compute(new_sim, client):
     sim = new_sim()
     whole = make_request("whole", tokens(14, 3 * CHUNK_TOKENS), max_tokens=2)
     one = make_request("one", tokens(15, CHUNK_TOKENS), max_tokens=2)
-    _put_chunks(client, sim, whole, 3)
-    _put_chunks(client, sim, one, 1)
+    _put_chunks(client, sim, whole, 3, parts=True)
+    _put_chunks(client, sim, one, 1, parts=True)
     sim.add(whole)
     sim.add(one)
     rec = sim.step()
     check_step(sim, rec, client)
-    # All 3 chunks are in the pool, but vLLM must compute at least one prompt token.
-    assert rec.allocs == {"whole": 2 * CHUNK_TOKENS, "one": 0}
-    assert rec.scheduled["whole"] == CHUNK_TOKENS
-    assert [sim.chunk_index(whole, ld.key) for ld in rec.meta.loads] == [0, 1]
-    # A one-chunk prompt cannot load anything, so it does not even look.
-    assert sim.probe.lookups_by_req["one"] == 0
+    # Every block is in the pool, but vLLM must compute at least one prompt token: the last
+    # chunk is loaded in part (all its blocks but the last), a one-chunk prompt loads block 0.
+    assert rec.allocs == {"whole": 3 * CHUNK_TOKENS - BLOCK_SIZE, "one": CHUNK_TOKENS - BLOCK_SIZE}
+    assert rec.scheduled == {"whole": BLOCK_SIZE, "one": BLOCK_SIZE}
+    assert [(sim.load_chunk(whole, ld), ld.chunk_blocks, len(ld.block_ids))
+            for ld in rec.meta.loads if ld.req_id == "whole"] == [(0, 0, BPC), (1, 0, BPC), (2, BPC, BPC - 1)]
+    assert [(ld.key, ld.chunk_blocks, ld.block_ids) for ld in rec.meta.loads if ld.req_id == "one"] == [
+        (hash_bytes(one.block_hashes[0]), BPC, rec.blocks["one"][:1])]
     run_checked(sim, client)
-    # Chunks that were never looked up are computed and stored (the pool dedups the commit).
+    # The last chunks were computed; their stores are planned once (the pool dedups the commit).
     assert dict(sim.stores) == {("whole", 2): 1, ("one", 0): 1}
+
+
+def test_whole_chunk_prompts_without_part_keys_load_whole_chunks_only(new_sim, client):
+    """Objects committed without part keys (an older connector): whole chunks as before."""
+    sim = new_sim()
+    whole = make_request("whole", tokens(14, 3 * CHUNK_TOKENS), max_tokens=2)
+    _put_chunks(client, sim, whole, 3)
+    sim.add(whole)
+    rec = sim.step()
+    check_step(sim, rec, client)
+    assert rec.allocs == {"whole": 2 * CHUNK_TOKENS}
+    run_checked(sim, client)
+
+
+def test_prompt_sharing_part_of_a_pool_chunk_loads_the_shared_blocks(new_sim, client):
+    """Two engines on one pool: B shares A's first 2.5 chunks; it loads those 5 blocks and
+    computes only the rest, and its own chunk 2 (which differs from A's after block 4) is stored."""
+    salt = {"maru_namespace": f"part-{id(client)}"}
+    engine_a = new_sim(play_worker_stores=True, extra=dict(salt))
+    prompt_a = tokens(70, 3 * CHUNK_TOKENS + 40)
+    engine_a.add(make_request("a", prompt_a, max_tokens=2))
+    run_checked(engine_a, client)
+    assert {c for (_, c) in engine_a.stores} == {0, 1, 2}
+
+    engine_b = new_sim(play_worker_stores=True, extra=dict(salt))
+    assert engine_b.namespace == engine_a.namespace
+    # A local prefix-cache hit of one block first, so B's load starts mid-chunk.
+    engine_b.add(make_request("c", prompt_a[:BLOCK_SIZE] + tokens(72, 60), max_tokens=1))
+    run_checked(engine_b, client)
+    shared = 5 * BLOCK_SIZE
+    b = make_request("b", prompt_a[:shared] + tokens(71, 200), max_tokens=2)
+    engine_b.add(b)
+    rec = _admit(engine_b, b, client)
+    assert rec.match["b"].local_tokens == BLOCK_SIZE
+    assert rec.allocs["b"] == shared - BLOCK_SIZE
+    blocks = rec.blocks["b"]
+    assert [(ld.skip_blocks, ld.chunk_blocks, ld.block_ids) for ld in rec.meta.loads] == [
+        (1, 0, blocks[1:2]), (0, 0, blocks[2:4]), (0, BPC, blocks[4:5])]
+    assert rec.meta.loads[2].key == hash_bytes(b.block_hashes[4])
+    assert rec.computed_before["b"] == shared
+    run_checked(engine_b, client)
+    assert ("b", 2) in engine_b.stores and ("b", 1) not in engine_b.stores
+
+
+def test_part_keys_raise_the_pool_hit_rate_on_the_chat_workload(new_sim, client):
+    """The README's routing workload (2 system prompts of 2.5 chunks, 5 sessions x 3 turns), round
+    robin over four engines sharing one pool. A session's system prompt ends mid-chunk; once a
+    longer prompt stored that chunk, an engine new to the system prompt loads its shared first
+    block with part keys instead of computing it (measured here: 5248 -> 4992 prompt tokens
+    computed of 13440)."""
+    from maru_vllm.workload import WorkloadSpec, build_workload
+
+    workload = build_workload(WorkloadSpec())
+    supplied: dict[bool, dict[str, int]] = {}
+    for parts in (False, True):
+        salt = {"maru_namespace": f"wl{int(parts)}-{id(client)}"}
+        engines = [new_sim(play_worker_stores=True, play_part_keys=parts, extra=dict(salt)) for _ in range(4)]
+        local = pool = 0
+        for r in workload:
+            sim = engines[r.index % len(engines)]
+            rid = f"w{r.index}"
+            sim.add(make_request(rid, list(r.prompt), max_tokens=1))
+            run_checked(sim, client)
+            admitted = next(rec for rec in sim.steps if rid in rec.allocs)
+            local += admitted.match[rid].local_tokens
+            pool += admitted.allocs[rid]
+        supplied[parts] = {"local": local, "pool": pool,
+                           "computed": workload.total_prompt_tokens - local - pool}
+    print(f"workload of {workload.total_prompt_tokens} prompt tokens: whole chunks {supplied[False]}, "
+          f"with part keys {supplied[True]}")
+    assert supplied[True]["pool"] > supplied[False]["pool"]
+    assert supplied[True]["computed"] < supplied[False]["computed"]
 
 
 def test_one_lookup_while_waiting_for_memory(new_sim, client, pool_service):

@@ -187,3 +187,34 @@ def test_loads_the_scheduler_could_not_plan_are_reported_and_their_stores_droppe
     assert conn.get_block_ids_with_load_errors() == {14, 15}
     assert conn.contained_errors == 0
     assert w.pool.client.lookup([b"fc-r4-1/r0", b"fc-r1-2/r0"], namespace=NS) == [False, True]
+
+
+def test_a_chunk_shared_in_part_loads_its_leading_blocks(pool: PoolService) -> None:
+    a, a_kv = make_worker(pool.address, 5)
+    b, b_kv = make_worker(pool.address, 6)
+    before = {k: v.clone() for k, v in b_kv.items()}
+    # a stores a 4-block chunk whose blocks hash h0..h3: part keys h0, h1, h2, key h3.
+    a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"h3", [3, 4, 5, 6], {"chunk": 0},
+                                                     [b"h0", b"h1", b"h2"])]))
+    settle(a)
+    assert a.take_counters().chunks_stored == 1
+    # b has block 0 locally and shares blocks 1..2 of the chunk: it loads exactly those two.
+    b.load(MaruConnectorMetadata(loads=[ChunkLoad("r9", b"h2", [10, 11], skip_blocks=1, chunk_blocks=4)]))
+    assert b.take_failed_blocks() == set()
+    counters = b.take_counters()
+    assert (counters.chunks_loaded, counters.blocks_loaded) == (1, 2)
+    for name in a_kv:
+        assert torch.equal(b_kv[name][10], a_kv[name][4]) and torch.equal(b_kv[name][11], a_kv[name][5])
+        rest = [i for i in range(16) if i not in (10, 11)]
+        assert torch.equal(b_kv[name][rest], before[name][rest])
+    # A part key naming another number of blocks than the load expects is a miss, never a copy.
+    b.load(MaruConnectorMetadata(loads=[ChunkLoad("r9", b"h1", [12, 13], skip_blocks=1, chunk_blocks=4)]))
+    assert b.take_failed_blocks() == {12, 13}
+    # Whole chunks and parts in one step; an unknown part key is a miss for its blocks only.
+    b.load(MaruConnectorMetadata(loads=[ChunkLoad("r9", b"h3", [0, 1, 2, 3]),
+                                        ChunkLoad("r9", b"nope", [14], chunk_blocks=4),
+                                        ChunkLoad("r8", b"h0", [15], chunk_blocks=4)]))
+    assert b.take_failed_blocks() == {14}
+    for name in a_kv:
+        assert torch.equal(b_kv[name][0:4], a_kv[name][3:7]) and torch.equal(b_kv[name][15], a_kv[name][3])
+    assert b.pool.client.stats()["pins"] == 0

@@ -139,6 +139,36 @@ def test_nats_outage_keeps_serving_and_the_router_view_converges_after(graph: Gr
         assert sorted(t[1] for t in view.values()) == [BLOCKS, BLOCKS], view
 
 
+def test_prompt_sharing_part_of_a_chunk_is_credited_exactly_the_blocks_it_loads(graph: Graph) -> None:
+    # P's 3 chunks go to the pool; Q shares P's first 5 blocks: chunks 0 and 1 whole, and only
+    # the first block of chunk 2. The router credits the peer with 5 host-tier blocks and the
+    # peer loads exactly those 5 (before part keys it could load only the 4 of whole chunks).
+    prompt = token_prompt(36, PROMPT_LEN)
+    _, served_by = graph.routed_to(prompt)
+    peer = next(w for w in graph.wait_workers(2) if w != served_by)
+    graph.probe.wait_for(prompt, lambda v: v.get(peer, (0, 0, 0))[1] == BLOCKS)
+    shared = BLOCKS - 1
+    partial = prompt[:shared * 128] + token_prompt(37, PROMPT_LEN - shared * 128)
+    view = graph.probe.wait_for(partial, lambda v: v.get(peer, (0, 0, 0))[1] == shared)
+    assert view[peer] == (0, shared, shared)  # the router's credit: 5 blocks at the host tier
+    assert view[served_by][0] == shared  # the serving worker holds them in its own cache
+
+    on_peer = graph.ask(partial, worker_id=peer)
+    assert cached_tokens(on_peer) == shared * 128  # the peer loaded exactly the credited blocks
+
+    # Reference: the serving worker's local prefix-cache hit on the same 5 blocks. The peer has
+    # stored Q's own chunk 2 meanwhile; take it out so the reference uses no pool KV at all.
+    with PoolClient.connect(graph.pool.address) as c:
+        mine = [o for o in c.snapshot() if _chunk_of(o, partial) and o["meta"]["chunk"] == 2]
+        assert len(mine) == 1
+        assert c.remove([bytes.fromhex(mine[0]["key"])], namespace=mine[0]["namespace"]) == 1
+    reference = graph.ask(partial, worker_id=served_by)
+    assert cached_tokens(reference) == shared * 128
+    got, want = on_peer["choices"][0]["logprobs"], reference["choices"][0]["logprobs"]
+    assert got["tokens"] == want["tokens"]
+    assert got["token_logprobs"] == want["token_logprobs"]  # bit-identical, not just the same tokens
+
+
 def test_late_joiner_is_credited_and_takes_over_from_the_pool(graph: Graph) -> None:
     # Only worker-b is left to serve P; then worker-c joins, worker-b stops, and c serves P.
     assert graph.workers["worker-a"].stop(grace_s=30) == 0  # a graceful stop

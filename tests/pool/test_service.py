@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from pool_helpers import REPO, child_env, free_port
-from maru_vllm.pool import InvalidArgument, PoolClient
+from maru_vllm.pool import InvalidArgument, PoolClient, PoolError
 
 
 def test_put_get_lookup_and_write_once(pool):
@@ -200,3 +200,25 @@ def test_one_client_shared_by_threads(pool):
             t.join(120)
         assert not errors, errors
         assert c.stats()["objects"] == 600
+
+
+def test_parts_lookup_and_acquire_through_the_service(pool):
+    with PoolClient.connect(pool.address) as c:
+        assert c.put(b"chunk-a", b"A" * 300, namespace="p", meta={"m": 1}, parts=[b"h0", b"h1"])
+        assert c.put(b"chunk-b", b"B" * 300, namespace="p", parts=[b"h0", b"x1", b"x2"])
+        assert c.lookup_parts([b"h0", b"h1", b"x2", b"nope"], namespace="p") == [1, 2, 3, 0]
+        pins = c.acquire_parts([b"h1", b"x2", b"nope"], namespace="p")
+        assert pins[2] is None
+        assert (pins[0].key, pins[0].units, bytes(pins[0].data)) == (b"chunk-a", 2, b"A" * 300)
+        assert (pins[1].key, pins[1].units, bytes(pins[1].data[:1])) == (b"chunk-b", 3, b"B")
+        assert c.stats()["pinned"] == 2
+        c.release(pins)
+        assert c.stats()["pinned"] == 0
+        assert c.remove([b"chunk-a"], namespace="p") == 1
+        assert c.lookup_parts([b"h0", b"h1"], namespace="p") == [1, 0]
+        # part keys count against the per-object metadata budget: a clear one-line refusal
+        (res,) = c.reserve([(b"chunk-c", 10)], namespace="p")
+        with pytest.raises(PoolError, match="part keys of .* bytes exceed 16384 bytes per object"):
+            c.commit([res], None, [[b"k" * 200] * 100])
+        with pytest.raises(InvalidArgument, match="at most 256"):
+            c.commit([res], None, [[b"k"] * 300])

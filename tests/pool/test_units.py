@@ -246,3 +246,49 @@ def test_protocol_validates_args():
     raw = msgspec.msgpack.encode({"keys": [b"x" * 257]})
     with pytest.raises(P.FrameError, match="257|256"):
         P.decode_args("lookup", msgspec.Raw(raw))
+
+
+# -- part index -------------------------------------------------------------------------------
+def test_part_index_finds_leading_parts_and_forgets_them_with_the_object():
+    events = []
+    idx = _index(capacity=4 * 80 * PAGE, events=events)
+    s = idx.open_session()
+    size = 80 * PAGE - OBJ_HEADER_SIZE  # 4 objects fill the pool
+    (a,) = idx.reserve(s, "d", [(b"A", size)])
+    (b,) = idx.reserve(s, "d", [(b"B", size)])
+    # A and B share their first part (p0) and differ after it.
+    assert idx.commit(s, [a.oid, b.oid], [None, None], _ok, [[b"p0", b"a1"], [b"p0", b"b1"]]) == [True, True]
+    assert idx.lookup_parts("d", [b"p0", b"a1", b"b1", b"zz"]) == [1, 2, 2, 0]
+    assert idx.lookup_parts("other", [b"p0"]) == [0]  # namespaces are separate
+    ((obj, units),) = idx.acquire_parts(s, "d", [b"p0"])
+    assert (obj.key, units) == (b"B", 1)  # the most recent holder
+    idx.release(s, [obj.oid])
+    assert idx.stats()["part_keys"] == 3
+    # B removed: p0 still names A's first part; b1 is gone.
+    assert idx.remove("d", [b"B"]) == 1
+    assert idx.lookup_parts("d", [b"p0", b"a1", b"b1"]) == [1, 2, 0]
+    ((obj, units),) = idx.acquire_parts(s, "d", [b"p0"])
+    assert obj.key == b"A"
+    # A is pinned: evicting everything else leaves it; once unpinned and evicted, nothing is left.
+    for i in range(6):
+        idx.commit(s, [idx.reserve(s, "d", [(b"%d" % i, size)])[0].oid], [None], _ok)
+    assert idx.lookup_parts("d", [b"a1"]) == [2]
+    idx.release(s, [obj.oid])
+    for i in range(6, 10):
+        idx.commit(s, [idx.reserve(s, "d", [(b"%d" % i, size)])[0].oid], [None], _ok)
+    assert ("removed", b"A") in events
+    assert idx.lookup_parts("d", [b"p0", b"a1"]) == [0, 0]
+    assert idx.parts == {} and idx.stats()["part_keys"] == 0
+
+
+def test_part_index_is_bounded_per_object():
+    idx = _index()
+    s = idx.open_session()
+    (o,) = idx.reserve(s, "d", [(b"big", 100)])
+    many = [b"%d" % i for i in range(P.MAX_PARTS + 50)]
+    assert idx.commit(s, [o.oid], [None], _ok, [many]) == [True]
+    assert len(idx.parts) == P.MAX_PARTS
+    # the wire refuses more than MAX_PARTS keys for one object
+    raw = msgspec.msgpack.encode({"oids": [1], "parts": [many]})
+    with pytest.raises(P.FrameError, match="invalid arguments for 'commit'"):
+        P.decode_args("commit", msgspec.Raw(raw))
