@@ -120,6 +120,9 @@ def main() -> int:
         stored = metric(urls["A"], "vllm:maru_connector_bytes_stored_total")
         store_s = metric(urls["A"], "vllm:maru_connector_store_seconds_total")
         chunks_loaded = metric(urls["B"], "vllm:maru_connector_chunks_loaded_total")
+        for part in ("acquire", "copy", "release"):
+            v = metric(urls["B"], f"vllm:maru_connector_load_{part}_seconds_total")
+            print(f"[bench] load {part}: {v:.4f}s of {load_s:.4f}s", file=sys.stderr)
 
     med = statistics.median
     chunk_bytes = int(loaded / chunks_loaded) if chunks_loaded else 0

@@ -1,9 +1,12 @@
 """Worker side of MaruKVConnector: the data plane between the paged KV cache and the pool.
 
 Loads: in `start_load_kv`, before the forward, one `acquire` round trip pins every chunk of the
-step, each pinned object is copied page by page into its blocks, and the pins are released. A
-chunk that is missing, fails validation or has the wrong size is a miss: its blocks are
-reported through vLLM's load-error path and recomputed. Nothing raises into the forward.
+step and checks each object's header, each pinned object is copied page by page into its
+blocks - its payload checksum computed tile by tile right after each tile is copied, while the
+bytes are still in cache - and one `release` round trip unpins them. A chunk that is missing,
+fails validation, has the wrong size or the wrong checksum is a miss: its blocks are reported
+through vLLM's load-error path and recomputed (a corrupt object is also dropped from the pool).
+Nothing raises into the forward.
 
 Stores: in `wait_for_save`, after the step's forward, one `reserve` round trip gets space for
 every chunk the step completed, the pages are copied straight into the shared region, and one
@@ -30,6 +33,8 @@ from maru_vllm.connector.layouts import KVCacheSet, LayoutError
 from maru_vllm.connector.metadata import ChunkLoad, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.stats import TransferCounters
+from maru_vllm.pool.client import ReadPin
+from maru_vllm.pool.objects import checksum_of, payload_hasher
 
 logger = init_logger(__name__)
 
@@ -88,26 +93,42 @@ class MaruWorkerSide:
             return
         t0 = time.perf_counter()
         keys = [chunk_key(load.key, self.rank) for load in meta.loads]
-        pins = self.pool.call("acquire", lambda c: c.acquire(keys, self.namespace))
+        # Headers are checked in acquire; payloads are verified below, tile by tile as they are copied.
+        pins = self.pool.call("acquire", lambda c: c.acquire(keys, self.namespace, verify_payload=False))
+        t1 = time.perf_counter()
+        self.counters.load_acquire_seconds += t1 - t0
         if pins is None:
             self._fail_all(meta, "pool unavailable")
             return
         loaded_bytes = 0
+        bad: list[ReadPin] = []
         try:
             for load, pin in zip(meta.loads, pins):
                 if pin is None:
                     self._fail(load, "missing or invalid in the pool")
                     continue
+                hasher = payload_hasher() if pin.checksum is not None else None
                 try:
-                    codec.unpack(load.block_ids, pin.data, skip_blocks=load.skip_blocks)
-                    loaded_bytes += codec.chunk_nbytes(len(load.block_ids))
-                    self.counters.chunks_loaded += 1
+                    codec.unpack(load.block_ids, pin.data, skip_blocks=load.skip_blocks, hasher=hasher)
                 except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
                     self._fail(load, f"cannot be copied in: {exc}")
+                    continue
+                if hasher is not None and checksum_of(hasher) != pin.checksum:
+                    # The blocks now hold bytes that are not the chunk: report them, so vLLM
+                    # recomputes them before any later step reads them, and drop the object.
+                    bad.append(pin)
+                    self._fail(load, "payload checksum mismatch")
+                    continue
+                loaded_bytes += codec.chunk_nbytes(len(load.block_ids))
+                self.counters.chunks_loaded += 1
         finally:
-            self.pool.call("release", lambda c: c.release(pins))
+            t2 = time.perf_counter()
+            self.pool.call("release", lambda c: c.release(pins, bad=bad))
+        t3 = time.perf_counter()
+        self.counters.load_copy_seconds += t2 - t1
+        self.counters.load_release_seconds += t3 - t2
         self.counters.bytes_loaded += loaded_bytes
-        self.counters.load_seconds += time.perf_counter() - t0
+        self.counters.load_seconds += t3 - t0
 
     def _fail(self, load: ChunkLoad, why: str) -> None:
         self.failed_blocks.update(load.block_ids)

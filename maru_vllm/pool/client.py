@@ -28,7 +28,14 @@ from typing import Any
 from maru_vllm.pool import protocol as P
 from maru_vllm.pool.address import parse_address
 from maru_vllm.pool.errors import InvalidArgument, PoolError, PoolProtocolError, PoolUnavailable
-from maru_vllm.pool.objects import OBJ_HEADER_SIZE, key_digest, validate, write_header
+from maru_vllm.pool.objects import (
+    OBJ_HEADER_SIZE,
+    expected_checksum,
+    key_digest,
+    payload_checksum,
+    validate,
+    write_header,
+)
 from maru_vllm.pool.region import Region, RegionError
 
 logger = logging.getLogger(__name__)
@@ -52,7 +59,13 @@ class Reservation:
 
 @dataclass(eq=False)
 class ReadPin:
-    """A pinned, validated object; `.data` stays valid until released."""
+    """A pinned, validated object; `.data` stays valid until released.
+
+    `checksum` is the payload checksum its header carries (None when the writer stored none).
+    When the pin came from `acquire(..., verify_payload=False)` its header is checked but its
+    payload is not yet: the reader must verify it (`verify()`, or stream the bytes through
+    `objects.payload_hasher()` while copying them) before trusting them.
+    """
 
     key: bytes
     data: memoryview
@@ -61,6 +74,14 @@ class ReadPin:
     _gen: int
     _client: PoolClient | None = field(default=None, repr=False)
     released: bool = False
+    checksum: int | None = None
+    payload_verified: bool = True
+
+    def verify(self) -> bool:
+        """Check the payload against its checksum (True when it has none)."""
+        if not self.payload_verified:
+            self.payload_verified = self.checksum is None or payload_checksum(self.data) == self.checksum
+        return self.payload_verified
 
     def __enter__(self) -> ReadPin:
         return self
@@ -329,7 +350,15 @@ class PoolClient:
             if oids and self._sock is not None:
                 self._roundtrip("abort", {"oids": oids})
 
-    def acquire(self, keys: Sequence[bytes], namespace: str = "default") -> list[ReadPin | None]:
+    def acquire(
+        self, keys: Sequence[bytes], namespace: str = "default", *, verify_payload: bool = True
+    ) -> list[ReadPin | None]:
+        """Pin objects for reading; a missing or invalid one is None.
+
+        With `verify_payload=False` only the headers are checked here and each pin carries its
+        checksum: the caller verifies the payload itself (e.g. fused with its copy, while the
+        bytes are in cache) and releases a mismatching pin with `release(..., bad=[pin])`.
+        """
         ns = _ns(namespace)
         keys = _keys(keys)
         with self._lock:
@@ -344,18 +373,21 @@ class PoolClient:
                     continue
                 oid, off, size = r
                 payload = view[off : off + size]
-                problem = validate(view[off - OBJ_HEADER_SIZE : off], payload, oid, size, key_digest(ns, key))
+                header = view[off - OBJ_HEADER_SIZE : off]
+                problem = validate(header, payload, oid, size, key_digest(ns, key), check_crc=verify_payload)
                 if problem is not None:
                     logger.warning("object %s/%s failed validation (%s); treating as a miss", ns, key.hex(), problem)
                     bad.append(oid)
                     out.append(None)
                     continue
-                out.append(ReadPin(key, payload.toreadonly(), ns, oid, self._gen, self))
+                out.append(ReadPin(key, payload.toreadonly(), ns, oid, self._gen, self,
+                                   checksum=expected_checksum(header), payload_verified=verify_payload))
             if bad:
                 self._roundtrip("release", {"oids": bad, "bad": bad})
             return out
 
-    def release(self, pins: Sequence[ReadPin | None]) -> None:
+    def release(self, pins: Sequence[ReadPin | None], bad: Sequence[ReadPin] = ()) -> None:
+        """Unpin; pins in `bad` failed the reader's payload check and the pool removes them."""
         with self._lock:
             oids = []
             for p in pins:
@@ -364,8 +396,9 @@ class PoolClient:
                 p.released = True
                 if p._gen == self._gen:
                     oids.append(p.oid)
+            bad_oids = [p.oid for p in bad if p._gen == self._gen and p.oid in oids]
             if oids and self._sock is not None:
-                self._roundtrip("release", {"oids": oids})
+                self._roundtrip("release", {"oids": oids, "bad": bad_oids} if bad_oids else {"oids": oids})
 
     def put(self, key: bytes, data: Any, namespace: str = "default", meta: dict[str, Any] | None = None) -> bool:
         """Store one object (reserve, copy into the region, commit). False if it was not stored
