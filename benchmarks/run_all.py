@@ -19,7 +19,8 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     # (script, args, quick args)
     ("bench_page_copy.py", [], []),
     ("bench_pool.py", [], ["--iters", "300"]),
-    ("bench_connector.py", [], ["--prompts", "1"]),
+    ("profile_load.py", [], ["--repeats", "5"]),
+    ("bench_connector.py", [], ["--samples", "1", "--lengths", "1024,4096"]),
     ("routing_comparison.py", [], []),
 ]
 

@@ -3,7 +3,8 @@
 Loads: in `start_load_kv`, before the forward, one `acquire` round trip pins every chunk of the
 step and checks each object's header, each pinned object is copied page by page into its
 blocks - its payload checksum computed tile by tile right after each tile is copied, while the
-bytes are still in cache - and one `release` round trip unpins them. A chunk that is missing,
+bytes are still in cache - and one `release` request unpins them, its reply read before the
+next pool request's instead of in the step's critical path. A chunk that is missing,
 fails validation, has the wrong size or the wrong checksum is a miss: its blocks are reported
 through vLLM's load-error path and recomputed (a corrupt object is also dropped from the pool).
 Nothing raises into the forward.
@@ -123,7 +124,9 @@ class MaruWorkerSide:
                 self.counters.chunks_loaded += 1
         finally:
             t2 = time.perf_counter()
-            self.pool.call("release", lambda c: c.release(pins, bad=bad))
+            # The reply is not waited for (it is read before the next pool request's): the
+            # service unpins while the forward runs. A corrupt object's report is waited for.
+            self.pool.call("release", lambda c: c.release(pins, bad=bad, wait=bool(bad)))
         t3 = time.perf_counter()
         self.counters.load_copy_seconds += t2 - t1
         self.counters.load_release_seconds += t3 - t2

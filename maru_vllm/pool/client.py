@@ -114,6 +114,8 @@ class PoolClient:
         self._region: Region | None = None
         self._ids = itertools.count(1)
         self._gen = 0
+        # (op, request id) of requests sent without waiting for their replies, oldest first
+        self._unanswered: list[tuple[str, int]] = []
         self._last_io = 0.0
         self._retry_at = 0.0
         self._backoff = 0.05
@@ -179,6 +181,7 @@ class PoolClient:
             self._hb.start()
 
     def _drop_connection(self) -> None:
+        self._unanswered.clear()  # their replies went with the connection
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -240,12 +243,44 @@ class PoolClient:
 
     # -- request/reply ----------------------------------------------------------------------
     def _roundtrip(self, op: str, args: dict[str, Any]) -> Any:
+        self._drain()
+        req_id = self._send(op, args)
+        return self._reply(op, req_id)
+
+    def _send(self, op: str, args: dict[str, Any]) -> int:
         sock = self._sock
         if sock is None:
             raise PoolUnavailable("not connected")
         req_id = next(self._ids)
         try:
             sock.sendall(P.encode_request(req_id, op, args))
+        except OSError as exc:
+            self._drop_connection()
+            raise PoolUnavailable(f"pool at {self._address_text} went away during {op}: {exc}") from exc
+        return req_id
+
+    def _send_unanswered(self, op: str, args: dict[str, Any]) -> None:
+        """Send a request whose reply is read (and checked) before the next one's, not now."""
+        self._drain()
+        self._unanswered.append((op, self._send(op, args)))
+
+    def _drain(self) -> None:
+        """Read the replies of requests sent by `_send_unanswered`; an error reply is logged."""
+        while self._unanswered:
+            op, req_id = self._unanswered[0]
+            try:
+                self._reply(op, req_id)
+            except PoolProtocolError as exc:
+                logger.warning("pool %s: %s", self._address_text, exc)
+            finally:
+                if self._unanswered and self._unanswered[0][1] == req_id:
+                    self._unanswered.pop(0)
+
+    def _reply(self, op: str, req_id: int) -> Any:
+        sock = self._sock
+        if sock is None:
+            raise PoolUnavailable("not connected")
+        try:
             n = P.LEN.unpack(_recv_exact(sock, 4))[0]
             if n > P.MAX_FRAME:
                 raise PoolProtocolError(f"reply frame of {n} bytes exceeds {P.MAX_FRAME}")
@@ -386,8 +421,12 @@ class PoolClient:
                 self._roundtrip("release", {"oids": bad, "bad": bad})
             return out
 
-    def release(self, pins: Sequence[ReadPin | None], bad: Sequence[ReadPin] = ()) -> None:
-        """Unpin; pins in `bad` failed the reader's payload check and the pool removes them."""
+    def release(self, pins: Sequence[ReadPin | None], bad: Sequence[ReadPin] = (), *, wait: bool = True) -> None:
+        """Unpin; pins in `bad` failed the reader's payload check and the pool removes them.
+
+        `wait=False` sends the release without waiting for its reply (read before the next
+        request's): the caller may not touch the pins' data afterwards, and the service may
+        still hold them for the moment it takes to read the request."""
         with self._lock:
             oids = []
             for p in pins:
@@ -398,7 +437,11 @@ class PoolClient:
                     oids.append(p.oid)
             bad_oids = [p.oid for p in bad if p._gen == self._gen and p.oid in oids]
             if oids and self._sock is not None:
-                self._roundtrip("release", {"oids": oids, "bad": bad_oids} if bad_oids else {"oids": oids})
+                args = {"oids": oids, "bad": bad_oids} if bad_oids else {"oids": oids}
+                if wait:
+                    self._roundtrip("release", args)
+                else:
+                    self._send_unanswered("release", args)
 
     def put(self, key: bytes, data: Any, namespace: str = "default", meta: dict[str, Any] | None = None) -> bool:
         """Store one object (reserve, copy into the region, commit). False if it was not stored
