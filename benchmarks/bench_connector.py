@@ -281,10 +281,11 @@ def plot(res: dict[str, Any], systems: list[str], path: Path) -> None:
     ax.plot(xs, col("cold_plain"), "o-", color="black", label="cold, no connector")
     ax.plot(xs, col("cold_maru"), "o--", color="tab:blue", label="cold, Maru (stores)")
     ax.plot(xs, col("hit_maru"), "s-", color="tab:blue", label="pool hit, Maru")
-    ax.plot(xs, col("local_maru"), "^-", color="tab:green", label="local prefix-cache hit")
+    ax.plot(xs, col("local_maru"), "^-", color="tab:green", label="local prefix-cache hit (Maru engine)")
     if "lmc" in systems:
         ax.plot(xs, col("cold_lmc"), "o--", color="tab:orange", label="cold, LMCache MP (stores)")
         ax.plot(xs, col("hit_lmc"), "s-", color="tab:orange", label="hit, LMCache MP")
+        ax.plot(xs, col("local_lmc"), "^:", color="tab:olive", label="local prefix-cache hit (LMCache engine)")
     ax.set_yscale("log")
     ax.set_xlabel("prompt length (tokens loaded from a cache)")
     ax.set_ylabel("time to first token, s (min of samples)")

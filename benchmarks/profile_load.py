@@ -8,7 +8,8 @@ the worker side's load of all of them, and each of its parts, alternating them i
 taking the minimum of the repeats. A memcpy of the same bytes out of the same region is timed
 in the same loop. `bench_connector.py` runs this too, in its own run.
 
-    python benchmarks/profile_load.py [--tokens 4096] [--repeats 15] [--cpu N] [--json]
+    python benchmarks/profile_load.py [--tokens 4096] [--repeats 15] [--cpu N] [--tiles 512,2048]
+        [--algorithms] [--json]
 
 No assertions: it prints milliseconds and GB/s (or JSON).
 """
@@ -151,6 +152,45 @@ def profile_load(tokens: int = 4096, repeats: int = 15, *, chunk_tokens: int = 2
     }
 
 
+def checksum_algorithms(nbytes: int = 64 << 20, repeats: int = 10) -> dict[str, float]:
+    """GB/s of candidate checksums over `nbytes` of a /dev/shm mapping (one thread, min of repeats)."""
+    import mmap
+    import zlib
+
+    import xxhash
+
+    algos: dict[str, Callable[[memoryview], object]] = {
+        "xxh3_64": xxhash.xxh3_64_intdigest, "xxh3_128": xxhash.xxh3_128_intdigest,
+        "xxh64": xxhash.xxh64_intdigest, "xxh32": xxhash.xxh32_intdigest, "crc32 (zlib)": zlib.crc32,
+    }
+    try:
+        import blake3
+
+        algos["blake3 (1 thread)"] = lambda b: blake3.blake3(b).digest()
+    except ImportError:
+        pass
+    path = Path(f"/dev/shm/maru-profile-algos-{os.getpid()}")
+    out: dict[str, float] = {}
+    try:
+        with open(path, "w+b") as f:
+            f.truncate(nbytes)
+            mm = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        view = memoryview(mm)
+        view[:] = os.urandom(1 << 20) * (nbytes >> 20)
+        for name, fn in algos.items():
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn(view)
+                best = min(best, time.perf_counter() - t0)
+            out[name] = nbytes / best / 1e9
+        view.release()
+        mm.close()
+    finally:
+        path.unlink(missing_ok=True)
+    return out
+
+
 def print_profile(rep: dict[str, Any]) -> None:
     print(f"load of {rep['tokens']} tokens ({rep['chunks']} chunks, {rep['bytes'] / 2**20:.0f} MiB), "
           f"outside an engine, min of {rep['repeats']}:")
@@ -167,16 +207,21 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--cpu", type=int, help="pin this process (and its pool service) to this core")
     ap.add_argument("--tiles", default="", help="also time these checksum tile sizes, KiB, comma separated")
+    ap.add_argument("--algorithms", action="store_true", help="also time candidate checksum algorithms")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     tiles = tuple(int(t) << 10 for t in args.tiles.split(",") if t)
     rep = profile_load(args.tokens, args.repeats, tiles=tiles)
+    if args.algorithms:
+        rep["checksum_GBps"] = checksum_algorithms()
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
         print_profile(rep)
+        for name, gbps in rep.get("checksum_GBps", {}).items():
+            print(f"  checksum {name:18s} {gbps:6.1f} GB/s over 64 MiB of shared memory")
     return 0
 
 
