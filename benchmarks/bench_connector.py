@@ -22,8 +22,8 @@ Reported, all measured in this run:
 * Maru's in-engine load and store bandwidth (the connector's own counters) next to a memcpy of
   the same bytes (one prompt's KV) out of a /dev/shm mapping, and where the load time goes
   (acquire round trip, copy with checksum, release round trip);
-* a load outside the engine split into its parts, with the checksum's share of a load
-  (`profile_load.py`).
+* a load outside the engine split into its parts, with the checksum's share of a load, and the
+  speed of candidate checksum algorithms over the same memory (`profile_load.py`).
 
 Options: --lengths 1024,2048,4096,7936 (loadable tokens; each prompt is one token longer)
 --samples 3 --plot FILE.png --calibration-out FILE.json --json --no-lmcache.
@@ -53,7 +53,7 @@ from maru_vllm.calibration import Calibration, write_calibration  # noqa: E402
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port  # noqa: E402
 from maru_vllm.launch import stack  # noqa: E402
 from maru_vllm.models import SPECS, ensure_model  # noqa: E402
-from profile_load import print_profile, profile_load  # noqa: E402
+from profile_load import checksum_algorithms, print_profile, profile_load  # noqa: E402
 
 CORE_A, CORE_B = 0, 1  # cold engines and both servers on one core, hit engines on the other
 MAX_MODEL_LEN = 8192
@@ -199,6 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     copy_bytes = kv_bytes_per_token * main_len
     memcpy = memcpy_gbps(copy_bytes) if copy_bytes else 0.0
     prof = profile_load(main_len, args.profile_repeats)
+    prof["checksum_GBps"] = checksum_algorithms()
     return summarize(rows, loads, stored, memcpy, prof, kv_bytes_per_token, main_len, systems)
 
 
@@ -266,6 +267,8 @@ def report(res: dict[str, Any], systems: list[str]) -> None:
           f"same bytes {res['memcpy_GBps']:.2f} GB/s (load/memcpy {res['load_over_memcpy']:.2f}, "
           f"store/memcpy {res['store_over_memcpy']:.2f})")
     print_profile(res["profile_outside_engine"])
+    print("checksum candidates over 64 MiB of shared memory, one thread: " + ", ".join(
+        f"{k} {v:.1f} GB/s" for k, v in res["profile_outside_engine"]["checksum_GBps"].items()))
     print(f"pool-tier router weight (1 - load time / recompute time): {res['pool_tier_weight']}")
 
 
