@@ -300,6 +300,13 @@ def plot(res: dict[str, Any], systems: list[str], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def calibration_of(res: dict[str, Any]) -> Calibration:
+    """The measured numbers the what-if replay needs (`maru-dynamo whatif --calibration`)."""
+    return Calibration(model=SPECS["bench"].name, kv_bytes_per_token=res["kv_bytes_per_token"],
+                       load_gbps=res["load_GBps_in_engine"], store_gbps=res["store_GBps_in_engine"],
+                       prefill_tokens_per_s=res["prefill_tokens_per_s"], memcpy_gbps=res["memcpy_GBps"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="1024,2048,4096,7936",
@@ -332,10 +339,7 @@ def main() -> int:
         plot(res, systems, args.plot)
         print(f"plot written to {args.plot}")
     if args.calibration_out:
-        write_calibration(args.calibration_out, Calibration(
-            model=SPECS["bench"].name, kv_bytes_per_token=res["kv_bytes_per_token"],
-            load_gbps=res["load_GBps_in_engine"], store_gbps=res["store_GBps_in_engine"],
-            prefill_tokens_per_s=res["prefill_tokens_per_s"], memcpy_gbps=res["memcpy_GBps"]))
+        write_calibration(args.calibration_out, calibration_of(res))
         print(f"calibration written to {args.calibration_out}")
     return 0
 
