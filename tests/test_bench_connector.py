@@ -17,7 +17,7 @@ from maru_vllm.calibration import read_calibration  # noqa: E402
 
 def _row(tokens: int, sample: int, scale: float) -> dict:
     return {"tokens": tokens, "sample": sample, "cold_plain": 2.0 * scale, "cold_maru": 2.02 * scale,
-            "cold_lmc": 2.2 * scale, "hit_maru": 0.06 * scale, "hit_maru_cached": tokens,
+            "cold_lmc": 2.2 * scale, "cold_lmc_cached": 0, "hit_maru": 0.06 * scale, "hit_maru_cached": tokens,
             "local_maru": 0.05 * scale, "local_maru_cached": tokens, "hit_lmc": 0.12 * scale,
             "hit_lmc_cached": tokens, "local_lmc": 0.05 * scale, "local_lmc_cached": tokens}
 
