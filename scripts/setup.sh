@@ -194,12 +194,15 @@ fi
 # ---------------------------------------------------------------------------------------------
 step "maru-dynamo (editable) + test tools"
 # Our own package goes in last; its light dependencies never touch the pins above.
+# The hash is of pyproject's content only (not its path): a venv made for another checkout of the
+# same tree, or before pyproject changed, reinstalls.
+PYPROJECT_SHA=$(sha256sum <"$ROOT/pyproject.toml" | cut -d' ' -f1)
 if "$VENV/bin/python" -c 'import maru_vllm, maru_dynamo.components, pytest' >/dev/null 2>&1 \
-   && [[ -f "$VENV/.maru-pyproject.sha" ]] && sha256sum -c --status "$VENV/.maru-pyproject.sha" 2>/dev/null; then
+   && [[ "$(cat "$VENV/.maru-pyproject.sha" 2>/dev/null)" == "$PYPROJECT_SHA" ]]; then
     done_step "present"
 else
     run_logged pip_ install -e "$ROOT[test]" "torch==$TORCH_VERSION"
-    sha256sum "$ROOT/pyproject.toml" >"$VENV/.maru-pyproject.sha"
+    echo "$PYPROJECT_SHA" >"$VENV/.maru-pyproject.sha"
     done_step "installed"
 fi
 

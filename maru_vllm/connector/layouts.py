@@ -263,6 +263,12 @@ def _byte_tensor(buf: Any, *, writable: bool) -> torch.Tensor:
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 
+# Bytes copied and then hashed at a time by a verifying unpack (whole layers): small enough that
+# a tile is still in cache when it is hashed, large enough that Python's per-tile cost stays
+# small. Measured with benchmarks/profile_load.py (64 MiB, bench model): 128-512 KiB tiles were
+# slower than 2-4 MiB ones (per-tile overhead), and 4 MiB = one bench-model chunk.
+TILE_BYTES = 4 * 1024 * 1024
+
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """All copies in one call where torch offers it (saves ~15% on many layers)."""
@@ -414,7 +420,7 @@ class KVCacheSet:
         return flat.numel()
 
     def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0,
-               chunk_blocks: int | None = None) -> None:
+               chunk_blocks: int | None = None, hasher: Any = None) -> None:
         """Copy a chunk made by :meth:`pack` into the pages of ``block_ids``.
 
         With ``skip_blocks=k`` the chunk holds ``k + len(block_ids)`` blocks and
@@ -424,18 +430,63 @@ class KVCacheSet:
         layer's pages of those blocks, read out of the layer-major object).
         Raises :class:`LayoutMismatch` when ``src`` is not exactly the size this
         geometry expects (a stale or foreign object: treat as a miss).
+
+        With ``hasher`` (anything with ``update(buffer)``, e.g. a streaming
+        checksum) every byte of ``src`` is fed to it in order, tile by tile, each
+        tile right after it was copied, while it is still in cache: verifying a
+        chunk then costs a hash of cached bytes instead of a second pass over
+        memory. The caller compares the digest and treats a mismatch as a miss.
         """
         if skip_blocks < 0:
             raise ValueError(f"skip_blocks={skip_blocks} must be >= 0")
         flat = _byte_tensor(src, writable=False)
         n = self._check(block_ids, flat.numel(), "unpack", skip_blocks, chunk_blocks)
         runs = block_runs(block_ids)
-        dsts, srcs = [], []
-        for buf, cache in self._pairs(flat, n):
-            for bid, pos, ln in runs:
-                dsts.append(cache[bid:bid + ln])
-                srcs.append(buf[skip_blocks + pos:skip_blocks + pos + ln])
-        _copy_all(dsts, srcs)
+        if hasher is None:
+            dsts, srcs = [], []
+            for buf, cache in self._pairs(flat, n):
+                for bid, pos, ln in runs:
+                    dsts.append(cache[bid:bid + ln])
+                    srcs.append(buf[skip_blocks + pos:skip_blocks + pos + ln])
+            _copy_all(dsts, srcs)
+            return
+        raw = memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
+        for lo, hi, tile_pairs in self._tiles(flat, n):
+            dsts, srcs = [], []
+            for buf, cache in tile_pairs:
+                for bid, pos, ln in runs:
+                    dsts.append(cache[bid:bid + ln])
+                    srcs.append(buf[skip_blocks + pos:skip_blocks + pos + ln])
+            _copy_all(dsts, srcs)
+            hasher.update(raw[lo:hi])
+
+    def _tiles(self, flat: torch.Tensor, n: int) -> list[tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]]:
+        """The chunk cut into consecutive byte ranges of about ``TILE_BYTES`` (whole layers),
+        each with its (buffer view, cache pages view) pairs; the ranges cover every byte."""
+        if n == 0:
+            return []
+        tiles: list[tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        if self._stack is not None:
+            (buf, cache), = self._pairs(flat, n)  # [n, L, *page] both
+            layers = len(self.unique_layers)
+            layer_bytes = n * self.layouts[self.unique_layers[0]].page_nbytes
+            per_tile = max(1, TILE_BYTES // max(1, layer_bytes))
+            for l0 in range(0, layers, per_tile):
+                l1 = min(layers, l0 + per_tile)
+                tiles.append((l0 * layer_bytes, l1 * layer_bytes, [(buf[:, l0:l1], cache[:, l0:l1])]))
+            return tiles
+        off = 0
+        current: list[tuple[torch.Tensor, torch.Tensor]] = []
+        start = 0
+        for pair, name in zip(self._pairs(flat, n), self.unique_layers):
+            current.append(pair)
+            off += n * self.layouts[name].page_nbytes
+            if off - start >= TILE_BYTES:
+                tiles.append((start, off, current))
+                current, start = [], off
+        if current:
+            tiles.append((start, off, current))
+        return tiles
 
     def _pairs(self, flat: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(buffer view, cache pages view) pairs, both indexed by block first."""

@@ -21,6 +21,11 @@ class TransferCounters:
     bytes_loaded: int = 0
     load_seconds: float = 0.0
     load_failures: int = 0
+    # Where load time goes (parts of load_seconds): the acquire round trip (pins, headers), the
+    # copy into the paged cache with the payload checksum verified piece by piece, the release.
+    load_acquire_seconds: float = 0.0
+    load_copy_seconds: float = 0.0
+    load_release_seconds: float = 0.0
     chunks_stored: int = 0
     bytes_stored: int = 0
     store_seconds: float = 0.0
@@ -81,6 +86,9 @@ class MaruPromMetrics(KVConnectorPromMetrics):
         "bytes_loaded": "bytes of KV loaded from the Maru pool",
         "load_seconds": "seconds spent loading KV from the Maru pool",
         "load_failures": "chunk loads that failed and were recomputed",
+        "load_acquire_seconds": "part of load_seconds spent pinning chunks (acquire round trip)",
+        "load_copy_seconds": "part of load_seconds spent verifying and copying chunks into the KV cache",
+        "load_release_seconds": "part of load_seconds spent unpinning chunks (release round trip)",
         "chunks_stored": "KV chunks stored into the Maru pool",
         "bytes_stored": "bytes of KV stored into the Maru pool",
         "store_seconds": "seconds spent storing KV into the Maru pool (by the write-behind thread)",

@@ -63,8 +63,8 @@ class TorchPageCopier:
         self.codec.pack(block_ids, out)
 
     def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0,
-               chunk_blocks: int | None = None) -> None:
-        self.codec.unpack(block_ids, src, skip_blocks=skip_blocks, chunk_blocks=chunk_blocks)
+               chunk_blocks: int | None = None, hasher: Any = None) -> None:
+        self.codec.unpack(block_ids, src, skip_blocks=skip_blocks, chunk_blocks=chunk_blocks, hasher=hasher)
 
     def unpack_many(self, items: Sequence[tuple[Sequence[int], Any, int]]) -> None:
         for block_ids, src, skip in items:
@@ -130,7 +130,9 @@ class LMCacheBlockCopier:
         self._launch([self._object(out, len(block_ids))], list(block_ids), store=True, skip=0)
 
     def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0,
-               chunk_blocks: int | None = None) -> None:
+               chunk_blocks: int | None = None, hasher: Any = None) -> None:
+        if hasher is not None:  # the kernel reads the object itself: hash it in one pass first
+            hasher.update(src if isinstance(src, memoryview) else memoryview(src))
         # The kernel indexes block ids by position in the object; the skipped leading positions
         # are never read, any valid id fills them.
         ids = [int(block_ids[0])] * skip_blocks + list(block_ids) if block_ids else []

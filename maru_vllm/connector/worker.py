@@ -1,11 +1,15 @@
 """Worker side of MaruKVConnector: the data plane between the paged KV cache and the pool.
 
 Loads: in `start_load_kv`, before the forward, one `acquire` round trip pins every chunk of the
-step (a second one, `acquire_parts`, the chunks a request shares only in part: found by the
-hash of their last shared block, of which only the leading blocks are copied), each pinned
-object is copied page by page into its blocks, and the pins are released. A
-chunk that is missing, fails validation or has the wrong size is a miss: its blocks are
-reported through vLLM's load-error path and recomputed. Nothing raises into the forward.
+step and checks each object's header (a second one, `acquire_parts`, pins the chunks a request
+shares only in part: found by the hash of their last shared block, of which only the leading
+blocks are copied). Each pinned object is copied page by page into its blocks - its payload
+checksum computed tile by tile right after each tile is copied, while the bytes are still in
+cache - and one `release` request unpins them, its reply read before the next pool request's
+instead of in the step's critical path. A chunk that is missing, fails validation, has the
+wrong size or the wrong checksum is a miss: its blocks are reported through vLLM's load-error
+path and recomputed (a corrupt object is also dropped from the pool). Nothing raises into the
+forward.
 
 Stores: in `wait_for_save`, after the step's forward, the chunks the step completed are handed
 to the `StoreWriter` (store_writer.py, which says why and how it stays correct): its thread
@@ -38,6 +42,7 @@ from maru_vllm.connector.stats import TransferCounters
 from maru_vllm.connector.store_writer import StoreWriter
 from maru_vllm.connector.transfer import FORMAT_PAGES, LMCacheBlockCopier, TorchPageCopier, make_copier
 from maru_vllm.pool import PartPin, ReadPin
+from maru_vllm.pool.objects import checksum_of, payload_hasher
 
 logger = init_logger(__name__)
 
@@ -147,27 +152,38 @@ class MaruWorkerSide:
             self.fail_loads(meta, "KV caches not registered")
             return
         t0 = time.perf_counter()
+        # Headers are checked in acquire; payloads are verified as they are copied (_load_one).
         pins = self._acquire(meta.loads)
+        t1 = time.perf_counter()
+        self.counters.load_acquire_seconds += t1 - t0
         if pins is None:
             self.fail_loads(meta, "pool unavailable")
             return
         loaded_bytes = 0
+        bad: list[ReadPin] = []
         try:
             if self.host_registry is not None and self.pool.client.region_view is not None:
                 self.host_registry.ensure(self.pool.client.region_view)  # DMA from the region
             if self.fused_load:
-                loaded_bytes = self._load_fused(meta, pins)
-                return
-            for load, pin in zip(meta.loads, pins):
-                loaded_bytes += self._load_one(load, pin)
+                loaded_bytes = self._load_fused(meta, pins, bad)
+            else:
+                for load, pin in zip(meta.loads, pins):
+                    loaded_bytes += self._load_one(load, pin, bad)
         finally:
             copier.finish()  # an asynchronous kernel must have read the objects before they are unpinned
-            self.pool.call("release", lambda c: c.release(pins))
+            t2 = time.perf_counter()
+            # The reply is not waited for (it is read before the next pool request's): the
+            # service unpins while the forward runs. A corrupt object's report is waited for.
+            self.pool.call("release", lambda c: c.release(pins, bad=bad, wait=bool(bad)))
+            t3 = time.perf_counter()
+            self.counters.load_copy_seconds += t2 - t1
+            self.counters.load_release_seconds += t3 - t2
             self.counters.bytes_loaded += loaded_bytes
-            self.counters.load_seconds += time.perf_counter() - t0
+            self.counters.load_seconds += t3 - t0
 
-    def _load_one(self, load: ChunkLoad, pin: ReadPin | None) -> int:
-        """Copy one pinned chunk (or its leading blocks) into its blocks; the bytes copied, 0 on a miss."""
+    def _load_one(self, load: ChunkLoad, pin: ReadPin | None, bad: list[ReadPin]) -> int:
+        """Copy one pinned chunk (or its leading blocks) into its blocks, verifying its checksum on
+        the way; the bytes copied, 0 on a miss (a corrupt object is added to `bad`)."""
         assert self.copier is not None
         if pin is None:
             self._fail(load, "missing or invalid in the pool")
@@ -176,25 +192,35 @@ class MaruWorkerSide:
             self._fail(load, f"its part key names {pin.units} blocks of the chunk, not "
                              f"{load.skip_blocks + len(load.block_ids)}")
             return 0
+        hasher = payload_hasher() if pin.checksum is not None and not pin.payload_verified else None
         try:
             self.copier.unpack(load.block_ids, pin.data, skip_blocks=load.skip_blocks,
-                               chunk_blocks=load.chunk_blocks or None)
+                               chunk_blocks=load.chunk_blocks or None, hasher=hasher)
         except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
             self._fail(load, f"cannot be copied in: {exc}")
+            return 0
+        if hasher is not None and checksum_of(hasher) != pin.checksum:
+            # The blocks now hold bytes that are not the chunk: report them, so vLLM recomputes
+            # them before any later step reads them, and drop the object.
+            bad.append(pin)
+            self._fail(load, "payload checksum mismatch")
             return 0
         self.counters.chunks_loaded += 1
         self.counters.blocks_loaded += len(load.block_ids)
         return self.copier.chunk_nbytes(len(load.block_ids))
 
-    def _load_fused(self, meta: MaruConnectorMetadata, pins: list) -> int:
+    def _load_fused(self, meta: MaruConnectorMetadata, pins: list, bad: list[ReadPin]) -> int:
         """`maru_enable_fused_load`: every whole chunk of the step in as few kernel launches as possible
-        (misses and chunks shared in part go one by one)."""
+        (misses and chunks shared in part go one by one; payloads are verified before the launch)."""
         assert self.copier is not None
         loaded = 0
         present = []
         for load, pin in zip(meta.loads, pins):
             if pin is None or isinstance(pin, PartPin):
-                loaded += self._load_one(load, pin)
+                loaded += self._load_one(load, pin, bad)
+            elif not pin.verify():
+                bad.append(pin)
+                self._fail(load, "payload checksum mismatch")
             else:
                 present.append((load, pin))
         if not present:
@@ -210,19 +236,22 @@ class MaruWorkerSide:
         return loaded + sum(self.copier.chunk_nbytes(len(load.block_ids)) for load, _ in present)
 
     def _acquire(self, loads: list[ChunkLoad]) -> list[ReadPin | None] | None:
-        """Pin every chunk of the step: whole chunks by key, chunks shared in part by part key."""
+        """Pin every chunk of the step (headers checked, payloads not yet): whole chunks by key,
+        chunks shared in part by part key."""
         keys = [chunk_key(load.key, self.rank) for load in loads]
         whole = [i for i, load in enumerate(loads) if not load.chunk_blocks]
         parts = [i for i, load in enumerate(loads) if load.chunk_blocks]
         pins: list[ReadPin | None] = [None] * len(loads)
         if whole:
-            got = self.pool.call("acquire", lambda c: c.acquire([keys[i] for i in whole], self.namespace))
+            got = self.pool.call("acquire", lambda c: c.acquire([keys[i] for i in whole], self.namespace,
+                                                                verify_payload=False))
             if got is None:
                 return None
             for i, pin in zip(whole, got):
                 pins[i] = pin
         if parts:
-            got_parts = self.pool.call("acquire", lambda c: c.acquire_parts([keys[i] for i in parts], self.namespace))
+            got_parts = self.pool.call("acquire", lambda c: c.acquire_parts([keys[i] for i in parts], self.namespace,
+                                                                            verify_payload=False))
             if got_parts is None:
                 self.pool.call("release", lambda c: c.release(pins))
                 return None

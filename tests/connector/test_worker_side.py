@@ -7,6 +7,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -218,3 +219,33 @@ def test_a_chunk_shared_in_part_loads_its_leading_blocks(pool: PoolService) -> N
     for name in a_kv:
         assert torch.equal(b_kv[name][0:4], a_kv[name][3:7]) and torch.equal(b_kv[name][15], a_kv[name][3])
     assert b.pool.client.stats()["pins"] == 0
+
+
+def test_corrupt_payload_is_a_miss_recomputed_and_removed_from_the_pool(pool: PoolService) -> None:
+    """A chunk whose bytes changed after commit fails its checksum while being copied in: its
+    blocks are reported for recompute, the other chunk of the step loads, and the pool drops
+    the corrupt object so nobody loads it again."""
+    a, a_kv = make_worker(pool.address, 5)
+    b, b_kv = make_worker(pool.address, 6)
+    a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"good", [1, 2], {"chunk": 0}),
+                                          ChunkStore("r1", b"bad", [3, 4], {"chunk": 1})]))
+    settle(a)
+    assert a.take_counters().chunks_stored == 2
+    client = a.pool.client
+    (pin,) = client.acquire([b"bad/r0"], NS, verify_payload=False)
+    assert pin is not None and pin.checksum is not None
+    region = client._region.view  # flip one byte of the committed payload in the shared region
+    start = _address(pin.data) - _address(region)
+    region[start + 1000] = region[start + 1000] ^ 0x40
+    client.release([pin])
+    b.load(MaruConnectorMetadata(loads=[ChunkLoad("r9", b"good", [10, 11]), ChunkLoad("r9", b"bad", [12, 13])]))
+    assert b.take_failed_blocks() == {12, 13}
+    counters = b.take_counters()
+    assert counters.chunks_loaded == 1 and counters.load_failures == 1
+    for name in a_kv:
+        assert torch.equal(b_kv[name][10], a_kv[name][1])
+    assert client.lookup([b"good/r0", b"bad/r0"], namespace=NS) == [True, False]
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])

@@ -222,3 +222,19 @@ def test_parts_lookup_and_acquire_through_the_service(pool):
             c.commit([res], None, [[b"k" * 200] * 100])
         with pytest.raises(InvalidArgument, match="at most 256"):
             c.commit([res], None, [[b"k"] * 300])
+
+
+def test_release_without_waiting_unpins_and_later_calls_still_match_their_replies(pool):
+    """`release(wait=False)` sends the release and returns; its reply is read before the next
+    request's, so every later call still gets its own answer, and the pins are gone."""
+    with PoolClient.connect(pool.address) as c:
+        assert c.put(b"k-nowait", b"x" * 4096)
+        (pin,) = c.acquire([b"k-nowait"])
+        assert pin is not None and c.stats()["pins"] == 1
+        c.release([pin], wait=False)
+        c.release([pin], wait=False)  # already released: nothing is sent
+        assert c.stats()["pins"] == 0
+        (pin2,) = c.acquire([b"k-nowait"])
+        c.release([pin2], wait=False)
+        assert c.lookup([b"k-nowait", b"absent"]) == [True, False]
+        assert c.stats()["pins"] == 0
