@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from maru_vllm.connector.chunks import chunk_key
+from maru_vllm.connector.chunks import chunk_key, with_rank
 from maru_vllm.connector.cpu_amx import request_amx_permission
 from maru_vllm.connector.kernels import resolve_fused_load, resolve_lmcache_kernels
 from maru_vllm.connector.layouts import KVCacheSet, LayoutError
@@ -153,7 +153,7 @@ class MaruWorkerSide:
                 self.counters.store_failures += 1
                 continue
             to_commit.append(res)
-            metas.append({**store.meta, "rank": self.rank})
+            metas.append(with_rank(store.meta, self.rank))
         if not to_commit:
             return
         committed = self.pool.call("commit", lambda c: c.commit(to_commit, metas))

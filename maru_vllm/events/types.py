@@ -1,27 +1,30 @@
 """Typed forms of what the relay handles: pool events, pool snapshots, the block facts of one
 pool object, and the per-block changes the relay announces to Dynamo.
 
-Everything here is plain data; parsing is strict about structure and lenient about content
-that does not concern routing (an object whose `meta` is not a MaruKVConnector chunk simply
-carries no blocks and is never announced).
+Everything here is plain data. The wire shapes (events, snapshot pages, chunk metadata) are
+defined once in `maru_vllm.pool.messages`; this module only decodes them with those types and
+keeps what routing needs. Parsing is strict about structure and lenient about content that does
+not concern routing (an object whose `meta` is not a MaruKVConnector chunk simply carries no
+blocks and is never announced).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
+from maru_vllm.pool import messages as M
+
 #: The `meta["v"]` values of MaruKVConnector chunk metadata this relay understands.
-SUPPORTED_META_VERSIONS = frozenset({1})
+SUPPORTED_META_VERSIONS = M.SUPPORTED_CHUNK_META_VERSIONS
 
 ObjectId = tuple[str, str]  # (namespace, key hex): a pool object's identity
 
-
-class EventFormatError(ValueError):
-    """A pool event or snapshot that does not have the documented structure."""
+#: A pool event or snapshot that does not have the documented structure.
+EventFormatError = M.MessageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,27 +46,30 @@ class PoolChunk:
 
     @classmethod
     def from_meta(cls, meta: Any) -> PoolChunk | None:
-        """Parse chunk metadata; None when `meta` is not (a supported version of) it."""
-        if not isinstance(meta, Mapping) or meta.get("v") not in SUPPORTED_META_VERSIONS:
-            return None
+        """Parse chunk metadata (raw JSON as events/snapshots carry it, a `ChunkMeta`, or a dict);
+        None when `meta` is not (a supported version of) `messages.ChunkMeta`."""
         try:
-            hashes = tuple(bytes.fromhex(h) for h in meta["block_hashes"])
-            parent_hex = meta.get("parent_block_hash")
-            parent = bytes.fromhex(parent_hex) if parent_hex else None
-            block_size = int(meta["block_size"])
-            tokens = tuple(tuple(int(t) for t in block) for block in meta["token_ids"])
-            lora = meta.get("lora_name")
-            chunk = int(meta.get("chunk", 0))
-            rank = int(meta.get("rank", 0) or 0)
-        except (KeyError, TypeError, ValueError):
+            cm = cls.chunk_meta(meta)
+        except M.MessageError:
             return None
-        if not hashes or block_size <= 0 or len(tokens) != len(hashes):
-            return None
-        if any(len(block) != block_size for block in tokens) or any(not h for h in hashes):
-            return None
-        if lora is not None and not isinstance(lora, str):
-            return None
-        return cls(hashes, parent, tokens, block_size, lora, chunk, rank)
+        return cls(
+            tuple(bytes.fromhex(h) for h in cm.block_hashes),
+            bytes.fromhex(cm.parent_block_hash) if cm.parent_block_hash else None,
+            tuple(tuple(block) for block in cm.token_ids),
+            cm.block_size, cm.lora_name, cm.chunk, cm.rank,
+        )
+
+    @staticmethod
+    def chunk_meta(meta: Any) -> M.ChunkMeta:
+        """`meta` as a validated `ChunkMeta`; MessageError naming the problem when it is not one."""
+        if isinstance(meta, M.ChunkMeta):
+            return meta
+        if isinstance(meta, (msgspec.Raw, bytes, bytearray, memoryview)):
+            return M.decode_chunk_meta(meta)
+        try:
+            return msgspec.convert(meta, M.ChunkMeta)
+        except msgspec.ValidationError as exc:
+            raise M.MessageError(f"not MaruKVConnector chunk metadata: {exc}") from None
 
     def parent_of(self, i: int) -> bytes | None:
         """The hash of the block before block `i` of this chunk."""
@@ -84,11 +90,15 @@ class PoolObject:
         return (self.namespace, self.key)
 
     @classmethod
+    def from_info(cls, o: M.ObjectInfo) -> PoolObject:
+        return cls(o.namespace, o.key, o.size, o.meta)
+
+    @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PoolObject:
         try:
-            return cls(str(d["namespace"]), str(d["key"]), int(d.get("size", 0)), d.get("meta"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EventFormatError(f"bad pool object {d!r}: {exc}") from None
+            return cls.from_info(msgspec.convert(d, M.ObjectInfo))
+        except msgspec.ValidationError as exc:
+            raise EventFormatError(f"bad pool object: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,25 +112,12 @@ class PoolEvent:
     obj: PoolObject
 
     @classmethod
-    def from_dict(cls, d: Any) -> PoolEvent:
-        if not isinstance(d, Mapping):
-            raise EventFormatError(f"pool event is not an object: {d!r}")
-        kind = d.get("type")
-        if kind not in ("stored", "removed"):
-            raise EventFormatError(f"pool event type {kind!r} is not 'stored' or 'removed'")
-        try:
-            seq = int(d["seq"])
-            incarnation = str(d["incarnation"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EventFormatError(f"pool event without a valid seq/incarnation: {exc}") from None
-        return cls(kind, seq, incarnation, str(d.get("pool", "")), PoolObject.from_dict(d))
+    def from_msg(cls, m: M.PoolEventMsg) -> PoolEvent:
+        return cls(m.type, m.seq, m.incarnation, m.pool, PoolObject(m.namespace, m.key, m.size, m.meta))
 
     @classmethod
     def from_json(cls, data: bytes) -> PoolEvent:
-        try:
-            return cls.from_dict(msgspec.json.decode(data))
-        except msgspec.DecodeError as exc:
-            raise EventFormatError(f"pool event is not JSON: {exc}") from None
+        return cls.from_msg(M.decode_event(data))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,16 +130,20 @@ class PoolSnapshot:
     objects: tuple[PoolObject, ...]
 
     @classmethod
-    def from_dict(cls, d: Any) -> PoolSnapshot:
-        if not isinstance(d, Mapping):
-            raise EventFormatError(f"pool snapshot is not an object: {d!r}")
-        if "error" in d:
-            raise EventFormatError(f"pool answered the snapshot request with an error: {d['error']}")
-        try:
-            return cls(str(d.get("pool", "")), str(d["incarnation"]), int(d["seq"]),
-                       tuple(PoolObject.from_dict(o) for o in d["objects"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EventFormatError(f"bad pool snapshot: {exc}") from None
+    def from_pages(cls, pages: Iterable[M.SnapshotPage]) -> PoolSnapshot:
+        """Join pages into one snapshot; its `seq` is the first page's (see `SnapshotPage`)."""
+        first: M.SnapshotPage | None = None
+        objects: list[PoolObject] = []
+        for page in pages:
+            if first is None:
+                first = page
+            elif page.incarnation != first.incarnation:
+                raise EventFormatError(f"pool restarted during the snapshot ({first.incarnation} -> "
+                                       f"{page.incarnation})")
+            objects.extend(PoolObject.from_info(o) for o in page.objects)
+        if first is None:
+            raise EventFormatError("empty snapshot: no page")
+        return cls(first.pool, first.incarnation, first.seq, tuple(objects))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from maru_vllm.pool import messages as M
 from maru_vllm.pool import protocol as P
 from maru_vllm.pool.address import parse_address
 from maru_vllm.pool.errors import InvalidArgument, PoolError, PoolProtocolError, PoolUnavailable
@@ -133,7 +136,9 @@ class PoolClient:
             raise PoolUnavailable(f"cannot connect to pool at {self._address_text}: {exc}") from exc
         self._sock = sock
         try:
-            hello = self._roundtrip("hello", {"token": self.token, "client": "maru-client", "pid": os.getpid()})
+            hello = msgspec.structs.asdict(
+                self._roundtrip("hello", {"token": self.token, "client": "maru-client", "pid": os.getpid()})
+            )
             path = self._region_path_override or hello["region_path"]
             region = Region.attach(
                 path, size=hello["region_size"], region_uuid=hello["region_uuid"],
@@ -227,7 +232,11 @@ class PoolClient:
             sock.sendall(P.encode_request(req_id, op, args))
             n = P.LEN.unpack(_recv_exact(sock, 4))[0]
             if n > P.MAX_FRAME:
-                raise PoolProtocolError(f"reply frame of {n} bytes exceeds {P.MAX_FRAME}")
+                # The rest of that frame is still on the wire: this byte stream is out of step for
+                # good, so drop it; the next call reconnects.
+                self._drop_connection()
+                raise PoolProtocolError(f"reply frame of {n} bytes to {op} exceeds {P.MAX_FRAME}; "
+                                        "connection dropped")
             body = _recv_exact(sock, n)
         except (OSError, EOFError) as exc:
             self._drop_connection()
@@ -237,7 +246,7 @@ class PoolClient:
             reply = P.decode_reply(body)
         except P.FrameError as exc:
             self._drop_connection()
-            raise PoolProtocolError(str(exc)) from exc
+            raise PoolProtocolError(f"{exc}; connection dropped") from exc
         if reply.id != req_id:
             self._drop_connection()
             raise PoolProtocolError(f"reply id {reply.id} does not match request {req_id} ({op})")
@@ -248,7 +257,11 @@ class PoolClient:
                 self._drop_connection()
                 raise PoolUnavailable(f"{op}: {msg}")
             raise PoolProtocolError(f"{op} rejected by pool ({code}): {msg}", code)
-        return reply.result
+        try:
+            return M.decode_result(op, reply.result)
+        except M.MessageError as exc:
+            self._drop_connection()  # a peer that answers in a shape we do not know is not trusted further
+            raise PoolProtocolError(f"{exc}; connection dropped") from exc
 
     def _call(self, op: str, args: dict[str, Any]) -> Any:
         with self._lock:
@@ -290,20 +303,22 @@ class PoolClient:
                 if r is None:
                     out.append(None)
                     continue
-                oid, off, rsize = r
+                oid, off, rsize = r.oid, r.offset, r.size
                 out.append(Reservation(key, rsize, view[off : off + rsize], ns, oid, self._gen,
                                        view[off - OBJ_HEADER_SIZE : off]))
             return out
 
     def commit(
-        self, reservations: Sequence[Reservation], metas: Sequence[dict[str, Any] | None] | None = None
+        self, reservations: Sequence[Reservation], metas: Sequence[Any] | None = None
     ) -> list[bool]:
+        """Publish written reservations. Each meta (a JSON-shaped dict or msgspec Struct, e.g.
+        `messages.ChunkMeta`, or None) is stored as JSON and rides on events and snapshots."""
         if metas is not None and len(metas) != len(reservations):
             raise InvalidArgument(f"commit got {len(reservations)} reservations but {len(metas)} metas")
         with self._lock:
             self._ensure()
             send: list[int] = []
-            send_metas: list[dict[str, Any] | None] = []
+            send_metas: list[Any] = []
             idx: list[int] = []
             out = [False] * len(reservations)
             for i, r in enumerate(reservations):
@@ -342,7 +357,7 @@ class PoolClient:
                 if r is None:
                     out.append(None)
                     continue
-                oid, off, size = r
+                oid, off, size = r.oid, r.offset, r.size
                 payload = view[off : off + size]
                 problem = validate(view[off - OBJ_HEADER_SIZE : off], payload, oid, size, key_digest(ns, key))
                 if problem is not None:
@@ -367,7 +382,7 @@ class PoolClient:
             if oids and self._sock is not None:
                 self._roundtrip("release", {"oids": oids})
 
-    def put(self, key: bytes, data: Any, namespace: str = "default", meta: dict[str, Any] | None = None) -> bool:
+    def put(self, key: bytes, data: Any, namespace: str = "default", meta: Any = None) -> bool:
         """Store one object (reserve, copy into the region, commit). False if it was not stored
         (already present, or no space could be freed)."""
         src = memoryview(data).cast("B")
@@ -402,12 +417,44 @@ class PoolClient:
         return self._call("remove", {"ns": _ns(namespace), "keys": None if keys is None else _keys(keys)})
 
     def snapshot(self, namespace: str | None = None) -> list[dict[str, Any]]:
-        """Every visible object (namespace, key hex, size, meta)."""
+        """Every visible object (namespace, key hex, size, meta) as dicts (small pools, tools)."""
         return self.snapshot_full(namespace)["objects"]
 
     def snapshot_full(self, namespace: str | None = None) -> dict[str, Any]:
-        """The snapshot with the incarnation and the event `seq` it is consistent with."""
-        return self._call("snapshot", {"ns": None if namespace is None else _ns(namespace)})
+        """The snapshot as one dict, with the incarnation and the event `seq` it is consistent with
+        (see `snapshot_pages` for what that means across pages)."""
+        first: M.SnapshotPage | None = None
+        objects: list[dict[str, Any]] = []
+        for page in self.snapshot_pages(namespace):
+            first = first or page
+            objects.extend({"namespace": o.namespace, "key": o.key, "size": o.size,
+                            "meta": msgspec.json.decode(o.meta)} for o in page.objects)
+        assert first is not None
+        return {"pool": first.pool, "incarnation": first.incarnation, "seq": first.seq, "objects": objects}
+
+    def snapshot_pages(self, namespace: str | None = None, page_size: int = P.MAX_SNAPSHOT_PAGE) -> Iterator[M.SnapshotPage]:
+        """The visible objects, one `messages.SnapshotPage` (a few MiB at most) at a time, in commit
+        order. Apply the events after the FIRST page's `seq` on top of all pages to get the exact
+        current set (why that is exact: `SnapshotPage`). Raises PoolUnavailable if the pool
+        restarts (a new incarnation) between pages."""
+        ns = None if namespace is None else _ns(namespace)
+        after = 0
+        incarnation = None
+        while True:
+            data = self._call("snapshot", {"ns": ns, "after": after, "limit": page_size})
+            try:
+                page = M.decode_snapshot_page(data)
+            except M.MessageError as exc:
+                raise PoolProtocolError(str(exc)) from exc
+            if incarnation is None:
+                incarnation = page.incarnation
+            elif page.incarnation != incarnation:
+                raise PoolUnavailable(f"pool restarted during a snapshot (incarnation {incarnation} -> "
+                                      f"{page.incarnation}); take it again")
+            yield page
+            if page.next is None:
+                return
+            after = page.next
 
     def ping(self) -> None:
         self._call("ping", {})

@@ -8,6 +8,11 @@ refused and that connection is closed (its byte stream can no longer be trusted)
 
 Versioning: ``PROTOCOL_VERSION`` is checked on every request; a different version gets a
 ``bad_version`` error naming the versions the service speaks.
+
+Each op's result type (and every event, snapshot page and chunk metadata) is defined once in
+`maru_vllm.pool.messages`; the client decodes every reply's result with that type. The service
+never sends a reply above MAX_FRAME (it answers ``too_large`` instead), and a client that gets
+a frame it cannot trust drops the connection and reconnects.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ MAX_KEY = 256
 MAX_NAMESPACE = 128
 MAX_BATCH = 65536
 MAX_META_BYTES = 16 * 1024
+MAX_SNAPSHOT_PAGE = 16384  # objects per snapshot page
+SNAPSHOT_PAGE_BYTES = 4 * 1024 * 1024  # a page stops growing past this many bytes of object JSON
 LEN = struct.Struct(">I")
 
 Key = Annotated[bytes, msgspec.Meta(max_length=MAX_KEY)]
@@ -48,6 +55,16 @@ class Reply(msgspec.Struct, array_like=True):
     id: int
     ok: bool
     result: Any = None
+    error: ErrorInfo | None = None
+
+
+class RawReply(msgspec.Struct, array_like=True):
+    """A reply as the client first decodes it: `result` stays raw until the op's type decodes it."""
+
+    v: int
+    id: int
+    ok: bool
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")  # nil
     error: ErrorInfo | None = None
 
 
@@ -89,6 +106,8 @@ class RemoveArgs(msgspec.Struct):
 
 class SnapshotArgs(msgspec.Struct):
     ns: Namespace | None = None
+    after: Annotated[int, msgspec.Meta(ge=0)] = 0  # cursor: `next` of the previous page (0: first page)
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_SNAPSHOT_PAGE)] = MAX_SNAPSHOT_PAGE
 
 
 OP_ARGS: dict[str, type[msgspec.Struct]] = {
@@ -108,7 +127,7 @@ OP_ARGS: dict[str, type[msgspec.Struct]] = {
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
-_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_reply_decoder = msgspec.msgpack.Decoder(RawReply)
 _arg_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in OP_ARGS.items()}
 
 
@@ -154,7 +173,7 @@ def decode_args(op: str, raw: msgspec.Raw) -> msgspec.Struct:
         raise FrameError("bad_request", f"invalid arguments for {op!r}: {exc}") from exc
 
 
-def decode_reply(body: bytes) -> Reply:
+def decode_reply(body: bytes) -> RawReply:
     try:
         return _reply_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
