@@ -10,6 +10,7 @@ blocks and is never announced).
 
 from __future__ import annotations
 
+import array
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -27,18 +28,19 @@ ObjectId = tuple[str, str]  # (namespace, key hex): a pool object's identity
 EventFormatError = M.MessageError
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class PoolChunk:
     """The vLLM blocks one pool object holds, from its MaruKVConnector metadata.
 
     `block_hashes` are raw vLLM `BlockHash` bytes (what the connector hex-encodes), in prompt
-    order; `token_ids[i]` are the `block_size` tokens of block i; `parent_block_hash` is the
+    order; `tokens` are the blocks' token ids back to back (`block_size` per block, uint32: a
+    relay holds 10^6 chunks, and Python ints would cost 7x more); `parent_block_hash` is the
     hash of the block before the first one (None for the first chunk of a prompt).
     """
 
     block_hashes: tuple[bytes, ...]
     parent_block_hash: bytes | None
-    token_ids: tuple[tuple[int, ...], ...]
+    tokens: array.array
     block_size: int
     lora_name: str | None = None
     chunk_index: int = 0
@@ -50,14 +52,18 @@ class PoolChunk:
         None when `meta` is not (a supported version of) `messages.ChunkMeta`."""
         try:
             cm = cls.chunk_meta(meta)
-        except M.MessageError:
+            tokens = array.array("I", [t for block in cm.token_ids for t in block])
+        except (M.MessageError, OverflowError):
             return None
         return cls(
             tuple(bytes.fromhex(h) for h in cm.block_hashes),
             bytes.fromhex(cm.parent_block_hash) if cm.parent_block_hash else None,
-            tuple(tuple(block) for block in cm.token_ids),
-            cm.block_size, cm.lora_name, cm.chunk, cm.rank,
+            tokens, cm.block_size, cm.lora_name, cm.chunk, cm.rank,
         )
+
+    def tokens_of(self, first: int, end: int) -> tuple[int, ...]:
+        """The token ids of blocks first..end-1, flattened."""
+        return tuple(self.tokens[first * self.block_size:end * self.block_size])
 
     @staticmethod
     def chunk_meta(meta: Any) -> M.ChunkMeta:
@@ -76,7 +82,7 @@ class PoolChunk:
         return self.block_hashes[i - 1] if i > 0 else self.parent_block_hash
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class PoolObject:
     """One committed pool object as a snapshot or an event describes it."""
 
