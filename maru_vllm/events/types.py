@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -50,6 +51,8 @@ class PoolChunk:
     def from_meta(cls, meta: Any) -> PoolChunk | None:
         """Parse chunk metadata (raw JSON as events/snapshots carry it, a `ChunkMeta`, or a dict);
         None when `meta` is not (a supported version of) `messages.ChunkMeta`."""
+        if isinstance(meta, PoolChunk):
+            return meta  # parsed already (snapshots parse page by page, see PoolSnapshot.from_pages)
         try:
             cm = cls.chunk_meta(meta)
             tokens = array.array("I", [t for block in cm.token_ids for t in block])
@@ -61,9 +64,9 @@ class PoolChunk:
             tokens, cm.block_size, cm.lora_name, cm.chunk, cm.rank,
         )
 
-    def tokens_of(self, first: int, end: int) -> tuple[int, ...]:
-        """The token ids of blocks first..end-1, flattened."""
-        return tuple(self.tokens[first * self.block_size:end * self.block_size])
+    def tokens_of(self, first: int, end: int) -> array.array:
+        """The token ids of blocks first..end-1, flattened (a compact copy)."""
+        return self.tokens[first * self.block_size:end * self.block_size]
 
     @staticmethod
     def chunk_meta(meta: Any) -> M.ChunkMeta:
@@ -96,8 +99,13 @@ class PoolObject:
         return (self.namespace, self.key)
 
     @classmethod
-    def from_info(cls, o: M.ObjectInfo) -> PoolObject:
-        return cls(o.namespace, o.key, o.size, o.meta)
+    def from_info(cls, o: M.ObjectInfo, parse: bool = False) -> PoolObject:
+        """`parse`: keep the parsed `PoolChunk` instead of the raw metadata when it is one (a
+        snapshot of 10^6 objects then never holds all their JSON at once)."""
+        meta: Any = o.meta
+        if parse:
+            meta = PoolChunk.from_meta(meta) or meta
+        return cls(sys.intern(o.namespace), o.key, o.size, meta)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PoolObject:
@@ -146,7 +154,7 @@ class PoolSnapshot:
             elif page.incarnation != first.incarnation:
                 raise EventFormatError(f"pool restarted during the snapshot ({first.incarnation} -> "
                                        f"{page.incarnation})")
-            objects.extend(PoolObject.from_info(o) for o in page.objects)
+            objects.extend(PoolObject.from_info(o, parse=True) for o in page.objects)
         if first is None:
             raise EventFormatError("empty snapshot: no page")
         return cls(first.pool, first.incarnation, first.seq, tuple(objects))
@@ -158,7 +166,7 @@ class BlocksStored:
 
     block_hashes: tuple[bytes, ...]
     parent_block_hash: bytes | None
-    token_ids: tuple[int, ...]  # flattened, len == block_size * len(block_hashes)
+    token_ids: Sequence[int]  # flattened, len == block_size * len(block_hashes)
     block_size: int
     lora_name: str | None = None
 
