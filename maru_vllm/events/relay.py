@@ -102,6 +102,7 @@ class KvEventRelay:
         self._reannounce_after_s = reannounce_after_s
         self._reannounce_timers: list[asyncio.TimerHandle] = []
         self._resyncs = 0
+        self._joined_at: float | None = None  # loop time the first subscriber joined
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> str:
@@ -201,6 +202,7 @@ class KvEventRelay:
             self.stats.subscribers_joined += 1
             if not self._open:
                 self._open = True
+                self._joined_at = asyncio.get_running_loop().time()
                 held = list(self._held)
                 self._held.clear()
                 logger.info("Dynamo subscribed to the KV event relay at %s; sending %d held batches",
@@ -221,8 +223,18 @@ class KvEventRelay:
     def _on_pool_snapshot(self, snap: PoolSnapshot) -> None:
         self._announce(self.view.resync(snap))
         self._resyncs += 1
-        if self.view.blocks:  # the start-up sync too: see _subscription_loop
+        if not self.view.blocks:
+            return
+        if self._resyncs > 1 or self._publisher_is_new():
             self._schedule_reannounce()
+
+    def _publisher_is_new(self) -> bool:
+        """Whether Dynamo's router may not have discovered our subscriber's publisher yet (see
+        _subscription_loop); a large pool's start-up sync ends long after that."""
+        if self._joined_at is None:
+            return False  # held: the subscription loop schedules the repeat when it joins
+        window = max(self._reannounce_after_s, default=0.0)
+        return asyncio.get_running_loop().time() - self._joined_at < window
 
     def _schedule_reannounce(self) -> None:
         """Announce every pool block again a few seconds after a resync.

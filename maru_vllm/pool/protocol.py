@@ -178,7 +178,3 @@ def decode_reply(body: bytes) -> RawReply:
         return _reply_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FrameError("bad_frame", f"malformed reply frame: {exc}") from exc
-
-
-def encode_meta(meta: dict[str, Any] | None) -> bytes:
-    return _encoder.encode(meta)
