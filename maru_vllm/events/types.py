@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import itertools
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -55,7 +56,7 @@ class PoolChunk:
             return meta  # parsed already (snapshots parse page by page, see PoolSnapshot.from_pages)
         try:
             cm = cls.chunk_meta(meta)
-            tokens = array.array("I", [t for block in cm.token_ids for t in block])
+            tokens = array.array("I", itertools.chain.from_iterable(cm.token_ids))
         except (M.MessageError, OverflowError):
             return None
         return cls(
@@ -107,12 +108,6 @@ class PoolObject:
             meta = PoolChunk.from_meta(meta) or meta
         return cls(sys.intern(o.namespace), o.key, o.size, meta)
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PoolObject:
-        try:
-            return cls.from_info(msgspec.convert(d, M.ObjectInfo))
-        except msgspec.ValidationError as exc:
-            raise EventFormatError(f"bad pool object: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +174,3 @@ class BlocksRemoved:
 
 
 Announcement = BlocksStored | BlocksRemoved
-
-
-def flatten(blocks: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    return tuple(t for block in blocks for t in block)
