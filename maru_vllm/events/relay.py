@@ -102,7 +102,6 @@ class KvEventRelay:
         self._reannounce_after_s = reannounce_after_s
         self._reannounce_timers: list[asyncio.TimerHandle] = []
         self._resyncs = 0
-        self._joined_at: float | None = None  # loop time the first subscriber joined
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> str:
@@ -202,18 +201,12 @@ class KvEventRelay:
             self.stats.subscribers_joined += 1
             if not self._open:
                 self._open = True
-                self._joined_at = asyncio.get_running_loop().time()
                 held = list(self._held)
                 self._held.clear()
                 logger.info("Dynamo subscribed to the KV event relay at %s; sending %d held batches",
                             self.endpoint, len(held))
                 for payload in held:
                     self._send(payload)
-                if self.view.blocks:
-                    # Dynamo's router drops batches from a publisher it has not discovered yet (seen
-                    # with 1.6.1 and file discovery: "inactive or ambiguous source"), and ours has
-                    # just started: send the pool's blocks again once discovery has caught up.
-                    self._schedule_reannounce()
             else:
                 logger.info("another subscriber joined the KV event relay; re-announcing %d pool blocks",
                             len(self.view.blocks))
@@ -223,18 +216,8 @@ class KvEventRelay:
     def _on_pool_snapshot(self, snap: PoolSnapshot) -> None:
         self._announce(self.view.resync(snap))
         self._resyncs += 1
-        if not self.view.blocks:
-            return
-        if self._resyncs > 1 or self._publisher_is_new():
+        if self._resyncs > 1:  # the first one is the start-up sync, delivered via the held batches
             self._schedule_reannounce()
-
-    def _publisher_is_new(self) -> bool:
-        """Whether Dynamo's router may not have discovered our subscriber's publisher yet (see
-        _subscription_loop); a large pool's start-up sync ends long after that."""
-        if self._joined_at is None:
-            return False  # held: the subscription loop schedules the repeat when it joins
-        window = max(self._reannounce_after_s, default=0.0)
-        return asyncio.get_running_loop().time() - self._joined_at < window
 
     def _schedule_reannounce(self) -> None:
         """Announce every pool block again a few seconds after a resync.

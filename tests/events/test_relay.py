@@ -198,7 +198,6 @@ def test_blocks_are_announced_again_after_a_nats_outage(pool_service, nats, vllm
             reannounce_after_s=(0.5,),
         )
         down = Downstream(relay.endpoint)
-        wait_for(lambda: relay.source.synced, what="start-up sync")  # of the empty pool: nothing to repeat
         assert c.put(chunk_key(7, 0), b"x", namespace=NS, meta=chunk_meta(7, 0))
         down.wait(lambda d: len(d.events()) == 1, what="live store")
         down.pump(1.0)
@@ -216,26 +215,5 @@ def test_blocks_are_announced_again_after_a_nats_outage(pool_service, nats, vllm
         d_events = down.events
         # the resync announces the difference (chunk 8), then everything is repeated once
         down.wait(lambda d: stores_of(8) == 2 and stores_of(7) == 2, timeout=60, what="re-announcement")
-    finally:
-        c.close()
-
-
-def test_blocks_of_the_start_up_sync_are_announced_again(pool_service, nats, vllm_pub, relay_factory) -> None:
-    """Dynamo's router drops the batches of a publisher it has not discovered yet, and a worker's
-    publisher is brand new when the start-up snapshot goes out: the relay repeats it once."""
-    _nats_proc, url = nats
-    _pub, upstream = vllm_pub
-    c = pool_service.client()
-    try:
-        assert c.put(chunk_key(5, 0), b"x", namespace=NS, meta=chunk_meta(5, 0))  # in the pool before the relay
-        relay = relay_factory(
-            upstream=upstream, block_size=BLOCK, namespaces=NamespaceFilter(prefixes=("kv:m:",)),
-            pool=PoolSourceConfig(nats_url=url, pool_name=pool_service.name, probe_interval_s=60),
-            reannounce_after_s=(0.5,),
-        )
-        down = Downstream(relay.endpoint)
-        h = vf.external_hash(block_hash(5, 0))
-        down.wait(lambda d: sum(isinstance(e, vf.BlockStored) and e.block_hashes[0] == h for e in d.events()) == 2,
-                  what="start-up snapshot sent, then repeated")
     finally:
         c.close()
