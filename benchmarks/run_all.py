@@ -21,6 +21,7 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ("bench_pool.py", [], ["--iters", "300"]),
     ("bench_connector.py", [], ["--prompts", "1"]),
     ("routing_comparison.py", [], []),
+    ("bench_pool_scale.py", ["--chunks", "100000"], ["--chunks", "20000", "--live-chunks", "2000", "--lookups", "200"]),
 ]
 
 
