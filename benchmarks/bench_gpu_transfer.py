@@ -52,6 +52,7 @@ def main() -> int:
 
     from maru_vllm.connector import transfer
     from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
+    from maru_vllm.connector.chunks import placeholder_meta
     from maru_vllm.connector.pool_access import PoolAccess
     from maru_vllm.connector.worker import MaruWorkerSide
     from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port
@@ -97,7 +98,7 @@ def main() -> int:
                 for _ in range(args.repeats + 1):
                     n += 1
                     stores = [ChunkStore("r", f"{n}-{c}".encode(), list(range(c * bpc, (c + 1) * bpc)),
-                                         {"chunk": c}) for c in range(args.chunks)]
+                                         placeholder_meta(c)) for c in range(args.chunks)]
                     side.take_counters()
                     side.store(MaruConnectorMetadata(stores=stores))
                     c = side.take_counters()

@@ -42,6 +42,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata  # noqa: E402
+
+from maru_vllm.connector.chunks import placeholder_meta  # noqa: E402
 from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
 from maru_vllm.connector.worker import MaruWorkerSide  # noqa: E402
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port  # noqa: E402
@@ -87,7 +89,7 @@ class Rig:
         """`chunks` new chunks (fresh keys) over consecutive blocks, as a fresh request has."""
         self._n += 1
         return [ChunkStore(f"req{self._n}", f"k{self._n}-{c}".encode(),
-                           [BLOCKS_PER_CHUNK * c + b for b in range(BLOCKS_PER_CHUNK)], {"chunk": c})
+                           [BLOCKS_PER_CHUNK * c + b for b in range(BLOCKS_PER_CHUNK)], placeholder_meta(c))
                 for c in range(first_chunk, first_chunk + chunks)]
 
     def clear(self) -> None:

@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 from maru_vllm.connector import layouts  # noqa: E402
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata  # noqa: E402
+from maru_vllm.connector.chunks import placeholder_meta  # noqa: E402
 from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
 from maru_vllm.connector.worker import MaruWorkerSide  # noqa: E402
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port  # noqa: E402
@@ -92,7 +93,7 @@ def profile_load(tokens: int = 4096, repeats: int = 15, *, chunk_tokens: int = 2
         writer = side(1)
         keys = [f"chunk-{c}".encode() for c in range(chunks)]
         writer.store(MaruConnectorMetadata(stores=[
-            ChunkStore("w", keys[c], list(range(c * bpc, (c + 1) * bpc)), {"chunk": c}) for c in range(chunks)]))
+            ChunkStore("w", keys[c], list(range(c * bpc, (c + 1) * bpc)), placeholder_meta(c)) for c in range(chunks)]))
         if writer.take_counters().chunks_stored != chunks:
             raise RuntimeError("profile_load: storing the chunks failed")
         reader = side(2)

@@ -25,6 +25,7 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ("bench_store.py", ["--engines"], ["--repeats", "3"]),
     ("bench_gpu_transfer.py", [], ["--repeats", "3"]),  # exits 77 (skipped) without a CUDA device
     ("routing_comparison.py", [], []),
+    ("bench_pool_scale.py", ["--chunks", "100000"], ["--chunks", "20000", "--live-chunks", "2000", "--lookups", "200"]),
 ]
 
 

@@ -11,7 +11,8 @@ loads those blocks (the pool's part index, `PoolClient.lookup_parts` / `acquire_
 
 The metadata committed with a chunk carries what a KV event needs per block - the block
 hashes, the parent block hash, each block's token ids, the block size, the LoRA name - so the
-pool's events can be turned into router events without re-deriving anything.
+pool's events can be turned into router events without re-deriving anything. Its shape and
+version are defined once, as `maru_vllm.pool.messages.ChunkMeta`, which the event relay decodes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-META_VERSION = 1
+import msgspec
+
+from maru_vllm.pool.messages import CHUNK_META_VERSION as META_VERSION
+from maru_vllm.pool.messages import ChunkMeta
 
 
 def hash_bytes(block_hash: Any) -> bytes:
@@ -71,17 +75,35 @@ class ChunkGeometry:
         token_ids: Sequence[int],
         chunk_index: int,
         lora_name: str | None,
-    ) -> dict[str, Any]:
-        """The per-block facts committed with chunk `chunk_index` (see module docstring)."""
+    ) -> ChunkMeta:
+        """The per-block facts committed with chunk `chunk_index` (see module docstring); the
+        worker sets `rank` (`with_rank`)."""
         first = chunk_index * self.blocks_per_chunk
         blocks = range(first, first + self.blocks_per_chunk)
         bs = self.block_size
-        return {
-            "v": META_VERSION,
-            "chunk": chunk_index,
-            "block_size": bs,
-            "block_hashes": [hash_bytes(block_hashes[b]).hex() for b in blocks],
-            "parent_block_hash": hash_bytes(block_hashes[first - 1]).hex() if first > 0 else None,
-            "token_ids": [list(token_ids[b * bs:(b + 1) * bs]) for b in blocks],
-            "lora_name": lora_name,
-        }
+        return ChunkMeta(
+            v=META_VERSION,
+            chunk=chunk_index,
+            block_size=bs,
+            block_hashes=[hash_bytes(block_hashes[b]).hex() for b in blocks],
+            parent_block_hash=hash_bytes(block_hashes[first - 1]).hex() if first > 0 else None,
+            token_ids=[list(token_ids[b * bs:(b + 1) * bs]) for b in blocks],
+            lora_name=lora_name,
+        )
+
+
+def with_rank(meta: ChunkMeta, rank: int) -> ChunkMeta:
+    """The metadata one rank commits with its slice of a chunk."""
+    return msgspec.structs.replace(meta, rank=rank)
+
+
+def placeholder_meta(chunk_index: int, blocks_per_chunk: int = 2, block_size: int = 4) -> ChunkMeta:
+    """Well-formed metadata for chunks stored without a scheduler (benchmarks, tests): made-up
+    block hashes and token ids, chained like a real prompt's."""
+    first = chunk_index * blocks_per_chunk
+    return ChunkMeta(
+        v=META_VERSION, chunk=chunk_index, block_size=block_size,
+        block_hashes=[f"{first + b:032x}" for b in range(blocks_per_chunk)],
+        parent_block_hash=f"{first - 1:032x}" if chunk_index else None,
+        token_ids=[[(first + b) * block_size + t for t in range(block_size)] for b in range(blocks_per_chunk)],
+    )

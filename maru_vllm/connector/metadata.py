@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from maru_vllm.pool.messages import ChunkMeta
 
 
 @dataclasses.dataclass
@@ -32,7 +33,7 @@ class ChunkStore:
     req_id: str
     key: bytes
     block_ids: list[int]
-    meta: dict[str, Any]
+    meta: ChunkMeta
     parts: list[bytes] = dataclasses.field(default_factory=list)  # rank-less part keys (ChunkGeometry.part_hashes)
 
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from maru_vllm.connector.chunks import chunk_key
+from maru_vllm.connector.chunks import chunk_key, with_rank
 from maru_vllm.connector.cuda_host import HostRegistry
 from maru_vllm.connector.layouts import LayoutError
 from maru_vllm.connector.metadata import ChunkStore
@@ -206,7 +206,7 @@ class StoreWriter:
                         counters.store_failures += 1
                         continue
                     to_commit.append(res)
-                    metas.append({**store.meta, "rank": self.rank})
+                    metas.append(with_rank(store.meta, self.rank))
                     parts.append([chunk_key(h, self.rank) for h in store.parts])
                 if self._stream is not None:
                     self._stream.synchronize()  # the bytes are in the region before any commit

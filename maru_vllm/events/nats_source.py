@@ -10,8 +10,9 @@ apply it). It resyncs from a snapshot - and only then delivers events again - wh
 * reconnects to NATS after an outage (events sent meanwhile never reached us),
 * probes an idle pool and finds a newer incarnation or a `seq` beyond what it applied.
 
-Snapshots come from the socket `snapshot` op when a pool address is known (no size limit),
-else from the NATS request `maru.<pool>.snapshot`. Probes use the NATS request with a
+Snapshots come page by page (`messages.SnapshotPage`) from the socket `snapshot` op when a pool
+address is known, else from the NATS request `maru.<pool>.snapshot`; either way a snapshot of any
+size arrives in bounded messages. Probes use the NATS request with a
 namespace no object has, so they are cheap. Nothing here ever raises into the owner; while
 NATS or the pool is unreachable the owner's view simply stays as it is ("paused").
 """
@@ -28,6 +29,7 @@ import msgspec
 
 from maru_vllm.events.types import EventFormatError, PoolEvent, PoolSnapshot
 from maru_vllm.pool.events import events_subject, snapshot_subject
+from maru_vllm.pool.messages import SnapshotPage, decode_snapshot_page
 
 logger = logging.getLogger(__name__)
 
@@ -265,22 +267,29 @@ class PoolEventSource:
 
     async def _snapshot(self, namespace: str | None) -> PoolSnapshot:
         if self.config.pool_address:
-            return PoolSnapshot.from_dict(await asyncio.to_thread(self._socket_snapshot, namespace))
-        return PoolSnapshot.from_dict(await self._nats_snapshot(namespace))
+            return await asyncio.to_thread(self._socket_snapshot, namespace)
+        pages = []
+        after = 0
+        while True:  # page by page: each NATS reply stays under the server's max payload
+            page = await self._nats_snapshot_page(namespace, after)
+            pages.append(page)
+            if page.next is None:
+                return PoolSnapshot.from_pages(pages)
+            after = page.next
 
-    def _socket_snapshot(self, namespace: str | None) -> dict[str, Any]:
+    def _socket_snapshot(self, namespace: str | None) -> PoolSnapshot:
         from maru_vllm.pool import PoolClient
 
         assert self.config.pool_address is not None
         with PoolClient.connect(self.config.pool_address, self.config.pool_token,
                                 timeout=self.config.request_timeout_s, heartbeat=False, populate=False) as c:
-            return c.snapshot_full(namespace)
+            return PoolSnapshot.from_pages(c.snapshot_pages(namespace))
 
-    async def _nats_snapshot(self, namespace: str | None) -> dict[str, Any]:
-        body = msgspec.json.encode({} if namespace is None else {"namespace": namespace})
+    async def _nats_snapshot_page(self, namespace: str | None, after: int = 0) -> SnapshotPage:
+        body = msgspec.json.encode({"namespace": namespace, "after": after})
         reply = await self._nc.request(snapshot_subject(self.config.pool_name), body,
                                        timeout=self.config.request_timeout_s)
-        return msgspec.json.decode(reply.data)
+        return decode_snapshot_page(reply.data)
 
     async def _probe(self) -> None:
         """Idle check: has the pool restarted, or moved past what we applied?"""
@@ -288,8 +297,8 @@ class PoolEventSource:
             return
         self.stats.probes += 1
         try:
-            d = await self._nats_snapshot(PROBE_NAMESPACE)
-            incarnation, seq = str(d["incarnation"]), int(d["seq"])
+            page = await self._nats_snapshot_page(PROBE_NAMESPACE)
+            incarnation, seq = page.incarnation, page.seq
         except Exception as exc:
             logger.debug("pool probe failed: %s", exc)
             return

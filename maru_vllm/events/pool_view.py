@@ -27,7 +27,6 @@ from maru_vllm.events.types import (
     PoolEvent,
     PoolObject,
     PoolSnapshot,
-    flatten,
 )
 
 logger = logging.getLogger(__name__)
@@ -203,7 +202,7 @@ def _runs(chunk: PoolChunk, fresh: list[bool]) -> list[Announcement]:
         out.append(BlocksStored(
             block_hashes=chunk.block_hashes[i:j],
             parent_block_hash=chunk.parent_of(i),
-            token_ids=flatten(chunk.token_ids[i:j]),
+            token_ids=chunk.tokens_of(i, j),
             block_size=chunk.block_size,
             lora_name=chunk.lora_name,
         ))

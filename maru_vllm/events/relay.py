@@ -27,7 +27,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 import zmq
@@ -36,12 +36,13 @@ import zmq.asyncio
 from maru_vllm.events import vllm_format as vf
 from maru_vllm.events.nats_source import PoolEventSource, PoolSourceConfig
 from maru_vllm.events.pool_view import NamespaceFilter, PoolView
-from maru_vllm.events.types import Announcement, BlocksStored, PoolEvent, PoolSnapshot
+from maru_vllm.events.types import Announcement, BlocksRemoved, BlocksStored, PoolEvent, PoolSnapshot
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEFAULT_MEDIUM = "CPU_PINNED"
+MAX_BATCH_BLOCKS = 1024  # blocks per KVEventBatch the relay sends (a removal of many blocks is split too)
 
 
 @dataclasses.dataclass
@@ -242,8 +243,20 @@ class KvEventRelay:
 
     # -- output ----------------------------------------------------------------------------
     def _announce(self, announcements: list[Announcement]) -> None:
-        if not announcements:
-            return
+        """Send announcements as KVEventBatches of at most MAX_BATCH_BLOCKS blocks each (a resync
+        of 10^6 chunks must not become one gigabyte-sized message for Dynamo's publisher)."""
+        batch: list[Announcement] = []
+        blocks = 0
+        for a in _split_removals(announcements):
+            batch.append(a)
+            blocks += len(a.block_hashes)
+            if blocks >= MAX_BATCH_BLOCKS:
+                self._announce_batch(batch)
+                batch, blocks = [], 0
+        if batch:
+            self._announce_batch(batch)
+
+    def _announce_batch(self, announcements: list[Announcement]) -> None:
         try:
             payload = vf.encode_announcements(announcements, self.medium, data_parallel_rank=self.dp_rank)
         except Exception:
@@ -279,6 +292,15 @@ class KvEventRelay:
             return
         self._seq += 1
         self.stats.sent += 1
+
+
+def _split_removals(announcements: list[Announcement]) -> Iterator[Announcement]:
+    for a in announcements:
+        if isinstance(a, BlocksRemoved) and len(a.block_hashes) > MAX_BATCH_BLOCKS:
+            for i in range(0, len(a.block_hashes), MAX_BATCH_BLOCKS):
+                yield BlocksRemoved(a.block_hashes[i:i + MAX_BATCH_BLOCKS])
+        else:
+            yield a
 
 
 class RelayThread:

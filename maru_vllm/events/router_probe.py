@@ -5,7 +5,8 @@ starts its own Dynamo `KvRouter` on the workers' endpoint (it learns the same KV
 frontend's router does, and recovers existing state from the workers' local indexers), prints
 `ready`, then answers each stdin line `{"token_ids": [...]}` with one JSON line: Dynamo's
 `get_overlap_scores` result (`workers`: rows with `worker_id`, `dp_rank`, `device_blocks`,
-`host_pinned_blocks`, `disk_blocks`, ...). Run it with the graph's environment (discovery,
+`host_pinned_blocks`, `disk_blocks`, ...; plus `probe_lookup_s`, the time the router call took).
+Run it with the graph's environment (discovery,
 NATS, DYN_EVENT_PLANE). A diagnostic for operators and the end-to-end tests.
 """
 
@@ -16,6 +17,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -40,7 +42,9 @@ async def _serve(args: argparse.Namespace) -> None:
             continue
         try:
             req = json.loads(line)
+            t0 = time.perf_counter()
             scores = await router.get_overlap_scores(list(req["token_ids"]))
+            scores["probe_lookup_s"] = time.perf_counter() - t0  # the router call alone, no pipe/JSON
             print(json.dumps(scores, default=str), flush=True)
         except Exception as exc:  # keep answering
             print(json.dumps({"error": str(exc)}), flush=True)

@@ -1,41 +1,48 @@
 """Typed forms of what the relay handles: pool events, pool snapshots, the block facts of one
 pool object, and the per-block changes the relay announces to Dynamo.
 
-Everything here is plain data; parsing is strict about structure and lenient about content
-that does not concern routing (an object whose `meta` is not a MaruKVConnector chunk simply
-carries no blocks and is never announced).
+Everything here is plain data. The wire shapes (events, snapshot pages, chunk metadata) are
+defined once in `maru_vllm.pool.messages`; this module only decodes them with those types and
+keeps what routing needs. Parsing is strict about structure and lenient about content that does
+not concern routing (an object whose `meta` is not a MaruKVConnector chunk simply carries no
+blocks and is never announced).
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
-from collections.abc import Mapping, Sequence
+import itertools
+import sys
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
 
+from maru_vllm.pool import messages as M
+
 #: The `meta["v"]` values of MaruKVConnector chunk metadata this relay understands.
-SUPPORTED_META_VERSIONS = frozenset({1})
+SUPPORTED_META_VERSIONS = M.SUPPORTED_CHUNK_META_VERSIONS
 
 ObjectId = tuple[str, str]  # (namespace, key hex): a pool object's identity
 
+#: A pool event or snapshot that does not have the documented structure.
+EventFormatError = M.MessageError
 
-class EventFormatError(ValueError):
-    """A pool event or snapshot that does not have the documented structure."""
 
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class PoolChunk:
     """The vLLM blocks one pool object holds, from its MaruKVConnector metadata.
 
     `block_hashes` are raw vLLM `BlockHash` bytes (what the connector hex-encodes), in prompt
-    order; `token_ids[i]` are the `block_size` tokens of block i; `parent_block_hash` is the
+    order; `tokens` are the blocks' token ids back to back (`block_size` per block, uint32: a
+    relay holds 10^6 chunks, and Python ints would cost 7x more); `parent_block_hash` is the
     hash of the block before the first one (None for the first chunk of a prompt).
     """
 
     block_hashes: tuple[bytes, ...]
     parent_block_hash: bytes | None
-    token_ids: tuple[tuple[int, ...], ...]
+    tokens: array.array
     block_size: int
     lora_name: str | None = None
     chunk_index: int = 0
@@ -43,34 +50,43 @@ class PoolChunk:
 
     @classmethod
     def from_meta(cls, meta: Any) -> PoolChunk | None:
-        """Parse chunk metadata; None when `meta` is not (a supported version of) it."""
-        if not isinstance(meta, Mapping) or meta.get("v") not in SUPPORTED_META_VERSIONS:
-            return None
+        """Parse chunk metadata (raw JSON as events/snapshots carry it, a `ChunkMeta`, or a dict);
+        None when `meta` is not (a supported version of) `messages.ChunkMeta`."""
+        if isinstance(meta, PoolChunk):
+            return meta  # parsed already (snapshots parse page by page, see PoolSnapshot.from_pages)
         try:
-            hashes = tuple(bytes.fromhex(h) for h in meta["block_hashes"])
-            parent_hex = meta.get("parent_block_hash")
-            parent = bytes.fromhex(parent_hex) if parent_hex else None
-            block_size = int(meta["block_size"])
-            tokens = tuple(tuple(int(t) for t in block) for block in meta["token_ids"])
-            lora = meta.get("lora_name")
-            chunk = int(meta.get("chunk", 0))
-            rank = int(meta.get("rank", 0) or 0)
-        except (KeyError, TypeError, ValueError):
+            cm = cls.chunk_meta(meta)
+            tokens = array.array("I", itertools.chain.from_iterable(cm.token_ids))
+        except (M.MessageError, OverflowError):
             return None
-        if not hashes or block_size <= 0 or len(tokens) != len(hashes):
-            return None
-        if any(len(block) != block_size for block in tokens) or any(not h for h in hashes):
-            return None
-        if lora is not None and not isinstance(lora, str):
-            return None
-        return cls(hashes, parent, tokens, block_size, lora, chunk, rank)
+        return cls(
+            tuple(bytes.fromhex(h) for h in cm.block_hashes),
+            bytes.fromhex(cm.parent_block_hash) if cm.parent_block_hash else None,
+            tokens, cm.block_size, cm.lora_name, cm.chunk, cm.rank,
+        )
+
+    def tokens_of(self, first: int, end: int) -> array.array:
+        """The token ids of blocks first..end-1, flattened (a compact copy)."""
+        return self.tokens[first * self.block_size:end * self.block_size]
+
+    @staticmethod
+    def chunk_meta(meta: Any) -> M.ChunkMeta:
+        """`meta` as a validated `ChunkMeta`; MessageError naming the problem when it is not one."""
+        if isinstance(meta, M.ChunkMeta):
+            return meta
+        if isinstance(meta, (msgspec.Raw, bytes, bytearray, memoryview)):
+            return M.decode_chunk_meta(meta)
+        try:
+            return msgspec.convert(meta, M.ChunkMeta)
+        except msgspec.ValidationError as exc:
+            raise M.MessageError(f"not MaruKVConnector chunk metadata: {exc}") from None
 
     def parent_of(self, i: int) -> bytes | None:
         """The hash of the block before block `i` of this chunk."""
         return self.block_hashes[i - 1] if i > 0 else self.parent_block_hash
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class PoolObject:
     """One committed pool object as a snapshot or an event describes it."""
 
@@ -84,11 +100,14 @@ class PoolObject:
         return (self.namespace, self.key)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PoolObject:
-        try:
-            return cls(str(d["namespace"]), str(d["key"]), int(d.get("size", 0)), d.get("meta"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EventFormatError(f"bad pool object {d!r}: {exc}") from None
+    def from_info(cls, o: M.ObjectInfo, parse: bool = False) -> PoolObject:
+        """`parse`: keep the parsed `PoolChunk` instead of the raw metadata when it is one (a
+        snapshot of 10^6 objects then never holds all their JSON at once)."""
+        meta: Any = o.meta
+        if parse:
+            meta = PoolChunk.from_meta(meta) or meta
+        return cls(sys.intern(o.namespace), o.key, o.size, meta)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,25 +121,12 @@ class PoolEvent:
     obj: PoolObject
 
     @classmethod
-    def from_dict(cls, d: Any) -> PoolEvent:
-        if not isinstance(d, Mapping):
-            raise EventFormatError(f"pool event is not an object: {d!r}")
-        kind = d.get("type")
-        if kind not in ("stored", "removed"):
-            raise EventFormatError(f"pool event type {kind!r} is not 'stored' or 'removed'")
-        try:
-            seq = int(d["seq"])
-            incarnation = str(d["incarnation"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EventFormatError(f"pool event without a valid seq/incarnation: {exc}") from None
-        return cls(kind, seq, incarnation, str(d.get("pool", "")), PoolObject.from_dict(d))
+    def from_msg(cls, m: M.PoolEventMsg) -> PoolEvent:
+        return cls(m.type, m.seq, m.incarnation, m.pool, PoolObject(m.namespace, m.key, m.size, m.meta))
 
     @classmethod
     def from_json(cls, data: bytes) -> PoolEvent:
-        try:
-            return cls.from_dict(msgspec.json.decode(data))
-        except msgspec.DecodeError as exc:
-            raise EventFormatError(f"pool event is not JSON: {exc}") from None
+        return cls.from_msg(M.decode_event(data))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,16 +139,20 @@ class PoolSnapshot:
     objects: tuple[PoolObject, ...]
 
     @classmethod
-    def from_dict(cls, d: Any) -> PoolSnapshot:
-        if not isinstance(d, Mapping):
-            raise EventFormatError(f"pool snapshot is not an object: {d!r}")
-        if "error" in d:
-            raise EventFormatError(f"pool answered the snapshot request with an error: {d['error']}")
-        try:
-            return cls(str(d.get("pool", "")), str(d["incarnation"]), int(d["seq"]),
-                       tuple(PoolObject.from_dict(o) for o in d["objects"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EventFormatError(f"bad pool snapshot: {exc}") from None
+    def from_pages(cls, pages: Iterable[M.SnapshotPage]) -> PoolSnapshot:
+        """Join pages into one snapshot; its `seq` is the first page's (see `SnapshotPage`)."""
+        first: M.SnapshotPage | None = None
+        objects: list[PoolObject] = []
+        for page in pages:
+            if first is None:
+                first = page
+            elif page.incarnation != first.incarnation:
+                raise EventFormatError(f"pool restarted during the snapshot ({first.incarnation} -> "
+                                       f"{page.incarnation})")
+            objects.extend(PoolObject.from_info(o, parse=True) for o in page.objects)
+        if first is None:
+            raise EventFormatError("empty snapshot: no page")
+        return cls(first.pool, first.incarnation, first.seq, tuple(objects))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +161,7 @@ class BlocksStored:
 
     block_hashes: tuple[bytes, ...]
     parent_block_hash: bytes | None
-    token_ids: tuple[int, ...]  # flattened, len == block_size * len(block_hashes)
+    token_ids: Sequence[int]  # flattened, len == block_size * len(block_hashes)
     block_size: int
     lora_name: str | None = None
 
@@ -164,7 +174,3 @@ class BlocksRemoved:
 
 
 Announcement = BlocksStored | BlocksRemoved
-
-
-def flatten(blocks: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    return tuple(t for block in blocks for t in block)

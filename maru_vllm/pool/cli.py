@@ -12,7 +12,8 @@ from typing import Any
 
 from maru_vllm.pool.address import parse_address
 from maru_vllm.pool.auth import read_token_file
-from maru_vllm.pool.errors import PoolError
+from maru_vllm.pool.errors import InvalidArgument, PoolError
+from maru_vllm.pool.index import DEFAULT_MAX_OBJECTS, DEFAULT_METADATA_BUDGET
 from maru_vllm.pool.region import BACKENDS, RegionError, parse_size, validate_pool_name
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,12 @@ def _group(text: str) -> int:
         raise ValueError(f"invalid group {text!r}: no such group (use a group name or a numeric gid)") from exc
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"invalid count {text!r}: use an integer >= 1")
+    return int(text)
+
+
 def _address(text: str) -> str:
     parse_address(text)
     return text
@@ -99,6 +106,12 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--lease-seconds", type=_arg_type(_seconds, "seconds"), default=30.0,
                        help="release a silent client's reservations and pins after this long (default 30)")
     serve.add_argument("--group", type=_arg_type(_group, "group"), help="make the region and socket group-accessible (0660)")
+    serve.add_argument("--max-objects", type=_arg_type(_positive_int, "object count"), default=DEFAULT_MAX_OBJECTS,
+                       help="most objects the pool indexes; beyond it LRU objects are evicted, and a store is "
+                            f"skipped when none can be (default {DEFAULT_MAX_OBJECTS})")
+    serve.add_argument("--metadata-budget", type=_arg_type(parse_size, "size"), default=DEFAULT_METADATA_BUDGET,
+                       help="service memory for object metadata (keys + meta JSON): bytes, 512M, 1G; beyond it LRU "
+                            "objects are evicted, and a store is skipped when none can be (default 1G)")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     serve.add_argument("--force", action="store_true",
                        help="replace a file at the region path even if it is not a Maru region")
@@ -153,6 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             group=args.group, force=args.force, hello_timeout_s=args.hello_timeout,
             max_connections=args.max_connections, session_reserve_limit=args.session_reserve_limit,
             session_pin_limit=args.session_pin_limit, max_pins_per_object=args.max_pins_per_object,
+            max_objects=args.max_objects, metadata_budget=args.metadata_budget,
         )
         return asyncio.run(serve(cfg))
     except (RegionError, PoolError, OSError) as exc:
@@ -182,7 +196,8 @@ def cmd_clear(args: argparse.Namespace) -> int:
 
     try:
         with PoolClient.connect(args.address, _read_token(args.token_file), timeout=args.timeout, heartbeat=False) as c:
-            namespaces = [args.namespace] if not args.all else sorted({o["namespace"] for o in c.snapshot()})
+            namespaces = [args.namespace] if not args.all else sorted(
+                {o.namespace for page in c.snapshot_pages() for o in page.objects})
             removed = sum(c.remove(None, namespace=ns) for ns in namespaces)
     except PoolError as exc:
         print(f"maru-dynamo pool clear: error: {exc}", file=sys.stderr)
@@ -208,7 +223,8 @@ def format_status(st: dict[str, Any]) -> str:
         ("region", f"{st.get('region_path')} ({st.get('backend')})"),
         ("capacity", _human(st.get("capacity_bytes", 0))),
         ("allocated", f"{_human(st.get('allocated_bytes', 0))} ({100 * st.get('allocated_bytes', 0) / cap:.1f}%)"),
-        ("objects", f"{st.get('objects', 0)} ({_human(st.get('object_bytes', 0))})"),
+        ("objects", f"{st.get('objects', 0)} ({_human(st.get('object_bytes', 0))}), at most {st.get('max_objects', 0)}"),
+        ("metadata", f"{_human(st.get('metadata_bytes', 0))} of {_human(st.get('metadata_budget_bytes', 0))}"),
         ("reserved", f"{st.get('reserved', 0)} ({_human(st.get('reserved_bytes', 0))})"),
         ("pinned", st.get("pinned", 0)),
         ("sessions", st.get("sessions", 0)),

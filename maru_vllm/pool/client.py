@@ -29,6 +29,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from maru_vllm.pool import messages as M
 from maru_vllm.pool import protocol as P
 from maru_vllm.pool.address import peer_credentials, parse_address
 from maru_vllm.pool.errors import InvalidArgument, PoolError, PoolProtocolError, PoolUnavailable
@@ -180,7 +183,9 @@ class PoolClient:
             raise PoolUnavailable(f"cannot connect to pool at {self._address_text}: {exc}") from exc
         self._sock = sock
         try:
-            hello = self._roundtrip("hello", {"token": self.token, "client": "maru-client", "pid": os.getpid()})
+            hello = msgspec.structs.asdict(
+                self._roundtrip("hello", {"token": self.token, "client": "maru-client", "pid": os.getpid()})
+            )
             path = self._region_path_override or hello["region_path"]
             region = Region.attach(
                 path, size=hello["region_size"], region_uuid=hello["region_uuid"],
@@ -310,7 +315,11 @@ class PoolClient:
         try:
             n = P.LEN.unpack(_recv_exact(sock, 4))[0]
             if n > P.MAX_FRAME:
-                raise PoolProtocolError(f"reply frame of {n} bytes exceeds {P.MAX_FRAME}")
+                # The rest of that frame is still on the wire: this byte stream is out of step for
+                # good, so drop it; the next call reconnects.
+                self._drop_connection()
+                raise PoolProtocolError(f"reply frame of {n} bytes to {op} exceeds {P.MAX_FRAME}; "
+                                        "connection dropped")
             body = _recv_exact(sock, n)
         except (OSError, EOFError) as exc:
             self._drop_connection()
@@ -320,7 +329,7 @@ class PoolClient:
             reply = P.decode_reply(body)
         except P.FrameError as exc:
             self._drop_connection()
-            raise PoolProtocolError(str(exc)) from exc
+            raise PoolProtocolError(f"{exc}; connection dropped") from exc
         if reply.id == 0 and not reply.ok:  # about the connection, not a request: it is being closed
             self._drop_connection()
             self._raise_connection_error(op, reply)
@@ -334,9 +343,13 @@ class PoolClient:
                 self._drop_connection()
                 raise PoolUnavailable(f"{op}: {msg}")
             raise PoolProtocolError(f"{op} rejected by pool ({code}): {msg}", code)
-        return reply.result
+        try:
+            return M.decode_result(op, reply.result)
+        except M.MessageError as exc:
+            self._drop_connection()  # a peer that answers in a shape we do not know is not trusted further
+            raise PoolProtocolError(f"{exc}; connection dropped") from exc
 
-    def _raise_connection_error(self, op: str, reply: P.Reply) -> None:
+    def _raise_connection_error(self, op: str, reply: P.RawReply) -> None:
         code, msg = (reply.error.code, reply.error.message) if reply.error else ("unknown", "no error detail")
         if code == "too_many_connections":
             raise PoolUnavailable(f"pool at {self._address_text} refused the connection ({code}): {msg}")
@@ -387,7 +400,7 @@ class PoolClient:
                 if r is None:
                     out.append(None)
                     continue
-                oid, off, rsize = r
+                oid, off, rsize = r.oid, r.offset, r.size
                 out.append(Reservation(key, rsize, view[off : off + rsize], ns, oid, self._gen,
                                        view[off - OBJ_HEADER_SIZE : off]))
             return out
@@ -395,11 +408,13 @@ class PoolClient:
     def commit(
         self,
         reservations: Sequence[Reservation],
-        metas: Sequence[dict[str, Any] | None] | None = None,
+        metas: Sequence[Any] | None = None,
         parts: Sequence[Sequence[bytes] | None] | None = None,
     ) -> list[bool]:
-        """Publish reservations with their metadata; `parts[i][j]` (optional) is a key naming the
-        first j + 1 units of object i, for `lookup_parts` / `acquire_parts`."""
+        """Publish written reservations. Each meta (a JSON-shaped dict or msgspec Struct, e.g.
+        `messages.ChunkMeta`, or None) is stored as JSON and rides on events and snapshots;
+        `parts[i][j]` (optional) is a key naming the first j + 1 units of object i, for
+        `lookup_parts` / `acquire_parts`."""
         if metas is not None and len(metas) != len(reservations):
             raise InvalidArgument(f"commit got {len(reservations)} reservations but {len(metas)} metas")
         if parts is not None and len(parts) != len(reservations):
@@ -411,7 +426,7 @@ class PoolClient:
         with self._lock:
             self._ensure()
             send: list[int] = []
-            send_metas: list[dict[str, Any] | None] = []
+            send_metas: list[Any] = []
             send_parts: list[list[bytes] | None] = []
             idx: list[int] = []
             out = [False] * len(reservations)
@@ -464,8 +479,7 @@ class PoolClient:
                 if r is None:
                     out.append(None)
                     continue
-                oid, off, size = r
-                out.append(self._pin(ReadPin, view, ns, key, oid, off, size, bad, verify_payload))
+                out.append(self._pin(ReadPin, view, ns, key, r.oid, r.offset, r.size, bad, verify_payload))
             if bad:
                 self._roundtrip("release", {"oids": bad, "bad": bad})
             return out
@@ -488,8 +502,8 @@ class PoolClient:
                 if r is None:
                     out.append(None)
                     continue
-                oid, off, size, key, units = r
-                out.append(self._pin(PartPin, view, ns, key, oid, off, size, bad, verify_payload, units=units))
+                out.append(self._pin(PartPin, view, ns, r.key, r.oid, r.offset, r.size, bad, verify_payload,
+                                     units=r.units))
             if bad:
                 self._roundtrip("release", {"oids": bad, "bad": bad})
             return out
@@ -530,7 +544,7 @@ class PoolClient:
                 else:
                     self._send_unanswered("release", args)
 
-    def put(self, key: bytes, data: Any, namespace: str = "default", meta: dict[str, Any] | None = None,
+    def put(self, key: bytes, data: Any, namespace: str = "default", meta: Any = None,
             parts: Sequence[bytes] | None = None) -> bool:
         """Store one object (reserve, copy into the region, commit; `parts` as in `commit`).
         False if it was not stored (already present, or no space could be freed)."""
@@ -566,12 +580,44 @@ class PoolClient:
         return self._call("remove", {"ns": _ns(namespace), "keys": None if keys is None else _keys(keys)})
 
     def snapshot(self, namespace: str | None = None) -> list[dict[str, Any]]:
-        """Every visible object (namespace, key hex, size, meta)."""
+        """Every visible object (namespace, key hex, size, meta) as dicts (small pools, tools)."""
         return self.snapshot_full(namespace)["objects"]
 
     def snapshot_full(self, namespace: str | None = None) -> dict[str, Any]:
-        """The snapshot with the incarnation and the event `seq` it is consistent with."""
-        return self._call("snapshot", {"ns": None if namespace is None else _ns(namespace)})
+        """The snapshot as one dict, with the incarnation and the event `seq` it is consistent with
+        (see `snapshot_pages` for what that means across pages)."""
+        first: M.SnapshotPage | None = None
+        objects: list[dict[str, Any]] = []
+        for page in self.snapshot_pages(namespace):
+            first = first or page
+            objects.extend({"namespace": o.namespace, "key": o.key, "size": o.size,
+                            "meta": msgspec.json.decode(o.meta)} for o in page.objects)
+        assert first is not None
+        return {"pool": first.pool, "incarnation": first.incarnation, "seq": first.seq, "objects": objects}
+
+    def snapshot_pages(self, namespace: str | None = None, page_size: int = P.MAX_SNAPSHOT_PAGE) -> Iterator[M.SnapshotPage]:
+        """The visible objects, one `messages.SnapshotPage` (a few MiB at most) at a time, in commit
+        order. Apply the events after the FIRST page's `seq` on top of all pages to get the exact
+        current set (why that is exact: `SnapshotPage`). Raises PoolUnavailable if the pool
+        restarts (a new incarnation) between pages."""
+        ns = None if namespace is None else _ns(namespace)
+        after = 0
+        incarnation = None
+        while True:
+            data = self._call("snapshot", {"ns": ns, "after": after, "limit": page_size})
+            try:
+                page = M.decode_snapshot_page(data)
+            except M.MessageError as exc:
+                raise PoolProtocolError(str(exc)) from exc
+            if incarnation is None:
+                incarnation = page.incarnation
+            elif page.incarnation != incarnation:
+                raise PoolUnavailable(f"pool restarted during a snapshot (incarnation {incarnation} -> "
+                                      f"{page.incarnation}); take it again")
+            yield page
+            if page.next is None:
+                return
+            after = page.next
 
     def ping(self) -> None:
         self._call("ping", {})
@@ -599,7 +645,7 @@ def _check_server_uid(sock: socket.socket, path: str) -> None:
     )
 
 
-def _pending_refusal(sock: socket.socket) -> P.Reply | None:
+def _pending_refusal(sock: socket.socket) -> P.RawReply | None:
     """An error reply the service sent before closing, if one is waiting to be read."""
     try:
         sock.settimeout(0.5)

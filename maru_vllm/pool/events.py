@@ -1,6 +1,6 @@
 """Publishing pool events (`stored` / `removed`) and serving snapshots over NATS.
 
-Payloads are JSON (msgspec.json; bytes in `meta` become base64 strings)::
+Payloads are JSON: `messages.PoolEventMsg` (bytes in `meta` become base64 strings)::
 
     {"type": "stored"|"removed", "seq": 7, "incarnation": "<hex>", "pool": "<name>",
      "namespace": "default", "key": "<hex>", "size": 123, "meta": {...}, "ts": 1.7e9}
@@ -10,7 +10,9 @@ into an in-process queue that a background task drains. While NATS is unreachabl
 holds events (up to `max_queue`) and they are published in order after reconnecting; if the
 queue overflows, the oldest events are dropped (counted in `dropped`), which subscribers see
 as a gap in `seq` - they then resync with a snapshot (request on `maru.<pool>.snapshot`, or the
-socket `snapshot` op), which carries the `seq` it is consistent with.
+socket `snapshot` op), which carries the `seq` it is consistent with. Snapshots come in pages
+(`messages.SnapshotPage`): a NATS request body `{"namespace": ..., "after": <cursor>}` gets the
+page after that cursor, sized to fit the server's max payload.
 """
 
 from __future__ import annotations
@@ -23,9 +25,22 @@ from typing import Any
 
 import msgspec
 
+from maru_vllm.pool import messages as M
+
 logger = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()
+
+
+class SnapshotRequest(msgspec.Struct):
+    """The body of a NATS snapshot request (all fields optional; `{}` asks for the first page)."""
+
+    namespace: str | None = None
+    after: int = 0
+    limit: int = 16384
+
+
+_request_decoder = msgspec.json.Decoder(SnapshotRequest)
 
 
 def events_subject(pool_name: str) -> str:
@@ -45,7 +60,7 @@ class EventPublisher:
         self,
         url: str,
         pool: str,
-        snapshot: Callable[[str | None], dict[str, Any]],
+        snapshot: Callable[[str | None, int, int, int], M.SnapshotPage],
         *,
         max_queue: int = 200_000,
     ) -> None:
@@ -63,11 +78,12 @@ class EventPublisher:
         self.dropped = 0
         self.connected = False
 
-    def emit(self, event: dict[str, Any]) -> None:
+    def emit(self, event: bytes) -> None:
+        """Queue one encoded event (`messages.encode_event`)."""
         if len(self._queue) >= self._max_queue:
             self._queue.popleft()
             self.dropped += 1
-        self._queue.append(_json.encode(event))
+        self._queue.append(event)
         self._wake.set()
 
     @property
@@ -123,18 +139,21 @@ class EventPublisher:
                 await asyncio.sleep(0)  # let ops run between large bursts
 
     async def _on_snapshot_request(self, msg: Any) -> None:
-        ns = None
-        if msg.data:
-            try:
-                ns = msgspec.json.decode(msg.data).get("namespace")
-            except (msgspec.DecodeError, AttributeError):
-                ns = None
-        body = _json.encode(self._snapshot(ns))
-        max_payload = getattr(self._nc, "max_payload", 1 << 20)
-        if len(body) > max_payload:
-            body = _json.encode(
-                {"error": "too_large", "message": "snapshot exceeds the NATS max payload; use the socket snapshot op"}
-            )
+        try:
+            req = _request_decoder.decode(msg.data) if msg.data else SnapshotRequest()
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            req = None
+            body = _json.encode(M.ErrorMsg("bad_request", f"invalid snapshot request: {exc}"))
+        if req is not None:
+            max_payload = getattr(self._nc, "max_payload", 1 << 20)
+            # leave room for the page envelope; a page stops once its objects pass the budget
+            # (a page may pass its byte budget by one object, at most ~17 KiB of JSON)
+            budget = max(max_payload // 2, max_payload - 64 * 1024)
+            page = self._snapshot(req.namespace, max(0, req.after), max(1, min(req.limit, 16384)), budget)
+            body = _json.encode(page)
+            if len(body) > max_payload:
+                body = _json.encode(M.ErrorMsg("too_large", "a snapshot page exceeds the NATS max payload; "
+                                                            "use the socket snapshot op"))
         try:
             await msg.respond(body)
         except Exception as exc:  # the requester may be gone

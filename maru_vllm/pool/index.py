@@ -21,10 +21,19 @@ Parts: a commit may name an object's leading parts (`parts[i]` is a key for its 
 units, e.g. KV blocks of a chunk), so a reader can find and use the start of an object whose
 whole key it does not share. The part index holds at most MAX_PARTS entries per committed
 object and drops them when the object is hidden (evicted, removed, found corrupt).
+
+Memory: the index's own memory is bounded, not only the region. Every live object counts
+against `max_objects` and every committed object's metadata (its JSON bytes plus its key)
+against `metadata_budget` bytes. Like region space, both are reclaimed by evicting LRU objects;
+when nothing evictable is left a reserve (object cap) or a commit (metadata budget) is refused,
+which the connector treats as a skipped store. Metadata is kept as the JSON bytes it arrives as
+(a parsed dict of token lists costs ~8x more), and snapshots are served in pages in commit order
+(`snapshot_page`), so neither a snapshot nor `stats` ever walks or copies the whole set at once.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import OrderedDict
@@ -32,11 +41,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from maru_vllm.pool.allocator import Allocation, Allocator
+from maru_vllm.pool.messages import NULL, ObjectInfo
 from maru_vllm.pool.objects import OBJ_HEADER_SIZE
 from maru_vllm.pool.protocol import MAX_PARTS
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_OBJECTS = 2_000_000
+DEFAULT_METADATA_BUDGET = 1 << 30
 
 
 @dataclass(eq=False, slots=True)
@@ -48,11 +63,17 @@ class Obj:
     alloc: Allocation
     data_offset: int  # absolute region offset of the data area
     session: int
-    meta: dict[str, Any] | None = None
+    meta: bytes | None = None  # the committer's metadata, JSON (messages.encode_meta_json)
     parts: tuple[bytes, ...] = ()  # parts[i] names the first i + 1 units (see module docstring)
     committed: bool = False
     pins: int = 0
     doomed: bool = False
+    cseq: int = 0  # commit order, the snapshot cursor
+
+    @property
+    def meta_cost(self) -> int:
+        """Bytes this object counts against the metadata budget (key, metadata JSON, part keys)."""
+        return len(self.key) + (len(self.meta) if self.meta is not None else 0) + sum(len(k) for k in self.parts)
 
     @property
     def header_offset(self) -> int:
@@ -62,8 +83,8 @@ class Obj:
     def payload_offset(self) -> int:
         return self.header_offset + OBJ_HEADER_SIZE
 
-    def describe(self) -> dict[str, Any]:
-        return {"namespace": self.ns, "key": self.key.hex(), "size": self.size, "meta": self.meta}
+    def info(self) -> ObjectInfo:
+        return ObjectInfo(self.ns, self.key.hex(), self.size, NULL if self.meta is None else msgspec.Raw(self.meta))
 
 
 @dataclass(slots=True)
@@ -93,13 +114,25 @@ class PoolIndex:
     """All metadata of one pool incarnation. Not thread-safe: the service runs it on one loop."""
 
     def __init__(
-        self, allocator: Allocator, data_offset: int, on_event: EventSink | None = None,
+        self,
+        allocator: Allocator,
+        data_offset: int,
+        on_event: EventSink | None = None,
         limits: SessionLimits | None = None,
+        *,
+        max_objects: int = DEFAULT_MAX_OBJECTS,
+        metadata_budget: int = DEFAULT_METADATA_BUDGET,
     ) -> None:
         self.alloc = allocator
         self.limits = limits or SessionLimits()
         self.data_offset = data_offset
         self.on_event = on_event
+        self.max_objects = max_objects
+        self.metadata_budget = metadata_budget
+        self.metadata_bytes = 0  # sum of meta_cost over committed (visible or doomed) objects
+        self.object_bytes = 0  # payload bytes of visible objects
+        self._order: list[Obj] = []  # committed objects in commit order (with stale entries)
+        self._next_cseq = 1
         self.objects: dict[tuple[str, bytes], Obj] = {}
         self.live: dict[int, Obj] = {}  # every allocated object by oid (reserved, committed, doomed)
         self.lru: OrderedDict[int, Obj] = OrderedDict()
@@ -110,7 +143,8 @@ class PoolIndex:
         self._next_sid = 1
         self.counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "stores", "duplicate_commits", "evictions", "corrupt_reads",
-             "reserve_failures", "reserve_existing", "aborts", "sessions_expired", "quota_refusals"),
+             "reserve_failures", "reserve_existing", "aborts", "sessions_expired", "quota_refusals",
+             "object_cap_refusals", "metadata_budget_refusals"),
             0,
         )
 
@@ -266,6 +300,11 @@ class PoolIndex:
                 self.counters["quota_refusals"] += 1
                 out.append(None)
                 continue
+            if not self._evict_until(lambda: len(self.live) < self.max_objects):
+                self.counters["object_cap_refusals"] += 1
+                self.counters["reserve_failures"] += 1
+                out.append(None)
+                continue
             a = self._alloc_evicting(OBJ_HEADER_SIZE + size)
             if a is None:
                 self.counters["reserve_failures"] += 1
@@ -283,7 +322,7 @@ class PoolIndex:
         self,
         sid: int,
         oids: Sequence[int],
-        metas: Sequence[dict[str, Any] | None],
+        metas: Sequence[bytes | None],
         verify: Callable[[Obj], str | None],
         parts: Sequence[Sequence[bytes] | None] | None = None,
     ) -> list[bool]:
@@ -306,13 +345,26 @@ class PoolIndex:
                 self._free(obj)
                 out.append(False)
                 continue
-            obj.committed = True
             obj.meta = meta
-            if parts is not None and parts[i]:
-                obj.parts = tuple(parts[i][:MAX_PARTS])
-                for units, pkey in enumerate(obj.parts, 1):
-                    self.parts.setdefault((obj.ns, pkey), {})[oid] = (obj, units)
+            obj.parts = tuple(parts[i][:MAX_PARTS]) if parts is not None and parts[i] else ()
+            cost = obj.meta_cost
+            if not self._evict_until(lambda: self.metadata_bytes + cost <= self.metadata_budget):
+                logger.debug("commit of %s/%s refused: metadata budget of %d bytes is full of pinned objects",
+                             obj.ns, obj.key.hex(), self.metadata_budget)
+                self.counters["metadata_budget_refusals"] += 1
+                self._free(obj)
+                out.append(False)
+                continue
+            obj.committed = True
+            obj.cseq = self._next_cseq
+            self._next_cseq += 1
+            self.metadata_bytes += cost
+            self.object_bytes += obj.size
+            for units, pkey in enumerate(obj.parts, 1):
+                self.parts.setdefault((obj.ns, pkey), {})[oid] = (obj, units)
             self.objects[(obj.ns, obj.key)] = obj
+            self._order.append(obj)
+            self._compact_order()
             self.lru[oid] = obj
             self.counters["stores"] += 1
             self._emit("stored", obj)
@@ -332,24 +384,55 @@ class PoolIndex:
         return n
 
     # -- views ------------------------------------------------------------------------------
-    def snapshot(self, ns: str | None = None) -> list[dict[str, Any]]:
-        return [o.describe() for o in self.objects.values() if ns is None or o.ns == ns]
+    def snapshot(self, ns: str | None = None) -> list[ObjectInfo]:
+        """Every visible object (tests and small pools; the service serves `snapshot_page`)."""
+        return [o.info() for o in self.objects.values() if ns is None or o.ns == ns]
+
+    def snapshot_page(
+        self, ns: str | None, after: int, limit: int, max_bytes: int, max_scan: int = 65536
+    ) -> tuple[list[Obj], int | None]:
+        """Visible objects committed after cursor `after`, in commit order: at most `limit` of
+        them, stopping once their metadata passes `max_bytes` or `max_scan` entries were looked
+        at. Returns (objects, cursor of the next page or None when this is the last)."""
+        self._compact_order()
+        order = self._order
+        i = bisect.bisect_right(order, after, key=lambda o: o.cseq)
+        out: list[Obj] = []
+        nbytes = 0
+        end = min(len(order), i + max_scan)
+        while i < end and len(out) < limit and nbytes < max_bytes:
+            o = order[i]
+            i += 1
+            if (ns is None or o.ns == ns) and self.objects.get((o.ns, o.key)) is o:
+                out.append(o)
+                nbytes += o.meta_cost + len(o.key) + len(o.ns) + 64  # its JSON size (key as hex), roughly
+        return out, (order[i - 1].cseq if i < len(order) else None)
 
     def stats(self) -> dict[str, Any]:
         reserved = [o for s in self.sessions.values() for o in s.reservations.values()]
         st: dict[str, Any] = dict(self.counters)
         st.update(self.alloc.stats())
+        pinned = pins = doomed = live_alloc = 0
+        for o in self.live.values():  # one pass (the sums below used to take one each)
+            pinned += o.pins > 0
+            pins += o.pins
+            doomed += o.doomed
+            live_alloc += o.alloc.capacity
         st.update(
             objects=len(self.objects),
-            object_bytes=sum(o.size for o in self.objects.values()),
+            object_bytes=self.object_bytes,
+            live_objects=len(self.live),
+            max_objects=self.max_objects,
+            metadata_bytes=self.metadata_bytes,
+            metadata_budget_bytes=self.metadata_budget,
             reserved=len(reserved),
             reserved_bytes=sum(o.alloc.capacity for o in reserved),
             part_keys=len(self.parts),
-            pinned=sum(1 for o in self.live.values() if o.pins),
-            pins=sum(o.pins for o in self.live.values()),
-            doomed=sum(1 for o in self.live.values() if o.doomed),
+            pinned=pinned,
+            pins=pins,
+            doomed=doomed,
             # allocator bytes accounted to live objects; equals allocated_bytes unless space leaked
-            live_object_alloc_bytes=sum(o.alloc.capacity for o in self.live.values()),
+            live_object_alloc_bytes=live_alloc,
             sessions=len(self.sessions),
         )
         try:
@@ -370,6 +453,21 @@ class PoolIndex:
         if obj.oid in self.lru:
             self.lru.move_to_end(obj.oid)
 
+    def _evict_until(self, ok: Callable[[], bool]) -> bool:
+        """Evict LRU objects until `ok()`; False when it still fails with nothing left to evict."""
+        while not ok():
+            if not self.lru:
+                return False
+            _, victim = self.lru.popitem(last=False)
+            self.counters["evictions"] += 1
+            self._hide(victim, "removed")
+        return True
+
+    def _compact_order(self) -> None:
+        """Drop stale entries of the commit-order list once they outnumber the visible objects."""
+        if len(self._order) > 2 * len(self.objects) + 1024:
+            self._order = [o for o in self._order if self.objects.get((o.ns, o.key)) is o]
+
     def _alloc_evicting(self, nbytes: int) -> Allocation | None:
         if nbytes > self.alloc.capacity:
             return None
@@ -386,6 +484,7 @@ class PoolIndex:
         self.lru.pop(obj.oid, None)
         if self.objects.get((obj.ns, obj.key)) is obj:
             del self.objects[(obj.ns, obj.key)]
+            self.object_bytes -= obj.size
         self._drop_parts(obj)
         self._emit(event, obj)
         if obj.pins == 0:
@@ -423,6 +522,8 @@ class PoolIndex:
     def _free(self, obj: Obj) -> None:
         if self.live.pop(obj.oid, None) is not None:
             self.alloc.free(obj.alloc)
+            if obj.committed:
+                self.metadata_bytes -= obj.meta_cost
 
     def _drop_parts(self, obj: Obj) -> None:
         for pkey in obj.parts:
@@ -431,7 +532,6 @@ class PoolIndex:
                 holders.pop(obj.oid, None)
                 if not holders:
                     del self.parts[(obj.ns, pkey)]
-        obj.parts = ()
 
     def _emit(self, kind: str, obj: Obj) -> None:
         if self.on_event is not None:

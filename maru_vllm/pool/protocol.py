@@ -13,6 +13,10 @@ Before ``hello`` a peer is unauthenticated: its first frame may be at most MAX_H
 bytes, and anything but a valid hello closes the connection. Bodies nested deeper than the
 decoder can follow are a ``bad_frame``/``bad_request`` error, never an uncaught RecursionError;
 chunk metadata may nest at most MAX_META_DEPTH levels (subscribers parse it again).
+Each op's result type (and every event, snapshot page and chunk metadata) is defined once in
+`maru_vllm.pool.messages`; the client decodes every reply's result with that type. The service
+never sends a reply above MAX_FRAME (it answers ``too_large`` instead), and a client that gets
+a frame it cannot trust drops the connection and reconnects.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ MAX_BATCH = 65536
 MAX_META_BYTES = 16 * 1024
 MAX_META_DEPTH = 32
 MAX_PARTS = 256  # leading-part keys one object may declare (its part keys share MAX_META_BYTES)
+MAX_SNAPSHOT_PAGE = 16384  # objects per snapshot page
+SNAPSHOT_PAGE_BYTES = 4 * 1024 * 1024  # a page stops growing past this many bytes of object JSON
 LEN = struct.Struct(">I")
 
 Key = Annotated[bytes, msgspec.Meta(max_length=MAX_KEY)]
@@ -56,6 +62,16 @@ class Reply(msgspec.Struct, array_like=True):
     id: int
     ok: bool
     result: Any = None
+    error: ErrorInfo | None = None
+
+
+class RawReply(msgspec.Struct, array_like=True):
+    """A reply as the client first decodes it: `result` stays raw until the op's type decodes it."""
+
+    v: int
+    id: int
+    ok: bool
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")  # nil
     error: ErrorInfo | None = None
 
 
@@ -102,6 +118,8 @@ class RemoveArgs(msgspec.Struct):
 
 class SnapshotArgs(msgspec.Struct):
     ns: Namespace | None = None
+    after: Annotated[int, msgspec.Meta(ge=0)] = 0  # cursor: `next` of the previous page (0: first page)
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_SNAPSHOT_PAGE)] = MAX_SNAPSHOT_PAGE
 
 
 OP_ARGS: dict[str, type[msgspec.Struct]] = {
@@ -123,7 +141,7 @@ OP_ARGS: dict[str, type[msgspec.Struct]] = {
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
-_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_reply_decoder = msgspec.msgpack.Decoder(RawReply)
 _arg_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in OP_ARGS.items()}
 
 
@@ -176,7 +194,7 @@ def decode_args(op: str, raw: msgspec.Raw) -> msgspec.Struct:
         raise FrameError("bad_request", f"invalid arguments for {op!r}: {_TOO_DEEP}") from exc
 
 
-def decode_reply(body: bytes) -> Reply:
+def decode_reply(body: bytes) -> RawReply:
     try:
         return _reply_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -26,6 +26,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from maru_vllm.pool import messages as M
 from maru_vllm.pool import protocol as P
 from maru_vllm.pool.address import Address, default_listen, parse_address
 from maru_vllm.pool.allocator import Allocator
@@ -33,7 +36,7 @@ from maru_vllm.pool.auth import check_token
 from maru_vllm.pool.connections import Conn, ConnectionSlots, peer_name
 from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.events import EventPublisher
-from maru_vllm.pool.index import Obj, PoolIndex, SessionLimits
+from maru_vllm.pool.index import DEFAULT_MAX_OBJECTS, DEFAULT_METADATA_BUDGET, Obj, PoolIndex, SessionLimits
 from maru_vllm.pool.logthrottle import AuthThrottle, ThrottledLog
 from maru_vllm.pool.metrics import PoolMetrics
 from maru_vllm.pool.objects import key_digest, validate
@@ -65,6 +68,8 @@ class ServiceConfig:
     session_reserve_limit: int | None = None  # bytes; None: half the region
     session_pin_limit: int | None = None  # bytes; None: half the region
     max_pins_per_object: int = DEFAULT_MAX_PINS_PER_OBJECT
+    max_objects: int = DEFAULT_MAX_OBJECTS
+    metadata_budget: int = DEFAULT_METADATA_BUDGET
 
 
 class PoolService:
@@ -109,9 +114,10 @@ class PoolService:
             pin_bytes=self.cfg.session_pin_limit if self.cfg.session_pin_limit is not None else half,
             pins_per_object=self.cfg.max_pins_per_object,
         )
-        self.index = PoolIndex(Allocator(self.region.size - data_offset), data_offset, self._on_event, limits)
+        self.index = PoolIndex(Allocator(self.region.size - data_offset), data_offset, self._on_event, limits,
+                               max_objects=self.cfg.max_objects, metadata_budget=self.cfg.metadata_budget)
         if self.cfg.nats:
-            self.publisher = EventPublisher(self.cfg.nats, self.cfg.name, self._snapshot)
+            self.publisher = EventPublisher(self.cfg.nats, self.cfg.name, self._snapshot_page)
             self.publisher.start()
         served = []
         try:
@@ -204,12 +210,16 @@ class PoolService:
                 t0 = time.perf_counter()
                 reply, keep, op = self._dispatch(body, conn.sid)
                 if op == "hello" and reply.ok and conn.sid is None:
-                    conn.sid = reply.result["session"]
+                    conn.sid = reply.result.session
                     self._conns[conn.sid] = writer
                     self.slots.authenticated(conn)
                 elif conn.sid is None and not reply.ok:
                     await self._refused_before_hello(conn, reply)
-                writer.write(P.encode_reply(reply))
+                data = P.encode_reply(reply)
+                if len(data) - P.LEN.size > P.MAX_FRAME:  # never send a frame the peer must refuse
+                    data = P.encode_reply(P.error_reply(reply.id, "too_large", f"the {op} reply of {len(data)} "
+                                                        f"bytes exceeds the {P.MAX_FRAME}-byte frame limit"))
+                writer.write(data)
                 if writer.transport.get_write_buffer_size() > (1 << 20):
                     await writer.drain()
                 self.metrics.observe(op, time.perf_counter() - t0)
@@ -299,12 +309,11 @@ class PoolService:
                 return P.error_reply(req_id, "auth_failed", "invalid token"), False
         sid = self.index.open_session(f"{args.client}:{args.pid}")
         info = self.region.info
-        return P.Reply(P.PROTOCOL_VERSION, req_id, True, {
-            "session": sid, "pool": self.cfg.name, "incarnation": info.incarnation,
-            "region_uuid": info.region_uuid, "region_path": info.path, "region_size": info.size,
-            "data_offset": info.data_offset, "backend": info.backend, "lease_s": self.cfg.lease_s,
-            "protocol": P.PROTOCOL_VERSION,
-        }), True
+        return P.Reply(P.PROTOCOL_VERSION, req_id, True, M.HelloResult(
+            session=sid, pool=self.cfg.name, incarnation=info.incarnation, region_uuid=info.region_uuid,
+            region_path=info.path, region_size=info.size, data_offset=info.data_offset, backend=info.backend,
+            lease_s=self.cfg.lease_s, protocol=P.PROTOCOL_VERSION,
+        )), True
 
     # -- ops --------------------------------------------------------------------------------
     def _op_ping(self, sid: int, args: P.EmptyArgs) -> str:
@@ -316,9 +325,9 @@ class PoolService:
     def _op_lookup_prefix(self, sid: int, args: P.KeysArgs) -> int:
         return self.index.lookup_prefix(args.ns, args.keys)  # type: ignore[union-attr]
 
-    def _op_reserve(self, sid: int, args: P.ReserveArgs) -> list[Any]:
+    def _op_reserve(self, sid: int, args: P.ReserveArgs) -> list[M.Placement | None]:
         objs = self.index.reserve(sid, args.ns, args.items)  # type: ignore[union-attr]
-        return [None if o is None else (o.oid, o.payload_offset, o.size) for o in objs]
+        return [None if o is None else M.Placement(o.oid, o.payload_offset, o.size) for o in objs]
 
     def _op_commit(self, sid: int, args: P.CommitArgs) -> list[bool]:
         metas = args.metas if args.metas is not None else [None] * len(args.oids)
@@ -327,28 +336,32 @@ class PoolService:
         parts = args.parts if args.parts is not None else [None] * len(args.oids)
         if len(parts) != len(args.oids):
             raise P.FrameError("bad_request", f"commit has {len(args.oids)} oids but {len(parts)} part lists")
+        encoded = []
         for m, p in zip(metas, parts):
             if m is not None and P.nesting_depth(m) > P.MAX_META_DEPTH:
                 raise P.FrameError("bad_request", f"meta nests deeper than {P.MAX_META_DEPTH} levels")
-            size = (len(P.encode_meta(m)) if m is not None else 0) + sum(len(k) for k in p or ())
+            e = None if m is None else M.encode_meta_json(m)
+            size = (len(e) if e is not None else 0) + sum(len(k) for k in p or ())
             if size > P.MAX_META_BYTES:
-                raise P.FrameError("bad_request", f"meta and part keys of {size} bytes exceed "
+                raise P.FrameError("bad_request", f"meta (as JSON) and part keys of {size} bytes exceed "
                                                   f"{P.MAX_META_BYTES} bytes per object")
-        return self.index.commit(sid, args.oids, metas, self._verify, parts)  # type: ignore[union-attr]
+            encoded.append(e)
+        return self.index.commit(sid, args.oids, encoded, self._verify, parts)  # type: ignore[union-attr]
 
     def _op_abort(self, sid: int, args: P.OidsArgs) -> int:
         return self.index.abort(sid, args.oids)  # type: ignore[union-attr]
 
-    def _op_acquire(self, sid: int, args: P.KeysArgs) -> list[Any]:
+    def _op_acquire(self, sid: int, args: P.KeysArgs) -> list[M.Placement | None]:
         objs = self.index.acquire(sid, args.ns, args.keys)  # type: ignore[union-attr]
-        return [None if o is None else (o.oid, o.payload_offset, o.size) for o in objs]
+        return [None if o is None else M.Placement(o.oid, o.payload_offset, o.size) for o in objs]
 
     def _op_lookup_parts(self, sid: int, args: P.KeysArgs) -> list[int]:
         return self.index.lookup_parts(args.ns, args.keys)  # type: ignore[union-attr]
 
-    def _op_acquire_parts(self, sid: int, args: P.KeysArgs) -> list[Any]:
+    def _op_acquire_parts(self, sid: int, args: P.KeysArgs) -> list[M.PartPlacement | None]:
         found = self.index.acquire_parts(sid, args.ns, args.keys)  # type: ignore[union-attr]
-        return [None if f is None else (f[0].oid, f[0].payload_offset, f[0].size, f[0].key, f[1]) for f in found]
+        return [None if f is None else M.PartPlacement(f[0].oid, f[0].payload_offset, f[0].size, f[0].key, f[1])
+                for f in found]
 
     def _op_release(self, sid: int, args: P.OidsArgs) -> int:
         return self.index.release(sid, args.oids, args.bad)  # type: ignore[union-attr]
@@ -359,8 +372,8 @@ class PoolService:
     def _op_stats(self, sid: int, args: P.EmptyArgs) -> dict[str, Any]:
         return self._stats()
 
-    def _op_snapshot(self, sid: int, args: P.SnapshotArgs) -> dict[str, Any]:
-        return self._snapshot(args.ns)
+    def _op_snapshot(self, sid: int, args: P.SnapshotArgs) -> bytes:
+        return M.json_encoder.encode(self._snapshot_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES))
 
     # -- helpers ----------------------------------------------------------------------------
     def _verify(self, obj: Obj) -> str | None:
@@ -376,15 +389,16 @@ class PoolService:
         self.seq += 1
         if self.publisher is None or self.region is None:
             return
-        ev = {"type": kind, "seq": self.seq, "incarnation": self.region.info.incarnation, "pool": self.cfg.name}
-        ev.update(obj.describe())
-        ev["ts"] = time.time()
-        self.publisher.emit(ev)
+        self.publisher.emit(M.encode_event(M.PoolEventMsg(
+            type=kind, seq=self.seq, incarnation=self.region.info.incarnation, pool=self.cfg.name,  # type: ignore[arg-type]
+            namespace=obj.ns, key=obj.key.hex(), size=obj.size,
+            meta=M.NULL if obj.meta is None else msgspec.Raw(obj.meta), ts=time.time(),
+        )))
 
-    def _snapshot(self, ns: str | None) -> dict[str, Any]:
+    def _snapshot_page(self, ns: str | None, after: int, limit: int, max_bytes: int) -> M.SnapshotPage:
         assert self.index is not None and self.region is not None
-        return {"pool": self.cfg.name, "incarnation": self.region.info.incarnation, "seq": self.seq,
-                "objects": self.index.snapshot(ns)}
+        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes)
+        return M.SnapshotPage(self.cfg.name, self.region.info.incarnation, self.seq, [o.info() for o in objs], nxt)
 
     def _stats_from_any_thread(self) -> dict[str, Any]:
         """`_stats`, computed on the event loop (the index is not thread-safe; scrapes run on

@@ -90,7 +90,7 @@ def test_chunk_keys_come_from_the_last_block_hash_of_each_chunk() -> None:
     ]
     tokens = list(range(6 * 128))
     meta = g.chunk_meta(hashes, tokens, 1, lora_name=None)
-    assert meta["block_hashes"] == [hashes[2].hex(), hashes[3].hex()]
-    assert meta["parent_block_hash"] == hashes[1].hex()
-    assert meta["token_ids"] == [tokens[256:384], tokens[384:512]]
-    assert g.chunk_meta(hashes, tokens, 0, "lora-a")["parent_block_hash"] is None
+    assert meta.block_hashes == [hashes[2].hex(), hashes[3].hex()]
+    assert meta.parent_block_hash == hashes[1].hex()
+    assert meta.token_ids == [tokens[256:384], tokens[384:512]]
+    assert g.chunk_meta(hashes, tokens, 0, "lora-a").parent_block_hash is None

@@ -27,6 +27,7 @@ from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier, ma
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.pool import PoolClient
 from tests.connector.sched_harness import PoolService
+from tests.connector.chunk_meta import chunk_meta
 
 L, NB, H, BS, C = 4, 16, 2, 8, 64  # layers, blocks, kv heads, block size, 2 * head size
 BPC = 2
@@ -237,7 +238,7 @@ def test_cuda_store_and_load_through_the_registered_region(pool: PoolService) ->
             assert side.codec is not None and side.host_registry is not None
             sides.append(side)
         a, b = sides
-        a.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"c0", [3, 4], {"chunk": 0})]))
+        a.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"c0", [3, 4], chunk_meta(0))]))
         assert a.writer.wait(timeout=60)
         b.load(MaruConnectorMetadata(loads=[ChunkLoad("r2", b"c0", [7, 8])]))
         torch.cuda.synchronize()
@@ -256,7 +257,7 @@ def test_load_waits_for_the_copies_before_unpinning_the_objects(pool: PoolServic
                           block_size=BS, num_blocks=NB, use_lmcache_kernels=False, enable_fused_load=False,
                           blocks_per_chunk=BPC)
     side.register_kv_caches(caches(1), "CPU_ATTN")
-    side.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"o0", [0, 1], {"chunk": 0})]))
+    side.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"o0", [0, 1], chunk_meta(0))]))
     assert side.writer.wait(timeout=30)
     events: list[str] = []
     real_call = side.pool.call

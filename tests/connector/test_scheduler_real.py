@@ -91,8 +91,8 @@ def check_step(sim: Sim, rec: StepRecord, client: PoolClient | None = None) -> N
         assert s.block_ids == real, f"{s.req_id} chunk {c}: store blocks {s.block_ids} != block table {real}"
         want = [hash_bytes(req.block_hashes[b]) for b in range(c * BPC, (c + 1) * BPC)]
         assert [rec.block_hashes[s.req_id][b] for b in range(c * BPC, (c + 1) * BPC)] == want
-        assert s.meta["chunk"] == c and s.meta["block_hashes"] == [h.hex() for h in want]
-        assert s.meta["token_ids"] == [req.prompt_token_ids[b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE]
+        assert s.meta.chunk == c and s.meta.block_hashes == [h.hex() for h in want]
+        assert s.meta.token_ids == [req.prompt_token_ids[b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE]
                                        for b in range(c * BPC, (c + 1) * BPC)]
     # -- loads: only for requests vLLM just admitted with external tokens
     loaded_reqs = {ld.req_id for ld in meta.loads}

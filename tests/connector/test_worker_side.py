@@ -12,9 +12,17 @@ import pytest
 import torch
 
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
+from maru_vllm.pool.messages import ChunkMeta
+
+
+def _meta(chunk: int) -> ChunkMeta:
+    """Chunk metadata as the scheduler side builds it (two blocks of four tokens)."""
+    return ChunkMeta(v=1, chunk=chunk, block_size=4, block_hashes=["aa" * 16, "bb" * 16], parent_block_hash=None,
+                     token_ids=[[1, 2, 3, 4], [5, 6, 7, 8]])
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
 from tests.connector.sched_harness import PoolService
+from tests.connector.chunk_meta import chunk_meta
 
 NS = "kv:test:worker"
 
@@ -41,7 +49,7 @@ def make_worker(address: str, seed: int) -> tuple[MaruWorkerSide, dict[str, torc
 def test_store_then_load_into_another_instance(pool: PoolService) -> None:
     a, a_kv = make_worker(pool.address, 1)
     b, b_kv = make_worker(pool.address, 2)
-    a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"chunk-a", [3, 4], {"chunk": 0})]))
+    a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"chunk-a", [3, 4], chunk_meta(0))]))
     assert a.writer.wait(timeout=30)  # write-behind: the step returned before the copy
     assert a.take_counters().chunks_stored == 1
     b.load(MaruConnectorMetadata(loads=[ChunkLoad("r9", b"chunk-a", [10, 11])]))
@@ -54,8 +62,8 @@ def test_failed_load_blocks_are_reported_and_that_requests_stores_are_dropped(po
     w, kv = make_worker(pool.address, 3)
     step = MaruConnectorMetadata(
         loads=[ChunkLoad("r1", b"never-stored", [0, 1])],
-        stores=[ChunkStore("r1", b"r1-chunk-1", [2, 3], {"chunk": 1}),  # computed over missing KV
-                ChunkStore("r2", b"r2-chunk-0", [4, 5], {"chunk": 0})],
+        stores=[ChunkStore("r1", b"r1-chunk-1", [2, 3], _meta(1)),  # computed over missing KV
+                ChunkStore("r2", b"r2-chunk-0", [4, 5], _meta(0))],
     )
     w.load(step)
     assert w.take_failed_blocks() == {0, 1}
@@ -65,7 +73,7 @@ def test_failed_load_blocks_are_reported_and_that_requests_stores_are_dropped(po
     assert counters.load_failures == 1 and counters.chunks_stored == 1 and counters.stores_skipped == 1
     assert w.pool.client.lookup([b"r1-chunk-1/r0", b"r2-chunk-0/r0"], namespace=NS) == [False, True]
     # The next step (after vLLM recomputed) stores r1's chunk normally.
-    w.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"r1-chunk-1", [2, 3], {"chunk": 1})]))
+    w.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"r1-chunk-1", [2, 3], chunk_meta(1))]))
     assert w.writer.wait(timeout=30)
     assert w.take_counters().chunks_stored == 1
 
@@ -75,7 +83,7 @@ def test_pool_down_means_misses_and_skipped_stores_never_errors(tmp_path: Path) 
     before = {k: v.clone() for k, v in kv.items()}
     w.load(MaruConnectorMetadata(loads=[ChunkLoad("r1", b"x", [0, 1])]))
     assert w.take_failed_blocks() == {0, 1}
-    w.store(MaruConnectorMetadata(stores=[ChunkStore("r2", b"y", [2, 3], {})]))
+    w.store(MaruConnectorMetadata(stores=[ChunkStore("r2", b"y", [2, 3], chunk_meta(0))]))
     assert w.writer.wait(timeout=30)
     counters = w.take_counters()
     assert counters.store_failures == 1 and counters.chunks_stored == 0
@@ -90,7 +98,7 @@ def test_unsupported_layout_disables_the_connector_instead_of_the_engine(pool: P
     assert side.codec is None
     side.load(MaruConnectorMetadata(loads=[ChunkLoad("r1", b"k", [0, 1])]))
     assert side.take_failed_blocks() == {0, 1}  # recomputed, never loaded into an unknown layout
-    side.store(MaruConnectorMetadata(stores=[ChunkStore("r2", b"k2", [2, 3], {})]))
+    side.store(MaruConnectorMetadata(stores=[ChunkStore("r2", b"k2", [2, 3], _meta(0))]))
     assert side.pool.client.lookup([b"k2/r0"], namespace=NS) == [False]
 
 
@@ -113,13 +121,13 @@ def settle(w: MaruWorkerSide) -> None:
 
 def step_with_a_pool_hit(w: MaruWorkerSide) -> MaruConnectorMetadata:
     """r1 loads two stored chunks and stores a third it computes on top; r2 only stores."""
-    w.store(MaruConnectorMetadata(stores=[ChunkStore("r0", b"fc-0", [0, 1], {"chunk": 0}),
-                                          ChunkStore("r0", b"fc-1", [2, 3], {"chunk": 1})]))
+    w.store(MaruConnectorMetadata(stores=[ChunkStore("r0", b"fc-0", [0, 1], chunk_meta(0)),
+                                          ChunkStore("r0", b"fc-1", [2, 3], chunk_meta(1))]))
     settle(w)
     w.take_counters()
     return MaruConnectorMetadata(
         loads=[ChunkLoad("r1", b"fc-0", [4, 5]), ChunkLoad("r1", b"fc-1", [6, 7])],
-        stores=[ChunkStore("r1", b"fc-r1-2", [8, 9], {"chunk": 2}), ChunkStore("r2", b"fc-r2-0", [10, 11], {})],
+        stores=[ChunkStore("r1", b"fc-r1-2", [8, 9], chunk_meta(2)), ChunkStore("r2", b"fc-r2-0", [10, 11], chunk_meta(0))],
     )
 
 
@@ -179,7 +187,7 @@ def test_loads_the_scheduler_could_not_plan_are_reported_and_their_stores_droppe
     w, _ = make_worker(pool.address, 7)
     step = step_with_a_pool_hit(w)
     step.load_failures.append(LoadFailure("r4", [14, 15]))
-    step.stores.append(ChunkStore("r4", b"fc-r4-1", [1, 2], {"chunk": 1}))
+    step.stores.append(ChunkStore("r4", b"fc-r4-1", [1, 2], chunk_meta(1)))
     conn = worker_connector(w)
     conn.bind_connector_metadata(step)
     conn.start_load_kv(None)
@@ -195,7 +203,7 @@ def test_a_chunk_shared_in_part_loads_its_leading_blocks(pool: PoolService) -> N
     b, b_kv = make_worker(pool.address, 6)
     before = {k: v.clone() for k, v in b_kv.items()}
     # a stores a 4-block chunk whose blocks hash h0..h3: part keys h0, h1, h2, key h3.
-    a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"h3", [3, 4, 5, 6], {"chunk": 0},
+    a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"h3", [3, 4, 5, 6], chunk_meta(0),
                                                      [b"h0", b"h1", b"h2"])]))
     settle(a)
     assert a.take_counters().chunks_stored == 1
@@ -227,8 +235,8 @@ def test_corrupt_payload_is_a_miss_recomputed_and_removed_from_the_pool(pool: Po
     the corrupt object so nobody loads it again."""
     a, a_kv = make_worker(pool.address, 5)
     b, b_kv = make_worker(pool.address, 6)
-    a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"good", [1, 2], {"chunk": 0}),
-                                          ChunkStore("r1", b"bad", [3, 4], {"chunk": 1})]))
+    a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"good", [1, 2], chunk_meta(0)),
+                                          ChunkStore("r1", b"bad", [3, 4], chunk_meta(1))]))
     settle(a)
     assert a.take_counters().chunks_stored == 2
     client = a.pool.client

@@ -21,6 +21,7 @@ from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.pool import PoolClient
 from tests.connector.sched_harness import BLOCK_SIZE, PoolService, Sim, make_request, make_scheduler, pool_keys, tokens
+from tests.connector.chunk_meta import chunk_meta
 
 NUM_BLOCKS = 64
 
@@ -119,7 +120,7 @@ def test_finished_request_keeps_its_blocks_until_its_copy_is_done_and_is_invisib
 def test_preemption_waits_for_the_preempted_requests_copies_only(pool: PoolService) -> None:
     worker, _ = make_worker(pool.address, "wb-preempt", block_size=8)
     gate = Gate(worker)
-    worker.store(MaruConnectorMetadata(stores=[ChunkStore("victim", b"v0", [1, 2], {"chunk": 0})]))
+    worker.store(MaruConnectorMetadata(stores=[ChunkStore("victim", b"v0", [1, 2], chunk_meta(0))]))
     assert gate.entered.wait(30)
     # Another request's preemption does not wait for this copy.
     worker.handle_preemptions(MaruConnectorMetadata(preempted_req_ids={"other"}))
@@ -137,7 +138,7 @@ def test_preemption_waits_for_the_preempted_requests_copies_only(pool: PoolServi
 
 def test_held_request_is_reported_once_and_only_after_vllm_said_it_finished(pool: PoolService) -> None:
     worker, _ = make_worker(pool.address, "wb-report", block_size=8)
-    worker.store(MaruConnectorMetadata(stores=[ChunkStore("a", b"a0", [1, 2], {"chunk": 0})]))
+    worker.store(MaruConnectorMetadata(stores=[ChunkStore("a", b"a0", [1, 2], chunk_meta(0))]))
     assert worker.writer.wait(timeout=30)
     # Announced but not yet in vLLM's finished ids: not reported (vLLM's contract).
     assert worker.finished_stores(set(), MaruConnectorMetadata(held_for_stores={"a"})) == set()
@@ -153,14 +154,14 @@ def test_failed_copy_is_aborted_and_never_visible(pool: PoolService, client: Poo
 
     real = worker.writer.pack
     worker.writer.pack = broken
-    worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"f0", [1, 2], {"chunk": 0})]))
+    worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"f0", [1, 2], chunk_meta(0))]))
     assert worker.writer.wait(timeout=30)
     counters = worker.take_counters()
     assert counters.store_failures == 1 and counters.chunks_stored == 0
     assert client.lookup([chunk_key(b"f0", 0)], "wb-fail") == [False]
     # The reservation was aborted: the same chunk stores fine afterwards.
     worker.writer.pack = real
-    worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"f0", [1, 2], {"chunk": 0})]))
+    worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"f0", [1, 2], chunk_meta(0))]))
     assert worker.writer.wait(timeout=30)
     assert client.lookup([chunk_key(b"f0", 0)], "wb-fail") == [True]
 
@@ -168,7 +169,7 @@ def test_failed_copy_is_aborted_and_never_visible(pool: PoolService, client: Poo
 def test_inline_mode_stores_before_the_step_returns(pool: PoolService, client: PoolClient) -> None:
     # A producer-only engine (disaggregated prefill): the decode engine looks right after the response.
     worker, _ = make_worker(pool.address, "wb-inline", block_size=8, write_behind=False)
-    worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"i0", [1, 2], {"chunk": 0})]))
+    worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"i0", [1, 2], chunk_meta(0))]))
     assert client.lookup([chunk_key(b"i0", 0)], "wb-inline") == [True]
 
 
@@ -176,6 +177,6 @@ def test_shutdown_finishes_queued_stores(pool: PoolService, client: PoolClient) 
     worker, _ = make_worker(pool.address, "wb-shutdown", block_size=8)
     for i in range(4):
         worker.store(MaruConnectorMetadata(stores=[ChunkStore(f"r{i}", f"s{i}".encode(), [2 * i, 2 * i + 1],
-                                                              {"chunk": 0})]))
+                                                              chunk_meta(0))]))
     worker.shutdown()
     assert client.lookup([chunk_key(f"s{i}".encode(), 0) for i in range(4)], "wb-shutdown") == [True] * 4

@@ -19,7 +19,7 @@ def test_stored_chunk_announces_its_blocks_chained_on_its_parent() -> None:
     assert isinstance(a0, BlocksStored)
     assert a0.block_hashes == (block_hash(1, 0), block_hash(1, 1)) and a0.parent_block_hash is None
     assert a0.block_size == BLOCK and len(a0.token_ids) == 2 * BLOCK
-    assert a0.token_ids[:BLOCK] == tuple(chunk_meta(1, 0)["token_ids"][0])
+    assert tuple(a0.token_ids[:BLOCK]) == tuple(chunk_meta(1, 0)["token_ids"][0])
     [a1] = v.stored(obj(1, 1))
     assert a1.block_hashes == (block_hash(1, 2), block_hash(1, 3)) and a1.parent_block_hash == block_hash(1, 1)
     assert v.stored(obj(1, 1)) == []  # duplicate stored event

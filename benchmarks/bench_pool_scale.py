@@ -1,0 +1,430 @@
+#!/usr/bin/env python3
+"""Scale benchmark: a pool of 10^5-10^6 connector chunks, the event relay, and Dynamo's KV router.
+
+Everything is the real component, each in its own process: nats-server, the pool service
+(`python -m maru_vllm.pool serve`), a worker stand-in running our `KvEventRelay` plus Dynamo's
+own `KvEventPublisher` on a served Dynamo endpoint (what `dynamo.vllm` + our hook run, minus the
+engine), and Dynamo's `KvRouter` (`maru_vllm.events.router_probe`). Chunks are what
+MaruKVConnector commits (`ChunkMeta`: block hashes, token ids; `--chunk-tokens` per chunk,
+`--chunks-per-prompt` chained chunks per prompt) with empty payloads - the pool's metadata and
+the router's state do not depend on payload size, and a 1 TB region does not fit here.
+
+Per pool size it measures:
+
+* fill: commits/s into the pool, and the service's RSS per object;
+* resync: relay start -> snapshot (paged over the socket) applied -> Dynamo's router credits
+  the last prompt at the host tier; relay/worker RSS;
+* router memory: the router process's RSS before and after it holds every pool block;
+* event rate: chunks/s (and blocks/s) from commit to router credit for `--live-chunks` new
+  chunks stored after the sync;
+* lookup: p50/p99 of `KvRouter.get_overlap_scores` for random pool prompts (timed inside the
+  router process), each checked to match every block at the host tier.
+
+`--memory` instead measures the service's RSS per object for the issue's two cases (50,000
+empty objects; 40,000 objects with ~2 KiB connector metadata), optionally against another
+checkout (`--code-root`) for a before/after comparison.
+
+Usage: python benchmarks/bench_pool_scale.py [--chunks 100000 1000000] [--json out.json]
+       python benchmarks/bench_pool_scale.py --memory [--code-root DIR]
+Run sizes of 10^6 under `flock /tmp/maru-heavy.lock` on a shared machine (~10 GB peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from maru_vllm.connector.chunks import ChunkGeometry, chunk_key  # noqa: E402
+from maru_vllm.launch import free_port  # noqa: E402
+from maru_vllm.pool import PoolClient  # noqa: E402
+
+NS = "kv:bench:1"
+ENDPOINT = "bench.backend.generate"
+MiB = 1 << 20
+
+
+# -- workload --------------------------------------------------------------------------------
+class Workload:
+    """Prompts of `chunks_per_prompt` chained chunks; block hashes like vLLM's (32 bytes)."""
+
+    def __init__(self, block_size: int, chunk_tokens: int, chunks_per_prompt: int) -> None:
+        self.geometry = ChunkGeometry(block_size, chunk_tokens // block_size)
+        self.cpp = chunks_per_prompt
+
+    def prompt_tokens(self, p: int) -> list[int]:
+        rng = random.Random(p)
+        return [rng.randrange(150_000) for _ in range(self.cpp * self.geometry.chunk_tokens)]
+
+    def prompt_hashes(self, p: int) -> list[bytes]:
+        n = self.cpp * self.geometry.blocks_per_chunk
+        return [hashlib.blake2b(b"%d/%d" % (p, b), digest_size=32).digest() for b in range(n)]
+
+    def chunks(self, first_prompt: int, prompts: int):
+        """(key, ChunkMeta) of every chunk of prompts first_prompt.., in prompt order."""
+        g = self.geometry
+        for p in range(first_prompt, first_prompt + prompts):
+            tokens, hashes = self.prompt_tokens(p), self.prompt_hashes(p)
+            for c in range(self.cpp):
+                yield chunk_key(g.chunk_hash(hashes, c), 0), g.chunk_meta(hashes, tokens, c, None)
+
+
+def fill(client: PoolClient, work: Workload, first_prompt: int, prompts: int, batch: int = 1000) -> tuple[int, float]:
+    """Store the prompts' chunks; (stored, seconds spent in reserve+commit)."""
+    stored, spent = 0, 0.0
+    items: list[tuple[bytes, Any]] = []
+
+    def flush() -> None:
+        nonlocal stored, spent, items
+        t0 = time.perf_counter()
+        res = client.reserve([(k, 0) for k, _ in items], NS)
+        ok = client.commit([r for r in res if r], [m for (_, m), r in zip(items, res) if r])
+        spent += time.perf_counter() - t0
+        stored += sum(ok)
+        items = []
+
+    for item in work.chunks(first_prompt, prompts):
+        items.append(item)
+        if len(items) >= batch:
+            flush()
+    if items:
+        flush()
+    return stored, spent
+
+
+# -- processes -------------------------------------------------------------------------------
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class Lines:
+    """A child's stdout, line by line, from a reader thread."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        import queue
+
+        self.proc = proc
+        self.q: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.q.put(line.rstrip("\n"))
+        self.q.put(None)
+
+    def wait(self, prefix: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.q.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line is None:
+                raise RuntimeError(f"process exited while waiting for {prefix!r}")
+            if line.startswith(prefix):
+                return line
+
+
+class Stack:
+    """nats-server + pool service + (later) router probe and worker stand-in, in a temp dir."""
+
+    def __init__(self, chunks: int, code_root: Path = REPO, nats: bool = True) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
+        self.name = f"scale-{uuid.uuid4().hex[:8]}"
+        self.procs: list[subprocess.Popen] = []
+        self.nats_url = None
+        if nats:
+            port = free_port()
+            exe = shutil.which("nats-server")
+            if exe is None:
+                raise SystemExit("nats-server is not on PATH (make setup installs it)")
+            self._spawn([exe, "-a", "127.0.0.1", "-p", str(port)], log="nats.log")
+            self.nats_url = f"nats://127.0.0.1:{port}"
+        sock = self.dir / "pool.sock"
+        size = max(64 * MiB, chunks * 160)  # 64 B header per empty object, slab slack
+        cmd = [sys.executable, "-m", "maru_vllm.pool", "serve", "--name", self.name, "--size", str(size),
+               "--listen", f"unix://{sock}", "--log-level", "WARNING"]
+        if self.nats_url:
+            cmd += ["--nats", self.nats_url]
+        if code_root == REPO:  # budget flags exist only from this version on
+            cmd += ["--max-objects", str(2 * chunks + 100_000), "--metadata-budget", "16G"]
+        self.pool = self._spawn(cmd, log="pool.log", env={"PYTHONPATH": str(code_root)}, cwd=code_root)
+        line = Lines(self.pool).wait("maru-pool serving on ", 60)
+        self.address = line.split(" on ", 1)[1]
+        self.env = dict(os.environ, PYTHONPATH=str(REPO), DYN_DISCOVERY_BACKEND="file",
+                        DYN_FILE_KV=str(self.dir / "discovery"), DYN_TCP_RPC_HOST="127.0.0.1",
+                        DYN_EVENT_PLANE_HOST="127.0.0.1", DYN_TCP_RESPONSE_STREAM_HOST="127.0.0.1",
+                        DYN_EVENT_PLANE="nats", NATS_SERVER=self.nats_url or "", PYTHONHASHSEED="0",
+                        DYN_LOG=os.environ.get("BENCH_DYN_LOG", "warn"))
+
+    def _spawn(self, cmd: list[str], log: str, env: dict[str, str] | None = None, cwd: Path = REPO,
+               stdin: bool = False) -> subprocess.Popen:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.dir / log, "ab"), text=True,
+                             env=dict(os.environ, **(env or {})),
+                             cwd=cwd, stdin=subprocess.PIPE if stdin else None, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def print_logs(self, tail: int = 3000) -> None:
+        for log in sorted(self.dir.glob("*.log")):
+            print(f"--- {log.name} (last {tail} chars)\n{log.read_text(errors='replace')[-tail:]}", file=sys.stderr)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        Path(f"/dev/shm/maru-{self.name}").unlink(missing_ok=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Router:
+    """Dynamo's KvRouter in its own process (maru_vllm.events.router_probe)."""
+
+    def __init__(self, stack: Stack, block_size: int) -> None:
+        self.proc = stack._spawn([sys.executable, "-m", "maru_vllm.events.router_probe", "--endpoint", ENDPOINT,
+                                  "--block-size", str(block_size), "--timeout", "300"],
+                                 log="router.log", env=stack.env, stdin=True)
+        self.lines = Lines(self.proc)
+
+    def scores(self, tokens: list[int]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"token_ids": tokens}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.lines.wait("{", 120))
+
+    def host_blocks(self, tokens: list[int]) -> int:
+        rows = self.scores(tokens).get("workers") or []
+        return max((int(r.get("host_pinned_blocks") or 0) for r in rows), default=0)
+
+    def wait_credit(self, tokens: list[int], blocks: int, timeout: float) -> float:
+        """Poll until the router credits `blocks` host blocks of `tokens`; the wall time then."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.host_blocks(tokens) >= blocks:
+                return time.time()
+            time.sleep(0.05)
+        raise TimeoutError(f"router did not credit {blocks} blocks within {timeout}s")
+
+
+# -- worker stand-in (child process) ---------------------------------------------------------
+async def worker_main(args: argparse.Namespace) -> None:
+    """A served Dynamo endpoint + Dynamo's KvEventPublisher fed by our KvEventRelay."""
+    from dynamo.llm import KvEventPublisher, ModelInput, ModelType, WorkerType, register_model
+    from dynamo.runtime import DistributedRuntime
+
+    from maru_vllm.events.nats_source import PoolSourceConfig
+    from maru_vllm.events.pool_view import NamespaceFilter
+    from maru_vllm.events.relay import KvEventRelay
+
+    loop = asyncio.get_running_loop()
+    runtime = DistributedRuntime(loop, "file", "tcp")
+    endpoint = runtime.endpoint(ENDPOINT)
+
+    async def generate(request: Any, context: Any = None):  # never called: the bench only routes
+        yield {"ok": True}
+
+    serving = asyncio.ensure_future(endpoint.serve_endpoint(generate))
+    # A model card, as dynamo.vllm registers one: the router ignores KV events of a worker without
+    await register_model(ModelInput.Tokens, ModelType.Completions, endpoint, "maru-scale-bench", "maru-scale-bench",
+                         worker_type=WorkerType.Aggregated, kv_cache_block_size=args.block_size, skip_model_assets=True)
+    print("serving", flush=True)
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    await reader.readline()  # "go": the router is up and subscribed
+    t0 = time.time()
+    relay = KvEventRelay(
+        upstream=f"tcp://127.0.0.1:{free_port()}",  # no engine: nothing publishes vLLM events here
+        pool=PoolSourceConfig(args.nats, args.pool_name, pool_address=args.pool_address, request_timeout_s=120),
+        namespaces=NamespaceFilter.exactly(NS), block_size=args.block_size,
+    )
+    relay_endpoint = await relay.start()
+    publisher = KvEventPublisher(endpoint=endpoint, kv_block_size=args.block_size, zmq_endpoint=relay_endpoint)
+    assert relay.source is not None
+    await relay.source.wait_synced(args.timeout)
+    t1 = time.time()
+    print(json.dumps({"relay_start": t0, "synced": t1, "objects": len(relay.view), "rss": rss(os.getpid())}),
+          flush=True)
+    while True:  # report relay progress on request
+        line = await reader.readline()
+        if not line:
+            break
+        print(json.dumps({"stats": relay.stats.__dict__, "source": relay.source.stats.__dict__,
+                          "rss": rss(os.getpid())}), flush=True)
+    del publisher
+    await relay.stop()
+    serving.cancel()
+    runtime.shutdown()
+
+
+# -- one pool size ---------------------------------------------------------------------------
+def run_scale(args: argparse.Namespace, chunks: int) -> dict[str, Any]:
+    work = Workload(args.block_size, args.chunk_tokens, args.chunks_per_prompt)
+    prompts = chunks // args.chunks_per_prompt
+    bpc = work.geometry.blocks_per_chunk
+    out: dict[str, Any] = {"chunks": prompts * args.chunks_per_prompt, "blocks": prompts * args.chunks_per_prompt * bpc,
+                           "block_size": args.block_size, "chunk_tokens": args.chunk_tokens}
+    stack = Stack(chunks)
+    try:
+        client = PoolClient.connect(stack.address, populate=False, timeout=120)
+        rss0 = rss(stack.pool.pid)
+        stored, spent = fill(client, work, 0, prompts)
+        st = client.stats()
+        out["fill_chunks_per_s"] = stored / spent
+        out["pool_rss_per_object_b"] = (rss(stack.pool.pid) - rss0) / stored
+        out["pool_rss_mib"] = rss(stack.pool.pid) / MiB
+        out["pool_metadata_mib"] = st["metadata_bytes"] / MiB
+        print(f"[{chunks}] pool filled: {stored} chunks at {out['fill_chunks_per_s']:.0f}/s, "
+              f"service RSS {out['pool_rss_mib']:.0f} MiB ({out['pool_rss_per_object_b']:.0f} B/object)", flush=True)
+
+        router = Router(stack, args.block_size)
+        worker = stack._spawn([sys.executable, __file__, "--role", "worker", "--pool-address", stack.address,
+                               "--pool-name", stack.name, "--nats", stack.nats_url or "", "--block-size",
+                               str(args.block_size), "--timeout", str(args.timeout)],
+                              log="worker.log", env=stack.env, stdin=True)
+        wlines = Lines(worker)
+        wlines.wait("serving", 120)
+        router.lines.wait("ready", 300)
+        time.sleep(1.0)  # let the router's event subscription settle
+        out["router_rss_empty_mib"] = rss(router.proc.pid) / MiB
+        last = prompts - 1
+        full = args.chunks_per_prompt * bpc
+        assert worker.stdin is not None
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        synced = json.loads(wlines.wait("{", args.timeout))
+        credited = router.wait_credit(work.prompt_tokens(last), full, args.timeout)
+        out["resync_relay_s"] = synced["synced"] - synced["relay_start"]
+        out["resync_to_router_s"] = credited - synced["relay_start"]
+        out["relay_objects"] = synced["objects"]
+        out["worker_rss_mib"] = synced["rss"] / MiB
+        time.sleep(2.0)
+        out["router_rss_mib"] = rss(router.proc.pid) / MiB
+        out["router_rss_per_block_b"] = (rss(router.proc.pid) - out["router_rss_empty_mib"] * MiB) / out["blocks"]
+        print(f"[{chunks}] resync: relay {out['resync_relay_s']:.1f} s, router credits all "
+              f"{out['resync_to_router_s']:.1f} s after relay start; router RSS {out['router_rss_empty_mib']:.0f} -> "
+              f"{out['router_rss_mib']:.0f} MiB; worker (relay+publisher) RSS {out['worker_rss_mib']:.0f} MiB", flush=True)
+
+        # live events: new chunks from commit to router credit
+        live_prompts = max(1, args.live_chunks // args.chunks_per_prompt)
+        t0 = time.time()
+        n, _ = fill(client, work, prompts, live_prompts, batch=64)
+        t_committed = time.time()
+        t_credit = router.wait_credit(work.prompt_tokens(prompts + live_prompts - 1), full, args.timeout)
+        out["live_chunks"] = n
+        out["commit_chunks_per_s"] = n / (t_committed - t0)
+        out["event_chunks_per_s"] = n / (t_credit - t0)
+        out["event_blocks_per_s"] = n * bpc / (t_credit - t0)
+        print(f"[{chunks}] events: {n} chunks committed at {out['commit_chunks_per_s']:.0f}/s, credited by the "
+              f"router at {out['event_chunks_per_s']:.0f} chunks/s ({out['event_blocks_per_s']:.0f} blocks/s)", flush=True)
+
+        # lookups
+        rng = random.Random(7)
+        lat, wrong = [], 0
+        for _ in range(args.lookups):
+            p = rng.randrange(prompts)
+            s = router.scores(work.prompt_tokens(p))
+            lat.append(s["probe_lookup_s"])
+            rows = s.get("workers") or []
+            wrong += max((int(r.get("host_pinned_blocks") or 0) for r in rows), default=0) != full
+        lat.sort()
+        out["lookup_p50_ms"] = 1000 * statistics.median(lat)
+        out["lookup_p99_ms"] = 1000 * lat[int(0.99 * (len(lat) - 1))]
+        out["lookups_not_fully_matched"] = wrong
+        print(f"[{chunks}] lookup ({work.geometry.blocks_per_chunk * args.chunks_per_prompt} blocks/prompt): "
+              f"p50 {out['lookup_p50_ms']:.3f} ms, p99 {out['lookup_p99_ms']:.3f} ms; "
+              f"{wrong}/{args.lookups} not fully matched", flush=True)
+        client.close()
+        worker.stdin.close()
+    except BaseException:
+        stack.print_logs()
+        raise
+    finally:
+        stack.close()
+    return out
+
+
+# -- memory per object -----------------------------------------------------------------------
+def run_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """Service RSS per object: 50,000 empty objects, 40,000 with ~2 KiB connector metadata."""
+    out: dict[str, Any] = {"code_root": str(args.code_root)}
+    work = Workload(16, 256, 1)  # 16 blocks of 16 tokens: ~2 KiB of msgpack, as the issue measured
+    for label, n, with_meta in (("empty", 50_000, False), ("meta_2k", 40_000, True)):
+        stack = Stack(n, code_root=Path(args.code_root), nats=False)
+        try:
+            with PoolClient.connect(stack.address, heartbeat=False, populate=False, timeout=120) as c:
+                time.sleep(0.5)
+                rss0 = rss(stack.pool.pid)
+                if with_meta:
+                    stored, _ = fill(c, work, 0, n)
+                else:
+                    stored = 0
+                    for lo in range(0, n, 1000):
+                        res = c.reserve([(b"e%09d" % i, 0) for i in range(lo, lo + 1000)], NS)
+                        stored += sum(c.commit([r for r in res if r]))
+                time.sleep(0.5)
+                out[f"{label}_objects"] = stored
+                out[f"{label}_rss_mib"] = rss(stack.pool.pid) / MiB
+                out[f"{label}_bytes_per_object"] = (rss(stack.pool.pid) - rss0) / stored
+            print(f"{label}: {stored} objects, service RSS {out[f'{label}_rss_mib']:.0f} MiB, "
+                  f"{out[f'{label}_bytes_per_object']:.0f} B/object", flush=True)
+        finally:
+            stack.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[100_000])
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--chunks-per-prompt", type=int, default=4)
+    ap.add_argument("--live-chunks", type=int, default=20_000)
+    ap.add_argument("--lookups", type=int, default=1000)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds any one phase may take")
+    ap.add_argument("--memory", action="store_true", help="measure service RSS per object only")
+    ap.add_argument("--code-root", default=str(REPO), help="--memory: run the service from this checkout")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--role", default="bench", choices=("bench", "worker"), help=argparse.SUPPRESS)
+    ap.add_argument("--pool-address", help=argparse.SUPPRESS)
+    ap.add_argument("--pool-name", help=argparse.SUPPRESS)
+    ap.add_argument("--nats", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "worker":
+        asyncio.run(worker_main(args))
+        return
+    results: dict[str, Any] = {}
+    if args.memory:
+        results["memory"] = run_memory(args)
+    else:
+        results["scale"] = [run_scale(args, n) for n in args.chunks]
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

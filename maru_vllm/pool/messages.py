@@ -1,0 +1,225 @@
+"""Every message the pool exchanges besides request arguments, defined once as msgspec structs.
+
+Both sides use these types: the service builds them, clients and subscribers decode them with
+the typed decoders below, so a field cannot drift between writer and reader and a malformed
+message fails with one line naming the field (`MessageError`). Request arguments live next to
+the framing in `protocol` (`OP_ARGS`); this module holds what comes back and what is published:
+
+* op results (`OP_RESULTS`): `HelloResult`, `Placement` rows of reserve/acquire, `SnapshotPage`;
+* pool events (`PoolEventMsg`) on NATS `maru.<pool>.events`;
+* snapshot pages (`SnapshotPage`), on the socket `snapshot` op and NATS `maru.<pool>.snapshot`;
+* MaruKVConnector chunk metadata (`ChunkMeta`), which the pool carries opaquely and the event
+  relay turns into router events.
+
+Object metadata travels as JSON everywhere after the commit (the pool stores the JSON bytes it
+validated at commit, counts them against its metadata budget, and embeds them unchanged in
+events and snapshot pages), so `ObjectInfo.meta` / `PoolEventMsg.meta` are `msgspec.Raw` JSON
+that a reader decodes only when it cares (e.g. `decode_chunk_meta`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+#: `ChunkMeta.v` values this code writes and reads; bump when ChunkMeta changes incompatibly.
+CHUNK_META_VERSION = 1
+SUPPORTED_CHUNK_META_VERSIONS = frozenset({CHUNK_META_VERSION})
+
+NULL = msgspec.Raw(b"null")
+
+HexHash = Annotated[str, msgspec.Meta(min_length=2, max_length=256, pattern="^([0-9a-f]{2})+$")]
+
+
+class MessageError(ValueError):
+    """A reply, event, snapshot page or chunk metadata that does not have the documented shape."""
+
+
+# -- op results -------------------------------------------------------------------------------
+class HelloResult(msgspec.Struct):
+    """What `hello` tells a new session: who the pool is and where its region lives."""
+
+    session: int
+    pool: str
+    incarnation: str
+    region_uuid: str
+    region_path: str
+    region_size: int
+    data_offset: int
+    backend: str
+    lease_s: float
+    protocol: int
+
+
+class Placement(msgspec.Struct, array_like=True):
+    """Where one reserved or pinned object's payload is: `[oid, payload offset, size]`."""
+
+    oid: int
+    offset: int
+    size: int
+
+
+class PartPlacement(msgspec.Struct, array_like=True):
+    """An object pinned by a part key: `[oid, payload offset, size, the object's own key, units]`
+    (`units`: how many leading units of the object the part key names)."""
+
+    oid: int
+    offset: int
+    size: int
+    key: bytes
+    units: int
+
+
+class ObjectInfo(msgspec.Struct):
+    """One committed object as snapshots list it (`meta` is the committer's JSON, raw)."""
+
+    namespace: str
+    key: str  # hex
+    size: int
+    meta: msgspec.Raw = NULL
+
+
+class SnapshotPage(msgspec.Struct):
+    """One page of the object set. `seq` is the event seq when this page was taken; `next` is the
+    cursor to ask for the following page (None: this was the last page).
+
+    Paging (why a multi-page snapshot is still exact): a reader keeps the `seq` of its FIRST page
+    and afterwards applies every event with a larger seq. An object stored or removed while the
+    pages were read is then either in a page and re-stored by its event (stores are idempotent)
+    or absent and added by it; a removal of an object a page no longer shows is a no-op.
+    """
+
+    pool: str
+    incarnation: str
+    seq: int
+    objects: list[ObjectInfo]
+    next: int | None = None
+
+
+class ErrorMsg(msgspec.Struct):
+    """A NATS snapshot request the pool cannot answer (e.g. a page above the NATS max payload)."""
+
+    error: str
+    message: str
+
+
+# -- events -----------------------------------------------------------------------------------
+class PoolEventMsg(msgspec.Struct):
+    """`{"type": "stored"|"removed", "seq", "incarnation", "pool", "namespace", "key", "size",
+    "meta", "ts"}` on `maru.<pool>.events`; `seq` is gap-free per incarnation."""
+
+    type: Literal["stored", "removed"]
+    seq: int
+    incarnation: str
+    pool: str
+    namespace: str
+    key: str  # hex
+    size: int
+    meta: msgspec.Raw = NULL
+    ts: float = 0.0
+
+
+# -- MaruKVConnector chunk metadata -----------------------------------------------------------
+class ChunkMeta(msgspec.Struct, omit_defaults=False):
+    """The per-block facts committed with one connector chunk (what a KV event needs per block).
+
+    `block_hashes` are vLLM BlockHash bytes as hex, in prompt order; `token_ids[i]` are the
+    `block_size` tokens of block i; `parent_block_hash` is the hash of the block before the first
+    one (None for the first chunk of a prompt); `rank` is the writer's rank in the TP x PP world.
+    """
+
+    v: int
+    chunk: int
+    block_size: Annotated[int, msgspec.Meta(gt=0)]
+    block_hashes: Annotated[list[HexHash], msgspec.Meta(min_length=1)]
+    parent_block_hash: HexHash | None
+    token_ids: list[list[int]]
+    lora_name: str | None = None
+    rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    def __post_init__(self) -> None:
+        if self.v not in SUPPORTED_CHUNK_META_VERSIONS:
+            raise ValueError(f"chunk metadata version {self.v} is not supported (supported: "
+                             f"{sorted(SUPPORTED_CHUNK_META_VERSIONS)})")
+        if len(self.token_ids) != len(self.block_hashes):
+            raise ValueError(f"{len(self.token_ids)} token blocks for {len(self.block_hashes)} block hashes")
+        if any(len(block) != self.block_size for block in self.token_ids):
+            raise ValueError(f"every token block must hold block_size={self.block_size} tokens")
+
+
+# -- encoders / decoders ----------------------------------------------------------------------
+json_encoder = msgspec.json.Encoder()
+_event_decoder = msgspec.json.Decoder(PoolEventMsg)
+_page_decoder = msgspec.json.Decoder(SnapshotPage)
+_chunk_decoder = msgspec.json.Decoder(ChunkMeta)
+_error_decoder = msgspec.json.Decoder(ErrorMsg)
+
+#: What each op's reply `result` decodes to (the client validates every reply with these).
+OP_RESULTS: dict[str, Any] = {
+    "hello": HelloResult,
+    "ping": str,
+    "lookup": list[bool],
+    "lookup_prefix": int,
+    "reserve": list[Placement | None],
+    "commit": list[bool],
+    "abort": int,
+    "acquire": list[Placement | None],
+    "lookup_parts": list[int],
+    "acquire_parts": list[PartPlacement | None],
+    "release": int,
+    "stats": dict[str, int | float | str | bool | None],
+    "snapshot": bytes,  # the JSON of one SnapshotPage (decode_snapshot_page)
+    "remove": int,
+}
+_result_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in OP_RESULTS.items()}
+
+
+def _what(exc: Exception) -> str:
+    return str(exc).splitlines()[0]
+
+
+def decode_result(op: str, raw: msgspec.Raw | bytes) -> Any:
+    try:
+        return _result_decoders[op].decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageError(f"malformed {op!r} reply from the pool: {_what(exc)}") from None
+
+
+def encode_event(ev: PoolEventMsg) -> bytes:
+    return json_encoder.encode(ev)
+
+
+def decode_event(data: bytes) -> PoolEventMsg:
+    try:
+        return _event_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageError(f"malformed pool event: {_what(exc)}") from None
+
+
+def decode_snapshot_page(data: bytes) -> SnapshotPage:
+    """A snapshot page (JSON); an `ErrorMsg` answer raises MessageError with the pool's reason."""
+    try:
+        return _page_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        try:
+            err = _error_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise MessageError(f"malformed pool snapshot page: {_what(exc)}") from None
+        raise MessageError(f"pool answered the snapshot request with {err.error}: {err.message}") from None
+
+
+def encode_chunk_meta(meta: ChunkMeta) -> bytes:
+    return json_encoder.encode(meta)
+
+
+def decode_chunk_meta(raw: msgspec.Raw | bytes) -> ChunkMeta:
+    try:
+        return _chunk_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageError(f"not MaruKVConnector chunk metadata: {_what(exc)}") from None
+
+
+def encode_meta_json(meta: Any) -> bytes:
+    """The JSON the pool stores for a committed object's metadata."""
+    return json_encoder.encode(meta)
