@@ -101,6 +101,8 @@ def main() -> int:
                                          placeholder_meta(c)) for c in range(args.chunks)]
                     side.take_counters()
                     side.store(MaruConnectorMetadata(stores=stores))
+                    if side.writer is not None:  # write-behind: the copy finishes on the writer thread
+                        side.writer.wait(timeout=60)
                     c = side.take_counters()
                     best["store"] = min(best["store"], c.store_seconds)
                     loads = [ChunkLoad("r2", s.key, list(range(num_blocks // 2 + i * bpc,

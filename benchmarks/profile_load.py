@@ -94,6 +94,8 @@ def profile_load(tokens: int = 4096, repeats: int = 15, *, chunk_tokens: int = 2
         keys = [f"chunk-{c}".encode() for c in range(chunks)]
         writer.store(MaruConnectorMetadata(stores=[
             ChunkStore("w", keys[c], list(range(c * bpc, (c + 1) * bpc)), placeholder_meta(c)) for c in range(chunks)]))
+        if writer.writer is not None:  # write-behind: wait until the writer thread committed them
+            writer.writer.wait(timeout=60)
         if writer.take_counters().chunks_stored != chunks:
             raise RuntimeError("profile_load: storing the chunks failed")
         reader = side(2)
