@@ -1,9 +1,11 @@
-"""Every message the pool exchanges besides request arguments, defined once as msgspec structs.
+"""Every message the pool exchanges, defined once as msgspec structs (the framing is `protocol`).
 
 Both sides use these types: the service builds them, clients and subscribers decode them with
 the typed decoders below, so a field cannot drift between writer and reader and a malformed
-message fails with one line naming the field (`MessageError`). Request arguments live next to
-the framing in `protocol` (`OP_ARGS`); this module holds what comes back and what is published:
+message fails with one line naming the field (`MessageError`):
+
+* request arguments (`HelloArgs`, `KeysArgs`, ... ; `protocol.OP_ARGS` maps ops to them) and the
+  limits they enforce;
 
 * op results (`OP_RESULTS`): `HelloResult`, `Placement` rows of reserve/acquire, `SnapshotPage`;
 * pool events (`PoolEventMsg`) on NATS `maru.<pool>.events`;
@@ -28,6 +30,71 @@ CHUNK_META_VERSION = 1
 SUPPORTED_CHUNK_META_VERSIONS = frozenset({CHUNK_META_VERSION})
 
 NULL = msgspec.Raw(b"null")
+
+# -- limits and field types of requests -------------------------------------------------------
+MAX_KEY = 256
+MAX_NAMESPACE = 128
+MAX_BATCH = 65536
+MAX_META_BYTES = 16 * 1024
+MAX_META_DEPTH = 32
+MAX_PARTS = 256  # leading-part keys one object may declare (its part keys share MAX_META_BYTES)
+MAX_SNAPSHOT_PAGE = 16384  # objects per snapshot page
+SNAPSHOT_PAGE_BYTES = 4 * 1024 * 1024  # a page stops growing past this many bytes of object JSON
+
+Key = Annotated[bytes, msgspec.Meta(max_length=MAX_KEY)]
+Namespace = Annotated[str, msgspec.Meta(max_length=MAX_NAMESPACE)]
+Size = Annotated[int, msgspec.Meta(ge=0, le=1 << 50)]
+Oid = Annotated[int, msgspec.Meta(ge=0)]
+
+
+# -- per-op arguments -----------------------------------------------------------------------
+class HelloArgs(msgspec.Struct, forbid_unknown_fields=False):
+    token: str | None = None
+    client: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    pid: int = 0
+
+
+class EmptyArgs(msgspec.Struct):
+    pass
+
+
+class KeysArgs(msgspec.Struct):
+    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_BATCH)]
+    ns: Namespace = "default"
+
+
+class ReserveArgs(msgspec.Struct):
+    items: Annotated[list[tuple[Key, Size]], msgspec.Meta(max_length=MAX_BATCH)]
+    ns: Namespace = "default"
+
+
+PartKeys = Annotated[list[Key], msgspec.Meta(max_length=MAX_PARTS)]
+
+
+class CommitArgs(msgspec.Struct):
+    oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_BATCH)]
+    metas: list[dict[str, Any] | None] | None = None
+    # Per object, keys naming its leading parts: parts[i][j] names the first j + 1 units.
+    parts: list[PartKeys | None] | None = None
+
+
+class OidsArgs(msgspec.Struct):
+    oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_BATCH)]
+    bad: Annotated[list[Oid], msgspec.Meta(max_length=MAX_BATCH)] = []
+
+
+class RemoveArgs(msgspec.Struct):
+    ns: Namespace
+    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_BATCH)] | None = None  # None: whole namespace
+
+
+class SnapshotArgs(msgspec.Struct):
+    ns: Namespace | None = None
+    after: Annotated[int, msgspec.Meta(ge=0)] = 0  # cursor: `next` of the previous page (0: first page)
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_SNAPSHOT_PAGE)] = MAX_SNAPSHOT_PAGE
+
+
+
 
 HexHash = Annotated[str, msgspec.Meta(min_length=2, max_length=256, pattern="^([0-9a-f]{2})+$")]
 

@@ -13,8 +13,8 @@ Before ``hello`` a peer is unauthenticated: its first frame may be at most MAX_H
 bytes, and anything but a valid hello closes the connection. Bodies nested deeper than the
 decoder can follow are a ``bad_frame``/``bad_request`` error, never an uncaught RecursionError;
 chunk metadata may nest at most MAX_META_DEPTH levels (subscribers parse it again).
-Each op's result type (and every event, snapshot page and chunk metadata) is defined once in
-`maru_vllm.pool.messages`; the client decodes every reply's result with that type. The service
+Every message - each op's arguments and result type, every event, snapshot page and chunk
+metadata - is defined once in `maru_vllm.pool.messages`; this module is the framing around them; the client decodes every reply's result with that type. The service
 never sends a reply above MAX_FRAME (it answers ``too_large`` instead), and a client that gets
 a frame it cannot trust drops the connection and reconnects.
 """
@@ -22,28 +22,38 @@ a frame it cannot trust drops the connection and reconnects.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
+
+from maru_vllm.pool.messages import (  # noqa: F401 - the request side of the wire, re-exported
+    MAX_KEY,
+    MAX_NAMESPACE,
+    MAX_BATCH,
+    MAX_META_BYTES,
+    MAX_META_DEPTH,
+    MAX_PARTS,
+    MAX_SNAPSHOT_PAGE,
+    SNAPSHOT_PAGE_BYTES,
+    Key,
+    Namespace,
+    Size,
+    Oid,
+    HelloArgs,
+    EmptyArgs,
+    KeysArgs,
+    ReserveArgs,
+    PartKeys,
+    CommitArgs,
+    OidsArgs,
+    RemoveArgs,
+    SnapshotArgs,
+)
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024 * 1024
 MAX_HELLO_FRAME = 64 * 1024  # a hello is a token, a client name and a pid
-MAX_KEY = 256
-MAX_NAMESPACE = 128
-MAX_BATCH = 65536
-MAX_META_BYTES = 16 * 1024
-MAX_META_DEPTH = 32
-MAX_PARTS = 256  # leading-part keys one object may declare (its part keys share MAX_META_BYTES)
-MAX_SNAPSHOT_PAGE = 16384  # objects per snapshot page
-SNAPSHOT_PAGE_BYTES = 4 * 1024 * 1024  # a page stops growing past this many bytes of object JSON
 LEN = struct.Struct(">I")
-
-Key = Annotated[bytes, msgspec.Meta(max_length=MAX_KEY)]
-Namespace = Annotated[str, msgspec.Meta(max_length=MAX_NAMESPACE)]
-Size = Annotated[int, msgspec.Meta(ge=0, le=1 << 50)]
-Oid = Annotated[int, msgspec.Meta(ge=0)]
-
 
 class Request(msgspec.Struct, array_like=True):
     v: int
@@ -73,53 +83,6 @@ class RawReply(msgspec.Struct, array_like=True):
     ok: bool
     result: msgspec.Raw = msgspec.Raw(b"\xc0")  # nil
     error: ErrorInfo | None = None
-
-
-# -- per-op arguments -----------------------------------------------------------------------
-class HelloArgs(msgspec.Struct, forbid_unknown_fields=False):
-    token: str | None = None
-    client: Annotated[str, msgspec.Meta(max_length=256)] = ""
-    pid: int = 0
-
-
-class EmptyArgs(msgspec.Struct):
-    pass
-
-
-class KeysArgs(msgspec.Struct):
-    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_BATCH)]
-    ns: Namespace = "default"
-
-
-class ReserveArgs(msgspec.Struct):
-    items: Annotated[list[tuple[Key, Size]], msgspec.Meta(max_length=MAX_BATCH)]
-    ns: Namespace = "default"
-
-
-PartKeys = Annotated[list[Key], msgspec.Meta(max_length=MAX_PARTS)]
-
-
-class CommitArgs(msgspec.Struct):
-    oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_BATCH)]
-    metas: list[dict[str, Any] | None] | None = None
-    # Per object, keys naming its leading parts: parts[i][j] names the first j + 1 units.
-    parts: list[PartKeys | None] | None = None
-
-
-class OidsArgs(msgspec.Struct):
-    oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_BATCH)]
-    bad: Annotated[list[Oid], msgspec.Meta(max_length=MAX_BATCH)] = []
-
-
-class RemoveArgs(msgspec.Struct):
-    ns: Namespace
-    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_BATCH)] | None = None  # None: whole namespace
-
-
-class SnapshotArgs(msgspec.Struct):
-    ns: Namespace | None = None
-    after: Annotated[int, msgspec.Meta(ge=0)] = 0  # cursor: `next` of the previous page (0: first page)
-    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_SNAPSHOT_PAGE)] = MAX_SNAPSHOT_PAGE
 
 
 OP_ARGS: dict[str, type[msgspec.Struct]] = {
