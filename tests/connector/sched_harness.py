@@ -213,12 +213,11 @@ class Probe:
         orig_match = side.get_num_new_matched_tokens
         orig_alloc = side.update_state_after_alloc
         orig_finished = side.request_finished
-        orig_call = side.pool.call
-
-        def call(what: str, fn: Any) -> Any:
-            if what in ("lookup", "lookup_parts"):
+        def counted(lookup: Any) -> Any:
+            def counting_lookup(keys: Any, namespace: str) -> Any:
                 self._current[0] = 1
-            return orig_call(what, fn)
+                return lookup(keys, namespace)
+            return counting_lookup
 
         def match(request: Request, num_computed_tokens: int) -> Any:
             self._current[0] = 0
@@ -240,7 +239,8 @@ class Probe:
             self.finished.append(request.request_id)
             return orig_finished(request)
 
-        side.pool.call = call  # type: ignore[method-assign]
+        side.pool.lookup_prefix = counted(side.pool.lookup_prefix)  # type: ignore[method-assign]
+        side.pool.lookup_parts = counted(side.pool.lookup_parts)  # type: ignore[method-assign]
         side.get_num_new_matched_tokens = match  # type: ignore[method-assign]
         side.update_state_after_alloc = alloc  # type: ignore[method-assign]
         side.request_finished = finished  # type: ignore[method-assign]

@@ -260,14 +260,16 @@ def test_load_waits_for_the_copies_before_unpinning_the_objects(pool: PoolServic
     side.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"o0", [0, 1], chunk_meta(0))]))
     assert side.writer.wait(timeout=30)
     events: list[str] = []
-    real_call = side.pool.call
     side.copier.finish = lambda: events.append("copies done")
 
-    def call(what, fn):
-        events.append(what)
-        return real_call(what, fn)
+    def recorded(op):
+        def call(*args, **kwargs):
+            events.append(op.__name__)
+            return op(*args, **kwargs)
+        return call
 
-    side.pool.call = call
+    side.pool.acquire = recorded(side.pool.acquire)
+    side.pool.release = recorded(side.pool.release)
     side.load(MaruConnectorMetadata(loads=[ChunkLoad("r2", b"o0", [5, 6])]))
     assert events == ["acquire", "copies done", "release"]
     side.shutdown()

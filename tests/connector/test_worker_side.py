@@ -137,7 +137,7 @@ def test_start_load_kv_error_reports_every_planned_block(pool: PoolService, wher
     step = step_with_a_pool_hit(w)
     conn = worker_connector(w)
     if where == "before-copy":
-        w.pool.call = lambda *a, **k: (_ for _ in ()).throw(KeyError("injected"))  # type: ignore[method-assign]
+        w.pool.acquire = lambda *a, **k: (_ for _ in ()).throw(KeyError("injected"))  # type: ignore[method-assign]
     else:
         real = w.codec.unpack
         calls = []
@@ -154,7 +154,7 @@ def test_start_load_kv_error_reports_every_planned_block(pool: PoolService, wher
     assert conn.contained_errors == 1
     if where != "before-copy":
         del w.codec.unpack
-    w.pool.__dict__.pop("call", None)
+    w.pool.__dict__.pop("acquire", None)
     conn.wait_for_save()
     settle(w)
     assert conn.get_block_ids_with_load_errors() == {4, 5, 6, 7}
