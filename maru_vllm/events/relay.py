@@ -27,7 +27,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import zmq
@@ -165,13 +165,8 @@ class KvEventRelay:
     async def _vllm_loop(self) -> None:
         assert self._sub is not None
         while True:
-            try:
-                frames = await self._sub.recv_multipart()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.warning("vLLM KV event receive failed: %s", exc)
-                await asyncio.sleep(0.1)
+            frames = await _receive(self._sub.recv_multipart, logging.WARNING, "vLLM KV event receive")
+            if frames is None:
                 continue
             if len(frames) != 3:
                 logger.warning("ignoring a vLLM KV event message of %d frames", len(frames))
@@ -188,13 +183,8 @@ class KvEventRelay:
     async def _subscription_loop(self) -> None:
         assert self._pub is not None
         while True:
-            try:
-                msg = await self._pub.recv()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.debug("XPUB receive failed: %s", exc)
-                await asyncio.sleep(0.1)
+            msg = await _receive(self._pub.recv, logging.DEBUG, "XPUB receive")
+            if msg is None:
                 continue
             if not msg or msg[0] != 1:
                 continue  # an unsubscription
@@ -301,6 +291,19 @@ def _split_removals(announcements: list[Announcement]) -> Iterator[Announcement]
                 yield BlocksRemoved(a.block_hashes[i:i + MAX_BATCH_BLOCKS])
         else:
             yield a
+
+
+async def _receive(recv: Callable[[], Awaitable[T]], level: int, what: str) -> T | None:
+    """One message from `recv()`; None once a failed receive is logged and a moment has passed,
+    so the caller's loop tries again."""
+    try:
+        return await recv()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        logger.log(level, "%s failed: %s", what, exc)
+        await asyncio.sleep(0.1)
+        return None
 
 
 class RelayThread:
