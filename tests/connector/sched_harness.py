@@ -13,15 +13,19 @@ how many times each request looked the pool up.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +111,21 @@ class PoolService:
                 p.kill()
                 p.wait(10)
         self.region_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def running_pool(size: str = "64M") -> Iterator[PoolService]:
+    """A pool service with its socket in a fresh folder under /tmp (short: unix socket paths are
+    limited); stopped, and the folder removed, on the way out."""
+    d = Path(tempfile.mkdtemp(prefix="mp-", dir="/tmp"))
+    try:
+        svc = PoolService(d, size=size).start()
+        try:
+            yield svc
+        finally:
+            svc.stop()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # ---- vLLM objects --------------------------------------------------------------------------

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pytest
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.pool_interface import ConnectorPool
 from tests.connector.chunk_meta import chunk_meta
-from tests.connector.sched_harness import PoolService
+from tests.connector.sched_harness import running_pool
 
 NS = "kv:test:access"
 
@@ -42,35 +40,31 @@ def test_every_operation_answers_its_failure_value_while_the_pool_is_down(
 
 def test_an_outage_is_logged_once_and_its_end_once(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="maru_vllm.connector.pool_access")
-    d = Path(tempfile.mkdtemp(prefix="mpa-", dir="/tmp"))
-    svc = PoolService(d, size="8M").start()
-    access = PoolAccess(svc.address, None, 5.0, True, "test")
-    try:
-        (res,) = access.reserve([(b"c0", 4096)], NS) or [None]
-        assert res is not None
-        res.buffer[:] = b"x" * 4096
-        assert access.commit([res], [chunk_meta(0)], [[b"c0-part"]]) == [True]
-        assert access.lookup_prefix([b"c0", b"c1"], NS) == 1
-        assert access.lookup_parts([b"c0-part", b"nope"], NS) == [1, 0]
-        pins = access.acquire([b"c0", b"c1"], NS)
-        assert pins is not None and pins[1] is None and bytes(pins[0].data) == b"x" * 4096
-        access.release(pins)
-        assert access.available and not outage_warnings(caplog)
+    with running_pool(size="8M") as svc:
+        access = PoolAccess(svc.address, None, 5.0, True, "test")
+        try:
+            (res,) = access.reserve([(b"c0", 4096)], NS) or [None]
+            assert res is not None
+            res.buffer[:] = b"x" * 4096
+            assert access.commit([res], [chunk_meta(0)], [[b"c0-part"]]) == [True]
+            assert access.lookup_prefix([b"c0", b"c1"], NS) == 1
+            assert access.lookup_parts([b"c0-part", b"nope"], NS) == [1, 0]
+            pins = access.acquire([b"c0", b"c1"], NS)
+            assert pins is not None and pins[1] is None and bytes(pins[0].data) == b"x" * 4096
+            access.release(pins)
+            assert access.available and not outage_warnings(caplog)
 
-        svc.stop()
-        for _ in range(3):
-            assert access.lookup_prefix([b"c0"], NS) == 0
-        assert not access.available
-        svc.start()
-        deadline = time.monotonic() + 30
-        while access.lookup_prefix([b"c0"], NS) == 0 and not access.available:
-            assert time.monotonic() < deadline, "the pool did not come back"
-            time.sleep(0.1)
-        assert access.available
-        warnings = outage_warnings(caplog)
-        assert len(warnings) == 2, warnings
-        assert "unavailable" in warnings[0] and "is back (test)" in warnings[1]
-    finally:
-        access.close()
-        svc.stop()
-        shutil.rmtree(d, ignore_errors=True)
+            svc.stop()
+            for _ in range(3):
+                assert access.lookup_prefix([b"c0"], NS) == 0
+            assert not access.available
+            svc.start()
+            deadline = time.monotonic() + 30
+            while access.lookup_prefix([b"c0"], NS) == 0 and not access.available:
+                assert time.monotonic() < deadline, "the pool did not come back"
+                time.sleep(0.1)
+            warnings = outage_warnings(caplog)
+            assert len(warnings) == 2, warnings
+            assert "unavailable" in warnings[0] and "is back (test)" in warnings[1]
+        finally:
+            access.close()
