@@ -27,7 +27,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import zmq
@@ -164,10 +164,7 @@ class KvEventRelay:
     # -- inputs ----------------------------------------------------------------------------
     async def _vllm_loop(self) -> None:
         assert self._sub is not None
-        while True:
-            frames = await _receive(self._sub.recv_multipart, logging.WARNING, "vLLM KV event receive")
-            if frames is None:
-                continue
+        async for frames in _received(self._sub.recv_multipart, logging.WARNING, "vLLM KV event receive"):
             if len(frames) != 3:
                 logger.warning("ignoring a vLLM KV event message of %d frames", len(frames))
                 continue
@@ -182,10 +179,7 @@ class KvEventRelay:
 
     async def _subscription_loop(self) -> None:
         assert self._pub is not None
-        while True:
-            msg = await _receive(self._pub.recv, logging.DEBUG, "XPUB receive")
-            if msg is None:
-                continue
+        async for msg in _received(self._pub.recv, logging.DEBUG, "XPUB receive"):
             if not msg or msg[0] != 1:
                 continue  # an unsubscription
             self.stats.subscribers_joined += 1
@@ -293,17 +287,19 @@ def _split_removals(announcements: list[Announcement]) -> Iterator[Announcement]
             yield a
 
 
-async def _receive(recv: Callable[[], Awaitable[T]], level: int, what: str) -> T | None:
-    """One message from `recv()`; None once a failed receive is logged and a moment has passed,
-    so the caller's loop tries again."""
-    try:
-        return await recv()
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        logger.log(level, "%s failed: %s", what, exc)
-        await asyncio.sleep(0.1)
-        return None
+async def _received(recv: Callable[[], Awaitable[T]], level: int, what: str) -> AsyncIterator[T]:
+    """Every message `recv()` returns, until cancelled; a failed receive is logged and, after a
+    moment, tried again."""
+    while True:
+        try:
+            msg = await recv()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.log(level, "%s failed: %s", what, exc)
+            await asyncio.sleep(0.1)
+            continue
+        yield msg
 
 
 class RelayThread:
