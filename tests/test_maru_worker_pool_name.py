@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from maru_dynamo.components import maru_worker
-from tests.connector.sched_harness import PoolService
+from tests.connector.sched_harness import PoolService, running_pool
 
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[PoolService]:
-    d = Path(tempfile.mkdtemp(prefix="mwp-", dir="/tmp"))
-    svc = PoolService(d).start()
-    yield svc
-    svc.stop()
-    shutil.rmtree(d, ignore_errors=True)
+    with running_pool() as svc:
+        yield svc
 
 
 def test_name_is_asked_from_the_pool_when_not_given(pool: PoolService) -> None:

@@ -120,6 +120,18 @@ def _missing(module: ModuleType, names: tuple[str, ...]) -> list[str]:
     return [n for n in names if not callable(getattr(module, n, None))]
 
 
+def _module_with(name: str, names: tuple[str, ...], what: str, problems: list[str]) -> ModuleType | None:
+    """Module ``name`` if it imports and has every one of ``names`` (else why not, in ``problems``)."""
+    module = _import(name, problems)
+    if module is None:
+        return None
+    gap = _missing(module, names)
+    if gap:
+        problems.append(f"{name} lacks {what} {gap}")
+        return None
+    return module
+
+
 def _bundle(source: str, kmod: ModuleType, emod: ModuleType) -> LMCacheKernels:
     return LMCacheKernels(
         source=source,
@@ -138,40 +150,22 @@ def probe_lmcache_kernels() -> KernelProbe:
     if _import("lmcache", problems) is None:
         return KernelProbe(None, None, None, tuple(problems))
 
-    kmod: ModuleType | None = None
-    c_ops = _import("lmcache.c_ops", problems)
-    if c_ops is not None:
-        gap = _missing(c_ops, REQUIRED_KERNELS)
-        if gap:
-            problems.append(f"lmcache.c_ops lacks kernels {gap}")
-        else:
-            kmod = c_ops
+    kmod = _module_with("lmcache.c_ops", REQUIRED_KERNELS, "kernels", problems)
+    kernels_in_c_ops = kmod is not None
     if kmod is None:
-        cuda_ops = _import("lmcache.cuda_ops", problems)
-        if cuda_ops is not None:
-            gap = _missing(cuda_ops, REQUIRED_KERNELS)
-            if gap:
-                problems.append(f"lmcache.cuda_ops lacks kernels {gap}")
-            else:
-                kmod = cuda_ops
+        kmod = _module_with("lmcache.cuda_ops", REQUIRED_KERNELS, "kernels", problems)
 
-    emod: ModuleType | None = None
-    if kmod is not None and kmod is c_ops and not _missing(c_ops, _ENUMS):
-        emod = c_ops
+    emod: ModuleType | None
+    if kmod is not None and kernels_in_c_ops and not _missing(kmod, _ENUMS):
+        emod = kmod
     else:
-        native = _import("lmcache.lmcache_native", problems)
-        if native is not None:
-            gap = _missing(native, _ENUMS)
-            if gap:
-                problems.append(f"lmcache.lmcache_native lacks enums {gap}")
-            else:
-                emod = native
+        emod = _module_with("lmcache.lmcache_native", _ENUMS, "enums", problems)
 
     kernels = None
     if kmod is not None and emod is not None:
         if kmod is emod:
             source = SOURCE_GEN_A
-        elif kmod is c_ops:
+        elif kernels_in_c_ops:
             source = SOURCE_GEN_B
         else:
             source = SOURCE_GEN_C

@@ -1,27 +1,31 @@
 """The connector's link to the pool: never raises, logs once per outage.
 
 Every connector hook runs inside vLLM's scheduler loop or model forward, where an exception
-would take the engine down. So each pool call goes through `PoolAccess.call`, which turns any
-pool failure into "no result" (a miss for lookups and loads, a skipped store), logs a warning
-once when an outage starts and once when it ends, and leaves reconnecting (with backoff) to the
-pool client.
+would take the engine down. So `PoolAccess` implements the connector's typed view of the pool
+(`connector.pool_interface.ConnectorPool`) by running each operation on a `PoolClient` and
+turning any pool failure into that operation's "no result" (a miss for lookups and loads, a
+skipped store), logging a warning once when an outage starts and once when it ends, and
+leaving reconnecting (with backoff) to the pool client.
 """
 
 from __future__ import annotations
 
 from vllm.logger import init_logger
 import threading
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import ParamSpec, TypeVar
 
-from maru_vllm.pool import PoolClient, PoolError
+from maru_vllm.connector.pool_interface import ConnectorPool
+from maru_vllm.pool import PartPin, PoolClient, PoolError, ReadPin, Reservation
+from maru_vllm.pool.messages import ChunkMeta
 
 logger = init_logger(__name__)
 
 T = TypeVar("T")
+A = ParamSpec("A")
 
 
-class PoolAccess:
+class PoolAccess(ConnectorPool):
     def __init__(self, address: str, token: str | None, timeout_s: float, checksum: bool, who: str) -> None:
         self.address = address
         self.who = who
@@ -34,18 +38,52 @@ class PoolAccess:
 
     @property
     def client(self) -> PoolClient:
+        """The client itself, for tests and benchmarks that inspect the pool (not contained)."""
         return self._client
 
     @property
     def available(self) -> bool:
         return not self._down
 
-    def call(self, what: str, fn: Callable[[PoolClient], T]) -> T | None:
-        """Run `fn(client)`; on any pool failure return None (and remember the outage)."""
+    @property
+    def region_view(self) -> memoryview | None:
+        return self._client.region_view
+
+    def lookup_prefix(self, keys: Sequence[bytes], namespace: str) -> int:
+        return self._contained(self._client.lookup_prefix, keys, namespace) or 0
+
+    def lookup_parts(self, keys: Sequence[bytes], namespace: str) -> list[int]:
+        return self._contained(self._client.lookup_parts, keys, namespace) or []
+
+    def acquire(self, keys: Sequence[bytes], namespace: str, *,
+                verify_payload: bool = True) -> list[ReadPin | None] | None:
+        return self._contained(self._client.acquire, keys, namespace, verify_payload=verify_payload)
+
+    def acquire_parts(self, keys: Sequence[bytes], namespace: str, *,
+                      verify_payload: bool = True) -> list[PartPin | None] | None:
+        return self._contained(self._client.acquire_parts, keys, namespace, verify_payload=verify_payload)
+
+    def release(self, pins: Sequence[ReadPin | None], bad: Sequence[ReadPin] = (), *,
+                wait: bool = True) -> None:
+        self._contained(self._client.release, pins, bad, wait=wait)
+
+    def reserve(self, items: Sequence[tuple[bytes, int]], namespace: str) -> list[Reservation | None] | None:
+        return self._contained(self._client.reserve, items, namespace)
+
+    def abort(self, reservations: Sequence[Reservation]) -> None:
+        self._contained(self._client.abort, reservations)
+
+    def commit(self, reservations: Sequence[Reservation], metas: Sequence[ChunkMeta],
+               parts: Sequence[Sequence[bytes]]) -> list[bool] | None:
+        return self._contained(self._client.commit, reservations, metas, parts)
+
+    def _contained(self, op: Callable[A, T], *args: A.args, **kwargs: A.kwargs) -> T | None:
+        """`op(*args, **kwargs)` on the client; on any pool failure None (and the outage noted)."""
         try:
-            result = fn(self._client)
+            result = op(*args, **kwargs)
         except PoolError as exc:
             self.failures += 1
+            what = op.__name__
             with self._lock:
                 if not self._down:
                     self._down = True

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from maru_vllm.connector.chunks import ChunkGeometry, chunk_key, hash_bytes
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
-from maru_vllm.connector.pool_access import PoolAccess
+from maru_vllm.connector.pool_interface import ConnectorPool
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -69,7 +69,7 @@ class MaruSchedulerSide:
         self,
         geometry: ChunkGeometry,
         namespace: str,
-        pool: PoolAccess,
+        pool: ConnectorPool,
         *,
         can_load: bool,
         can_store: bool,
@@ -111,7 +111,7 @@ class MaruSchedulerSide:
             present = 0
             if max_chunks:
                 keys = g.keys_all_ranks(request.block_hashes, max_chunks)
-                present = self.pool.call("lookup", lambda c: c.lookup_prefix(keys, self.namespace)) or 0
+                present = self.pool.lookup_prefix(keys, self.namespace)
             self.lookups += 1
             st.checked_blocks = max_blocks
             st.pool_chunks = present // g.ranks
@@ -130,7 +130,7 @@ class MaruSchedulerSide:
         if n <= 0:
             return 0
         keys = [chunk_key(request.block_hashes[first + j], r) for j in range(n) for r in range(g.ranks)]
-        units = self.pool.call("lookup_parts", lambda c: c.lookup_parts(keys, self.namespace))
+        units = self.pool.lookup_parts(keys, self.namespace)
         if not units:
             return 0
         shared = 0

@@ -49,7 +49,7 @@ from maru_vllm.connector.chunks import chunk_key, with_rank
 from maru_vllm.connector.cuda_host import HostRegistry
 from maru_vllm.connector.layouts import LayoutError
 from maru_vllm.connector.metadata import ChunkStore
-from maru_vllm.connector.pool_access import PoolAccess
+from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.connector.stats import TransferCounters
 from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier
 
@@ -76,7 +76,7 @@ class StoreJob:
 class StoreWriter:
     """Copies and commits store jobs, inline (`write_behind=False`) or on one daemon thread."""
 
-    def __init__(self, pool: PoolAccess, namespace: str, rank: int, copier: Copier, device: torch.device, *,
+    def __init__(self, pool: ConnectorPool, namespace: str, rank: int, copier: Copier, device: torch.device, *,
                  write_behind: bool = True, host_registry: HostRegistry | None = None) -> None:
         self.pool = pool
         self.namespace = namespace
@@ -183,12 +183,12 @@ class StoreWriter:
         counters = TransferCounters()
         try:
             items = [(chunk_key(s.key, self.rank), copier.chunk_nbytes(len(s.block_ids))) for s in job.stores]
-            reservations = self.pool.call("reserve", lambda c: c.reserve(items, self.namespace))
+            reservations = self.pool.reserve(items, self.namespace)
             if reservations is None:
                 counters.store_failures += len(job.stores)
                 return
-            if self.host_registry is not None and self.pool.client.region_view is not None:
-                self.host_registry.ensure(self.pool.client.region_view)  # DMA into the region
+            if self.host_registry is not None and self.pool.region_view is not None:
+                self.host_registry.ensure(self.pool.region_view)  # DMA into the region
             to_commit, metas, parts = [], [], []
             stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with stream_ctx:
@@ -202,7 +202,7 @@ class StoreWriter:
                         self.pack(store.block_ids, res.buffer)
                     except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
                         logger.warning("Maru store of a chunk failed while copying (%s); skipped", exc)
-                        self.pool.call("abort", lambda c, r=res: c.abort([r]))
+                        self.pool.abort([res])
                         counters.store_failures += 1
                         continue
                     to_commit.append(res)
@@ -212,7 +212,7 @@ class StoreWriter:
                     self._stream.synchronize()  # the bytes are in the region before any commit
             if not to_commit:
                 return
-            committed = self.pool.call("commit", lambda c: c.commit(to_commit, metas, parts))
+            committed = self.pool.commit(to_commit, metas, parts)
             if committed is None:
                 counters.store_failures += len(to_commit)
                 return

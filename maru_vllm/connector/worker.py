@@ -37,7 +37,7 @@ from maru_vllm.connector.cuda_host import HostRegistry
 from maru_vllm.connector.kernels import resolve_fused_load, resolve_lmcache_kernels
 from maru_vllm.connector.layouts import KVCacheSet, LayoutError
 from maru_vllm.connector.metadata import ChunkLoad, MaruConnectorMetadata
-from maru_vllm.connector.pool_access import PoolAccess
+from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.connector.stats import TransferCounters
 from maru_vllm.connector.store_writer import StoreWriter
 from maru_vllm.connector.transfer import FORMAT_PAGES, LMCacheBlockCopier, TorchPageCopier, make_copier
@@ -57,12 +57,12 @@ class MaruWorkerSide:
         *,
         namespace: str,
         rank: int,
-        pool: PoolAccess,
+        pool: ConnectorPool,
         block_size: int,
         num_blocks: int | None,
         use_lmcache_kernels: bool,
         enable_fused_load: bool,
-        store_pool: PoolAccess | None = None,
+        store_pool: ConnectorPool | None = None,
         write_behind: bool = True,
         blocks_per_chunk: int = 1,
         expected_format: str = FORMAT_PAGES,
@@ -162,8 +162,8 @@ class MaruWorkerSide:
         loaded_bytes = 0
         bad: list[ReadPin] = []
         try:
-            if self.host_registry is not None and self.pool.client.region_view is not None:
-                self.host_registry.ensure(self.pool.client.region_view)  # DMA from the region
+            if self.host_registry is not None and self.pool.region_view is not None:
+                self.host_registry.ensure(self.pool.region_view)  # DMA from the region
             if self.fused_load:
                 loaded_bytes = self._load_fused(meta, pins, bad)
             else:
@@ -174,7 +174,7 @@ class MaruWorkerSide:
             t2 = time.perf_counter()
             # The reply is not waited for (it is read before the next pool request's): the
             # service unpins while the forward runs. A corrupt object's report is waited for.
-            self.pool.call("release", lambda c: c.release(pins, bad=bad, wait=bool(bad)))
+            self.pool.release(pins, bad=bad, wait=bool(bad))
             t3 = time.perf_counter()
             self.counters.load_copy_seconds += t2 - t1
             self.counters.load_release_seconds += t3 - t2
@@ -243,17 +243,15 @@ class MaruWorkerSide:
         parts = [i for i, load in enumerate(loads) if load.chunk_blocks]
         pins: list[ReadPin | None] = [None] * len(loads)
         if whole:
-            got = self.pool.call("acquire", lambda c: c.acquire([keys[i] for i in whole], self.namespace,
-                                                                verify_payload=False))
+            got = self.pool.acquire([keys[i] for i in whole], self.namespace, verify_payload=False)
             if got is None:
                 return None
             for i, pin in zip(whole, got):
                 pins[i] = pin
         if parts:
-            got_parts = self.pool.call("acquire", lambda c: c.acquire_parts([keys[i] for i in parts], self.namespace,
-                                                                            verify_payload=False))
+            got_parts = self.pool.acquire_parts([keys[i] for i in parts], self.namespace, verify_payload=False)
             if got_parts is None:
-                self.pool.call("release", lambda c: c.release(pins))
+                self.pool.release(pins)
                 return None
             for i, pin in zip(parts, got_parts):
                 pins[i] = pin

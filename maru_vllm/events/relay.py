@@ -27,7 +27,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import zmq
@@ -164,15 +164,7 @@ class KvEventRelay:
     # -- inputs ----------------------------------------------------------------------------
     async def _vllm_loop(self) -> None:
         assert self._sub is not None
-        while True:
-            try:
-                frames = await self._sub.recv_multipart()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.warning("vLLM KV event receive failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
+        async for frames in _received(self._sub.recv_multipart, logging.WARNING, "vLLM KV event receive"):
             if len(frames) != 3:
                 logger.warning("ignoring a vLLM KV event message of %d frames", len(frames))
                 continue
@@ -187,15 +179,7 @@ class KvEventRelay:
 
     async def _subscription_loop(self) -> None:
         assert self._pub is not None
-        while True:
-            try:
-                msg = await self._pub.recv()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.debug("XPUB receive failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
+        async for msg in _received(self._pub.recv, logging.DEBUG, "XPUB receive"):
             if not msg or msg[0] != 1:
                 continue  # an unsubscription
             self.stats.subscribers_joined += 1
@@ -301,6 +285,21 @@ def _split_removals(announcements: list[Announcement]) -> Iterator[Announcement]
                 yield BlocksRemoved(a.block_hashes[i:i + MAX_BATCH_BLOCKS])
         else:
             yield a
+
+
+async def _received(recv: Callable[[], Awaitable[T]], level: int, what: str) -> AsyncIterator[T]:
+    """Every message `recv()` returns, until cancelled; a failed receive is logged and, after a
+    moment, tried again."""
+    while True:
+        try:
+            msg = await recv()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.log(level, "%s failed: %s", what, exc)
+            await asyncio.sleep(0.1)
+            continue
+        yield msg
 
 
 class RelayThread:

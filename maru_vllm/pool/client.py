@@ -467,22 +467,7 @@ class PoolClient:
         checksum: the caller verifies the payload itself (e.g. fused with its copy, while the
         bytes are in cache) and releases a mismatching pin with `release(..., bad=[pin])`.
         """
-        ns = _ns(namespace)
-        keys = _keys(keys)
-        with self._lock:
-            self._ensure()
-            result = self._roundtrip("acquire", {"keys": keys, "ns": ns})
-            view = self._region.view  # type: ignore[union-attr]
-            out: list[ReadPin | None] = []
-            bad: list[int] = []
-            for key, r in zip(keys, result):
-                if r is None:
-                    out.append(None)
-                    continue
-                out.append(self._pin(ReadPin, view, ns, key, r.oid, r.offset, r.size, bad, verify_payload))
-            if bad:
-                self._roundtrip("release", {"oids": bad, "bad": bad})
-            return out
+        return self._acquire("acquire", keys, namespace, verify_payload)
 
     def acquire_parts(
         self, keys: Sequence[bytes], namespace: str = "default", *, verify_payload: bool = True
@@ -490,20 +475,27 @@ class PoolClient:
         """Pin, for each part key (see `commit`), the latest committed object naming it; release
         them with `release`. A pin's `.key` is the object's own key, `.units` what the part names;
         `verify_payload` as in `acquire` (the checksum covers the whole object)."""
+        return self._acquire("acquire_parts", keys, namespace, verify_payload)
+
+    def _acquire(self, op: str, keys: Sequence[bytes], namespace: str, verify_payload: bool) -> list[Any]:
+        """Pin what `op` places for each key: a `ReadPin` per `Placement`, a `PartPin` per
+        `PartPlacement`; objects failing validation are None, and released as bad at once."""
         ns = _ns(namespace)
         keys = _keys(keys)
         with self._lock:
             self._ensure()
-            result = self._roundtrip("acquire_parts", {"keys": keys, "ns": ns})
+            result = self._roundtrip(op, {"keys": keys, "ns": ns})
             view = self._region.view  # type: ignore[union-attr]
-            out: list[PartPin | None] = []
+            out: list[ReadPin | None] = []
             bad: list[int] = []
-            for r in result:
+            for key, r in zip(keys, result):
                 if r is None:
                     out.append(None)
-                    continue
-                out.append(self._pin(PartPin, view, ns, r.key, r.oid, r.offset, r.size, bad, verify_payload,
-                                     units=r.units))
+                elif isinstance(r, M.PartPlacement):
+                    out.append(self._pin(PartPin, view, ns, r.key, r.oid, r.offset, r.size, bad, verify_payload,
+                                         units=r.units))
+                else:
+                    out.append(self._pin(ReadPin, view, ns, key, r.oid, r.offset, r.size, bad, verify_payload))
             if bad:
                 self._roundtrip("release", {"oids": bad, "bad": bad})
             return out

@@ -45,22 +45,20 @@ class ConnectionSlots:
         """Take a slot for `conn` (dropping the oldest peer still waiting for hello if need be),
         or refuse it with a `too_many_connections` reply when every slot holds a client."""
         if self.open >= self.max_connections and not self.pending:
-            self._log.log(logging.WARNING, "conn-refused",
-                          "refused a connection from %s: %d connections open (--max-connections %d)",
-                          conn.peer, self.open, self.max_connections)
-            _send_and_close(conn.writer, "too_many_connections",
-                            f"the pool has {self.open} connections, its limit (--max-connections "
-                            f"{self.max_connections}); try again later")
+            _turn_away(self._log, "conn-refused", conn,
+                       f"the pool has {self.open} connections, its limit (--max-connections "
+                       f"{self.max_connections}); try again later",
+                       "refused a connection from %s: %d connections open (--max-connections %d)",
+                       conn.peer, self.open, self.max_connections)
             return False
         if self.open >= self.max_connections or len(self.pending) >= self.max_pending:
             oldest = next(iter(self.pending))
             self.release(oldest)
-            self._log.log(logging.WARNING, "conn-dropped",
-                          "dropped a connection from %s that had not sent hello, to admit %s (%d waiting)",
-                          oldest.peer, conn.peer, self.max_pending)
-            _send_and_close(oldest.writer, "too_many_connections",
-                            f"dropped: more than {self.max_pending} connections were waiting for hello "
-                            f"(half of --max-connections {self.max_connections})")
+            _turn_away(self._log, "conn-dropped", oldest,
+                       f"dropped: more than {self.max_pending} connections were waiting for hello "
+                       f"(half of --max-connections {self.max_connections})",
+                       "dropped a connection from %s that had not sent hello, to admit %s (%d waiting)",
+                       oldest.peer, conn.peer, self.max_pending)
         self.pending[conn] = None
         self.open += 1
         return True
@@ -87,9 +85,11 @@ def peer_name(writer: asyncio.StreamWriter) -> str:
         return "unix peer"
 
 
-def _send_and_close(writer: asyncio.StreamWriter, code: str, message: str) -> None:
-    writer.write(P.encode_reply(P.error_reply(0, code, message)))
-    writer.close()  # flushes the reply, then closes
+def _turn_away(log: ThrottledLog, kind: str, conn: Conn, reply: str, why: str, *args: object) -> None:
+    """Log (throttled) why `conn` goes, then tell it in a `too_many_connections` reply and close it."""
+    log.log(logging.WARNING, kind, why, *args)
+    conn.writer.write(P.encode_reply(P.error_reply(0, "too_many_connections", reply)))
+    conn.writer.close()  # flushes the reply, then closes
 
 
 def connection_limit(requested: int | None) -> int:

@@ -22,7 +22,7 @@ a frame it cannot trust drops the connection and reconnects.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -54,6 +54,9 @@ PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024 * 1024
 MAX_HELLO_FRAME = 64 * 1024  # a hello is a token, a client name and a pid
 LEN = struct.Struct(">I")
+
+T = TypeVar("T")
+
 
 class Request(msgspec.Struct, array_like=True):
     v: int
@@ -136,34 +139,29 @@ def error_reply(req_id: int, code: str, message: str) -> Reply:
 _TOO_DEEP = "nested too deeply to decode"
 
 
-def decode_request(body: bytes) -> Request:
+def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes | msgspec.Raw, code: str, what: str) -> T:
+    """`decoder.decode(data)`, or a FrameError with `code` that says `what` is wrong and why."""
     try:
-        return _request_decoder.decode(body)
+        return decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise FrameError("bad_frame", f"malformed request frame: {exc}") from exc
+        raise FrameError(code, f"{what}: {exc}") from exc
     except RecursionError as exc:
-        raise FrameError("bad_frame", f"malformed request frame: {_TOO_DEEP}") from exc
+        raise FrameError(code, f"{what}: {_TOO_DEEP}") from exc
+
+
+def decode_request(body: bytes) -> Request:
+    return _decode(_request_decoder, body, "bad_frame", "malformed request frame")
 
 
 def decode_args(op: str, raw: msgspec.Raw) -> msgspec.Struct:
     dec = _arg_decoders.get(op)
     if dec is None:
         raise FrameError("unknown_op", f"unknown op {op!r}; known ops: {', '.join(sorted(OP_ARGS))}")
-    try:
-        return dec.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise FrameError("bad_request", f"invalid arguments for {op!r}: {exc}") from exc
-    except RecursionError as exc:
-        raise FrameError("bad_request", f"invalid arguments for {op!r}: {_TOO_DEEP}") from exc
+    return _decode(dec, raw, "bad_request", f"invalid arguments for {op!r}")
 
 
 def decode_reply(body: bytes) -> RawReply:
-    try:
-        return _reply_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise FrameError("bad_frame", f"malformed reply frame: {exc}") from exc
-    except RecursionError as exc:
-        raise FrameError("bad_frame", f"malformed reply frame: {_TOO_DEEP}") from exc
+    return _decode(_reply_decoder, body, "bad_frame", "malformed reply frame")
 
 
 def nesting_depth(value: Any, limit: int = MAX_META_DEPTH) -> int:

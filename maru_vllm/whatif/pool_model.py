@@ -34,7 +34,7 @@ import heapq
 import json
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from maru_vllm.whatif.spec import KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
 from maru_vllm.whatif.timing import STEP_TOKENS, MockerTiming
@@ -100,6 +100,16 @@ class _Index:
         return {w: n for (w, _dp), n in self.tree.find_matches(local).scores.items()}
 
 
+def _leading_in(seq: list[int], held: Container[int]) -> int:
+    """How many blocks of `seq`, from the first on, `held` has."""
+    n = 0
+    for s in seq:
+        if s not in held:
+            break
+        n += 1
+    return n
+
+
 class _BlockCache:
     """Prefix cache of one tier: block -> pin count; unpinned blocks evicted least recently used."""
 
@@ -109,12 +119,7 @@ class _BlockCache:
         self.free: OrderedDict[int, None] = OrderedDict()  # unpinned, oldest first
 
     def prefix_hit(self, seq: list[int]) -> int:
-        n = 0
-        for s in seq:
-            if s not in self.pins:
-                break
-            n += 1
-        return n
+        return _leading_in(seq, self.pins)
 
     def evictable(self) -> int:
         return len(self.free)
@@ -206,12 +211,7 @@ class _Worker:
 
     def potential_blocks(self, seq: list[int]) -> int:
         """In-flight unique blocks if a request with prompt blocks `seq` joins (shared prefixes once)."""
-        shared = 0
-        for s in seq:
-            if s not in self.active:
-                break
-            shared += 1
-        return len(self.active) + len(seq) - shared
+        return len(self.active) + len(seq) - _leading_in(seq, self.active)
 
     def add_active(self, seq: list[int]) -> None:
         for s in seq:

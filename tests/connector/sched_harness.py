@@ -13,15 +13,19 @@ how many times each request looked the pool up.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +111,21 @@ class PoolService:
                 p.kill()
                 p.wait(10)
         self.region_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def running_pool(size: str = "64M") -> Iterator[PoolService]:
+    """A pool service with its socket in a fresh folder under /tmp (short: unix socket paths are
+    limited); stopped, and the folder removed, on the way out."""
+    d = Path(tempfile.mkdtemp(prefix="mp-", dir="/tmp"))
+    try:
+        svc = PoolService(d, size=size).start()
+        try:
+            yield svc
+        finally:
+            svc.stop()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # ---- vLLM objects --------------------------------------------------------------------------
@@ -213,12 +232,11 @@ class Probe:
         orig_match = side.get_num_new_matched_tokens
         orig_alloc = side.update_state_after_alloc
         orig_finished = side.request_finished
-        orig_call = side.pool.call
-
-        def call(what: str, fn: Any) -> Any:
-            if what in ("lookup", "lookup_parts"):
+        def counted(lookup: Any) -> Any:
+            def counting_lookup(keys: Any, namespace: str) -> Any:
                 self._current[0] = 1
-            return orig_call(what, fn)
+                return lookup(keys, namespace)
+            return counting_lookup
 
         def match(request: Request, num_computed_tokens: int) -> Any:
             self._current[0] = 0
@@ -240,7 +258,8 @@ class Probe:
             self.finished.append(request.request_id)
             return orig_finished(request)
 
-        side.pool.call = call  # type: ignore[method-assign]
+        side.pool.lookup_prefix = counted(side.pool.lookup_prefix)  # type: ignore[method-assign]
+        side.pool.lookup_parts = counted(side.pool.lookup_parts)  # type: ignore[method-assign]
         side.get_num_new_matched_tokens = match  # type: ignore[method-assign]
         side.update_state_after_alloc = alloc  # type: ignore[method-assign]
         side.request_finished = finished  # type: ignore[method-assign]

@@ -10,8 +10,6 @@ The tests at the end run the real thing and skip, saying why, without a CUDA dev
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +24,7 @@ from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier, make_copier
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.pool import PoolClient
-from tests.connector.sched_harness import PoolService
+from tests.connector.sched_harness import PoolService, running_pool
 from tests.connector.chunk_meta import chunk_meta
 
 L, NB, H, BS, C = 4, 16, 2, 8, 64  # layers, blocks, kv heads, block size, 2 * head size
@@ -181,11 +179,8 @@ class RecordingCudart:
 
 @pytest.fixture
 def pool() -> Iterator[PoolService]:
-    d = Path(tempfile.mkdtemp(prefix="mgp-", dir="/tmp"))
-    svc = PoolService(d, size="16M").start()
-    yield svc
-    svc.stop()
-    shutil.rmtree(d, ignore_errors=True)
+    with running_pool(size="16M") as svc:
+        yield svc
 
 
 def test_region_is_registered_once_per_mapping_and_again_after_a_pool_restart(pool: PoolService) -> None:
@@ -260,14 +255,16 @@ def test_load_waits_for_the_copies_before_unpinning_the_objects(pool: PoolServic
     side.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"o0", [0, 1], chunk_meta(0))]))
     assert side.writer.wait(timeout=30)
     events: list[str] = []
-    real_call = side.pool.call
     side.copier.finish = lambda: events.append("copies done")
 
-    def call(what, fn):
-        events.append(what)
-        return real_call(what, fn)
+    def recorded(op):
+        def call(*args, **kwargs):
+            events.append(op.__name__)
+            return op(*args, **kwargs)
+        return call
 
-    side.pool.call = call
+    side.pool.acquire = recorded(side.pool.acquire)
+    side.pool.release = recorded(side.pool.release)
     side.load(MaruConnectorMetadata(loads=[ChunkLoad("r2", b"o0", [5, 6])]))
     assert events == ["acquire", "copies done", "release"]
     side.shutdown()

@@ -11,8 +11,6 @@ nothing left behind" contract (`check_run`).
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from sched_harness import (
     make_request,
     make_scheduler,
     pool_keys,
+    running_pool,
     tokens,
 )
 from vllm.v1.request import RequestStatus
@@ -39,12 +38,9 @@ from maru_vllm.pool import PoolClient
 # ---- fixtures ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pool_service() -> Iterator[PoolService]:
-    d = Path(tempfile.mkdtemp(prefix="msr-", dir="/tmp"))  # short: unix socket paths are limited
-    svc = PoolService(d).start()
-    yield svc
-    svc.stop()
+    with running_pool() as svc:
+        yield svc
     assert not svc.region_path.exists()
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,16 +10,9 @@ import pytest
 import torch
 
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
-from maru_vllm.pool.messages import ChunkMeta
-
-
-def _meta(chunk: int) -> ChunkMeta:
-    """Chunk metadata as the scheduler side builds it (two blocks of four tokens)."""
-    return ChunkMeta(v=1, chunk=chunk, block_size=4, block_hashes=["aa" * 16, "bb" * 16], parent_block_hash=None,
-                     token_ids=[[1, 2, 3, 4], [5, 6, 7, 8]])
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
-from tests.connector.sched_harness import PoolService
+from tests.connector.sched_harness import PoolService, running_pool
 from tests.connector.chunk_meta import chunk_meta
 
 NS = "kv:test:worker"
@@ -29,11 +20,8 @@ NS = "kv:test:worker"
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[PoolService]:
-    d = Path(tempfile.mkdtemp(prefix="mws-", dir="/tmp"))
-    svc = PoolService(d).start()
-    yield svc
-    svc.stop()
-    shutil.rmtree(d, ignore_errors=True)
+    with running_pool() as svc:
+        yield svc
 
 
 def make_worker(address: str, seed: int) -> tuple[MaruWorkerSide, dict[str, torch.Tensor]]:
@@ -62,8 +50,8 @@ def test_failed_load_blocks_are_reported_and_that_requests_stores_are_dropped(po
     w, kv = make_worker(pool.address, 3)
     step = MaruConnectorMetadata(
         loads=[ChunkLoad("r1", b"never-stored", [0, 1])],
-        stores=[ChunkStore("r1", b"r1-chunk-1", [2, 3], _meta(1)),  # computed over missing KV
-                ChunkStore("r2", b"r2-chunk-0", [4, 5], _meta(0))],
+        stores=[ChunkStore("r1", b"r1-chunk-1", [2, 3], chunk_meta(1)),  # computed over missing KV
+                ChunkStore("r2", b"r2-chunk-0", [4, 5], chunk_meta(0))],
     )
     w.load(step)
     assert w.take_failed_blocks() == {0, 1}
@@ -98,7 +86,7 @@ def test_unsupported_layout_disables_the_connector_instead_of_the_engine(pool: P
     assert side.codec is None
     side.load(MaruConnectorMetadata(loads=[ChunkLoad("r1", b"k", [0, 1])]))
     assert side.take_failed_blocks() == {0, 1}  # recomputed, never loaded into an unknown layout
-    side.store(MaruConnectorMetadata(stores=[ChunkStore("r2", b"k2", [2, 3], _meta(0))]))
+    side.store(MaruConnectorMetadata(stores=[ChunkStore("r2", b"k2", [2, 3], chunk_meta(0))]))
     assert side.pool.client.lookup([b"k2/r0"], namespace=NS) == [False]
 
 
@@ -137,7 +125,7 @@ def test_start_load_kv_error_reports_every_planned_block(pool: PoolService, wher
     step = step_with_a_pool_hit(w)
     conn = worker_connector(w)
     if where == "before-copy":
-        w.pool.call = lambda *a, **k: (_ for _ in ()).throw(KeyError("injected"))  # type: ignore[method-assign]
+        w.pool.acquire = lambda *a, **k: (_ for _ in ()).throw(KeyError("injected"))  # type: ignore[method-assign]
     else:
         real = w.codec.unpack
         calls = []
@@ -154,7 +142,7 @@ def test_start_load_kv_error_reports_every_planned_block(pool: PoolService, wher
     assert conn.contained_errors == 1
     if where != "before-copy":
         del w.codec.unpack
-    w.pool.__dict__.pop("call", None)
+    w.pool.__dict__.pop("acquire", None)
     conn.wait_for_save()
     settle(w)
     assert conn.get_block_ids_with_load_errors() == {4, 5, 6, 7}

@@ -6,8 +6,6 @@ so each test sees the moment that matters (a copy still reading blocks) determin
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +18,8 @@ from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.pool import PoolClient
-from tests.connector.sched_harness import BLOCK_SIZE, PoolService, Sim, make_request, make_scheduler, pool_keys, tokens
+from tests.connector.sched_harness import (BLOCK_SIZE, PoolService, Sim, make_request, make_scheduler, pool_keys,
+                                          running_pool, tokens)
 from tests.connector.chunk_meta import chunk_meta
 
 NUM_BLOCKS = 64
@@ -28,11 +27,8 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[PoolService]:
-    d = Path(tempfile.mkdtemp(prefix="mwb-", dir="/tmp"))
-    svc = PoolService(d, size="128M").start()
-    yield svc
-    svc.stop()
-    shutil.rmtree(d, ignore_errors=True)
+    with running_pool(size="128M") as svc:
+        yield svc
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from maru_vllm.models import ensure_model
 from maru_vllm.pool import PoolClient
 from maru_vllm.pool.objects import payload_checksum
 from tests.e2e.conftest import PoolService, maru_kv_config, start_engine, start_pool, token_prompt, wait_engines
+from tests.e2e.metrics_text import metric_total
 from tests.e2e.openai_client import cached_tokens, completion
 
 pytestmark = [pytest.mark.e2e]
@@ -115,15 +116,6 @@ def test_cross_instance_pool_hit_equals_local_prefix_hit(maru: Stack) -> None:
     assert tokens(pool_hit) == tokens(local_hit)
     assert logprobs(pool_hit) == logprobs(local_hit)  # bit-exact
     assert tokens(pool_hit) == tokens(out_a)
-
-
-def metric_total(text: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples (all label sets) in an exposition text."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_metrics_report_pool_hits_and_transfers(maru: Stack) -> None:

@@ -42,6 +42,7 @@ from maru_vllm.launch import ManagedProcess, ProcessGroup
 from maru_vllm.launch import stack
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import start_pool, token_prompt
+from tests.e2e.metrics_text import metric_total
 from tests.e2e.openai_client import cached_tokens, completion
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -79,14 +80,6 @@ def system_port() -> int:
 def metrics(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         return resp.read().decode()
-
-
-def metric_total(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def wait_metric(port: int, name: str, at_least: float, timeout: float = 30.0) -> str:

@@ -22,16 +22,26 @@ async def _wait(pred, timeout=20.0, what="condition"):
     raise AssertionError(f"{what} not reached within {timeout}s")
 
 
+async def _subscribed(nats_url, pool_name):
+    """A NATS connection subscribed to the pool's events, and the list it appends them to (decoded)."""
+    nc = await nats.connect(nats_url)
+    events = []
+
+    async def collect(msg):
+        events.append(json.loads(msg.data))
+
+    await nc.subscribe(events_subject(pool_name), cb=collect)
+    await nc.flush()
+    return nc, events
+
+
 @pytest.mark.timeout(120)
 def test_events_gap_free_with_meta_and_snapshot_matches_live_set(pool_factory, nats_server):
     p = pool_factory(size="4M", extra=["--nats", nats_server.url])
     assert events_subject(p.name) == f"maru.{p.name}.events"
 
     async def main():
-        nc = await nats.connect(nats_server.url)
-        events = []
-        await nc.subscribe(events_subject(p.name), cb=_collector(events))
-        await nc.flush()
+        nc, events = await _subscribed(nats_server.url, p.name)
         c = PoolClient.connect(p.address)
         try:
             await _wait(lambda: c.stats()["nats_connected"], what="pool connected to NATS")
@@ -68,12 +78,6 @@ def test_events_gap_free_with_meta_and_snapshot_matches_live_set(pool_factory, n
     asyncio.run(main())
 
 
-def _collector(events):
-    async def cb(msg):
-        events.append(json.loads(msg.data))
-    return cb
-
-
 @pytest.mark.timeout(120)
 def test_ops_continue_while_nats_is_down_and_events_resume(pool_factory, nats_server):
     p = pool_factory(size="16M", extra=["--nats", nats_server.url])
@@ -90,10 +94,7 @@ def test_ops_continue_while_nats_is_down_and_events_resume(pool_factory, nats_se
         nats_server.start()
 
         async def main():
-            nc = await nats.connect(nats_server.url)
-            events = []
-            await nc.subscribe(events_subject(p.name), cb=_collector(events))
-            await nc.flush()
+            nc, events = await _subscribed(nats_server.url, p.name)
             await _wait(lambda: c.stats()["nats_connected"], timeout=30, what="pool reconnected to NATS")
             await asyncio.to_thread(c.put, b"after", b"2")
             await _wait(lambda: any(e["type"] == "stored" and e["key"] == b"after".hex() for e in events),
@@ -113,10 +114,7 @@ def test_remove_hides_objects_emits_removed_and_frees_space(pool_factory, nats_s
     p = pool_factory(size="4M", extra=["--nats", nats_server.url])
 
     async def main():
-        nc = await nats.connect(nats_server.url)
-        events = []
-        await nc.subscribe(events_subject(p.name), cb=_collector(events))
-        await nc.flush()
+        nc, events = await _subscribed(nats_server.url, p.name)
         c = PoolClient.connect(p.address)
         try:
             await _wait(lambda: c.stats()["nats_connected"], what="pool connected to NATS")

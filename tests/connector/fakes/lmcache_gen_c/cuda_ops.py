@@ -1,13 +1,5 @@
 """FAKE gen_c kernel module for tests; the functions only return a tag."""
 
+from tests.connector.fakes.lmcache_shapes import KERNELS, define_kernels
 
-def _tagged(name):
-    def kernel(*args, **kwargs):
-        return ("gen_c", name, args, kwargs)
-
-    kernel.__name__ = name
-    return kernel
-
-
-for _name in ("multi_layer_kv_transfer", "single_layer_kv_transfer", "load_and_reshape_flash", "reshape_and_cache_back_flash", "multi_layer_block_kv_transfer"):
-    globals()[_name] = _tagged(_name)
+define_kernels(globals(), "gen_c", KERNELS + ("multi_layer_block_kv_transfer",))

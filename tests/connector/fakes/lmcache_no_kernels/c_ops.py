@@ -1,13 +1,5 @@
-"""FAKE no_kernels kernel module for tests; the functions only return a tag."""
+"""FAKE no_kernels kernel module for tests; the functions only return a tag (two are missing)."""
 
+from tests.connector.fakes.lmcache_shapes import define_kernels
 
-def _tagged(name):
-    def kernel(*args, **kwargs):
-        return ("no_kernels", name, args, kwargs)
-
-    kernel.__name__ = name
-    return kernel
-
-
-for _name in ("multi_layer_kv_transfer", "single_layer_kv_transfer"):
-    globals()[_name] = _tagged(_name)
+define_kernels(globals(), "no_kernels", ("multi_layer_kv_transfer", "single_layer_kv_transfer"))
