@@ -17,11 +17,17 @@
 #include <stdint.h>
 #include <string.h>
 
+/* x86-64 gets AVX2 / AVX-512F versions picked at run time; any other CPU the portable one.
+ * -DMARU_X86=0 builds the portable one only (how the non-x86 build is checked on x86). */
+#if !defined(MARU_X86)
 #if defined(__x86_64__) || defined(_M_X64)
 #define MARU_X86 1
-#include <immintrin.h>
 #else
 #define MARU_X86 0
+#endif
+#endif
+#if MARU_X86
+#include <immintrin.h>
 #endif
 
 #define STRIPE 64
