@@ -467,7 +467,7 @@ class KVCacheSet:
         if kernel is not None and n and (hasher is None or fused_hash):
             assert self._segments is not None
             segments = self._segments.segments(block_ids, n, skip_blocks)
-            digest = kernel.copy(flat.numpy(), segments, True)
+            digest = kernel.copy(flat.numpy(), segments, True, hasher is not None)
             if hasher is not None:
                 if digest is None:  # too short for the kernel's hash: the package hashes it
                     hasher.update(memoryview(flat.numpy()))

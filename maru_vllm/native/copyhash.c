@@ -36,9 +36,21 @@
 #define SECRET_LAST_STRIPE 121 /* secret length - 71 */
 #define SECRET_MERGE 11
 #define MIN_LONG_INPUT 241
-/* Software prefetch distance: the hardware prefetcher alone leaves a hash-only pass short of
- * memory bandwidth. A hint only: reading past the span's end is harmless. */
-#define PREFETCH_AHEAD 512
+/*
+ * How the copy keeps up with memory: the hash arithmetic between a stripe's load and its store
+ * fills the out-of-order window, so fewer cache-line fills are in flight than in a plain copy.
+ * Two things give that back (benchmarks/profile_load.py and bench_store.py measure the result):
+ *  - software prefetch well ahead of the loads (a hint: past a span's end it is harmless);
+ *  - streaming (non-temporal) stores where the destination is vector-aligned: no read for
+ *    ownership of destination lines, and neither destination (a pool object another process
+ *    reads, or KV cache pages the next forward reads) is read again by this core meanwhile.
+ */
+#ifndef PREFETCH_COPY
+#define PREFETCH_COPY 4096
+#endif
+#ifndef PREFETCH_HASH
+#define PREFETCH_HASH 8192
+#endif
 
 static const uint32_t P32_1 = 0x9E3779B1U;
 static const uint32_t P32_2 = 0x85EBCA77U;
@@ -138,16 +150,23 @@ __attribute__((target("avx2"))) static void span_avx2(uint64_t acc[8], size_t fi
                                                       const uint8_t *src, uint8_t *dst) {
     __m256i a0 = _mm256_loadu_si256((const __m256i *)acc);
     __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
+    const int stream = ((uintptr_t)dst & 31) == 0;
+    const size_t ahead = dst != NULL ? PREFETCH_COPY : PREFETCH_HASH;
     for (size_t n = 0; n < count; n++) {
         size_t s = first + n;
         const uint8_t *p = src + n * STRIPE;
         const uint8_t *k = SECRET + 8 * (s % STRIPES_PER_BLOCK);
-        __builtin_prefetch(p + PREFETCH_AHEAD);
+        __builtin_prefetch(p + ahead);
         __m256i d0 = _mm256_loadu_si256((const __m256i *)p);
         __m256i d1 = _mm256_loadu_si256((const __m256i *)(p + 32));
         if (dst != NULL) {
-            _mm256_storeu_si256((__m256i *)(dst + n * STRIPE), d0);
-            _mm256_storeu_si256((__m256i *)(dst + n * STRIPE + 32), d1);
+            if (stream) {
+                _mm256_stream_si256((__m256i *)(dst + n * STRIPE), d0);
+                _mm256_stream_si256((__m256i *)(dst + n * STRIPE + 32), d1);
+            } else {
+                _mm256_storeu_si256((__m256i *)(dst + n * STRIPE), d0);
+                _mm256_storeu_si256((__m256i *)(dst + n * STRIPE + 32), d1);
+            }
         }
         a0 = accumulate_avx2(a0, d0, _mm256_loadu_si256((const __m256i *)k));
         a1 = accumulate_avx2(a1, d1, _mm256_loadu_si256((const __m256i *)(k + 32)));
@@ -158,6 +177,8 @@ __attribute__((target("avx2"))) static void span_avx2(uint64_t acc[8], size_t fi
     }
     _mm256_storeu_si256((__m256i *)acc, a0);
     _mm256_storeu_si256((__m256i *)(acc + 4), a1);
+    if (dst != NULL)
+        _mm_sfence(); /* streamed stores are ordered before anything this thread does next */
 }
 
 /* ---- AVX-512F: one register per stripe ------------------------------------------------------- */
@@ -167,13 +188,19 @@ __attribute__((target("avx512f"))) static void span_avx512(uint64_t acc[8], size
     const __m512i prime = _mm512_set1_epi64(P32_1);
     const __m512i scramble_key = _mm512_loadu_si512((const void *)(SECRET + SECRET_SCRAMBLE));
     __m512i a = _mm512_loadu_si512((const void *)acc);
+    const int stream = ((uintptr_t)dst & 63) == 0;
+    const size_t ahead = dst != NULL ? PREFETCH_COPY : PREFETCH_HASH;
     for (size_t n = 0; n < count; n++) {
         size_t s = first + n;
         const uint8_t *p = src + n * STRIPE;
-        __builtin_prefetch(p + PREFETCH_AHEAD);
+        __builtin_prefetch(p + ahead);
         __m512i d = _mm512_loadu_si512((const void *)p);
-        if (dst != NULL)
-            _mm512_storeu_si512((void *)(dst + n * STRIPE), d);
+        if (dst != NULL) {
+            if (stream)
+                _mm512_stream_si512((void *)(dst + n * STRIPE), d);
+            else
+                _mm512_storeu_si512((void *)(dst + n * STRIPE), d);
+        }
         __m512i mixed = _mm512_xor_si512(d, _mm512_loadu_si512((const void *)(SECRET + 8 * (s % STRIPES_PER_BLOCK))));
         __m512i product = _mm512_mul_epu32(mixed, _mm512_srli_epi64(mixed, 32));
         __m512i swapped = _mm512_shuffle_epi32(d, (_MM_PERM_ENUM)0x4E);
@@ -187,10 +214,51 @@ __attribute__((target("avx512f"))) static void span_avx512(uint64_t acc[8], size
         }
     }
     _mm512_storeu_si512((void *)acc, a);
+    if (dst != NULL)
+        _mm_sfence();
+}
+#endif
+
+/* Copy-only spans (a load that is not verified): the same loads and stores, no arithmetic. */
+typedef void (*copy_fn)(uint8_t *dst, const uint8_t *src, size_t count);
+
+static void copy_portable(uint8_t *dst, const uint8_t *src, size_t count) {
+    memcpy(dst, src, count * STRIPE);
+}
+
+#if MARU_X86
+__attribute__((target("avx2"))) static void copy_avx2(uint8_t *dst, const uint8_t *src, size_t count) {
+    if (((uintptr_t)dst & 31) != 0) {
+        memcpy(dst, src, count * STRIPE);
+        return;
+    }
+    for (size_t n = 0; n < count; n++) {
+        const uint8_t *p = src + n * STRIPE;
+        __builtin_prefetch(p + PREFETCH_COPY);
+        __m256i d0 = _mm256_loadu_si256((const __m256i *)p);
+        __m256i d1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+        _mm256_stream_si256((__m256i *)(dst + n * STRIPE), d0);
+        _mm256_stream_si256((__m256i *)(dst + n * STRIPE + 32), d1);
+    }
+    _mm_sfence();
+}
+
+__attribute__((target("avx512f"))) static void copy_avx512(uint8_t *dst, const uint8_t *src, size_t count) {
+    if (((uintptr_t)dst & 63) != 0) {
+        memcpy(dst, src, count * STRIPE);
+        return;
+    }
+    for (size_t n = 0; n < count; n++) {
+        const uint8_t *p = src + n * STRIPE;
+        __builtin_prefetch(p + PREFETCH_COPY);
+        _mm512_stream_si512((void *)(dst + n * STRIPE), _mm512_loadu_si512((const void *)p));
+    }
+    _mm_sfence();
 }
 #endif
 
 static span_fn SPAN = span_portable;
+static copy_fn COPY = copy_portable;
 static const char *ISA = "portable";
 
 static int cpu_has(const char *isa) {
@@ -211,16 +279,19 @@ static int select_isa(const char *isa) {
 #if MARU_X86
     if (strcmp(isa, "avx512f") == 0) {
         SPAN = span_avx512;
+        COPY = copy_avx512;
         ISA = "avx512f";
         return 1;
     }
     if (strcmp(isa, "avx2") == 0) {
         SPAN = span_avx2;
+        COPY = copy_avx2;
         ISA = "avx2";
         return 1;
     }
 #endif
     SPAN = span_portable;
+    COPY = copy_portable;
     ISA = "portable";
     return 1;
 }
@@ -320,14 +391,22 @@ static void copy_segment(hash_state *h, uint8_t *payload, size_t off, uint8_t *m
             if (fused > whole)
                 fused = whole;
         }
+        uint8_t *m = mem + (pos - off);
         if (fused) {
-            uint8_t *m = mem + (pos - off);
             if (load)
                 SPAN(h->acc, first, fused, payload + pos, m);
             else
                 SPAN(h->acc, first, fused, m, payload + pos);
             h->next = first + fused;
             pos += fused * STRIPE;
+            m += fused * STRIPE;
+        }
+        if (!h->active && whole > fused) { /* a plain copy: whole stripes stream too */
+            if (load)
+                COPY(m, payload + pos, whole - fused);
+            else
+                COPY(payload + pos, m, whole - fused);
+            pos += (whole - fused) * STRIPE;
         }
     }
     if (pos < end) {
@@ -347,21 +426,22 @@ typedef struct {
 } segment;
 
 PyDoc_STRVAR(copy_doc,
-"copy(payload, segments, load) -> int | None\n\n"
+"copy(payload, segments, load, hashed=True) -> int | None\n\n"
 "Copy between `payload` (a contiguous buffer) and memory segments, hashing the whole payload\n"
 "in the same pass. `segments` is a C-contiguous buffer of uint64 triples (payload offset,\n"
 "address, length), sorted by offset and not overlapping; payload bytes outside every segment\n"
 "are hashed but not copied (they must already hold their data). `load`: payload -> memory;\n"
 "otherwise memory -> payload (then `payload` must be writable). Returns XXH3-64 of the\n"
-"payload after the copy, or None when it is 240 bytes or shorter. Runs without the GIL;\n"
+"payload after the copy, or None when it is 240 bytes or shorter or `hashed` is false (a\n"
+"plain copy). Runs without the GIL;\n"
 "the addresses must stay valid and untouched by other threads until it returns.");
 
 static PyObject *py_copy(PyObject *self, PyObject *args) {
     Py_buffer payload, segs;
     PyObject *payload_obj;
-    int load;
+    int load, hashed = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "Oy*p", &payload_obj, &segs, &load))
+    if (!PyArg_ParseTuple(args, "Oy*p|p", &payload_obj, &segs, &load, &hashed))
         return NULL;
     if (PyObject_GetBuffer(payload_obj, &payload, PyBUF_C_CONTIGUOUS | (load ? 0 : PyBUF_WRITABLE)) < 0) {
         PyBuffer_Release(&segs);
@@ -390,7 +470,7 @@ static PyObject *py_copy(PyObject *self, PyObject *args) {
     uint8_t *pay = (uint8_t *)payload.buf;
     uint64_t digest = 0;
     Py_BEGIN_ALLOW_THREADS
-    hash_init(&h, plen);
+    hash_init(&h, hashed ? plen : 0);
     for (size_t i = 0; i < n; i++)
         if (sg[i].length)
             copy_segment(&h, pay, (size_t)sg[i].offset, (uint8_t *)(uintptr_t)sg[i].address,

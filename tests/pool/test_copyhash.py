@@ -74,6 +74,9 @@ def test_load_and_store_copy_exactly_and_hash_the_payload_for_any_segmentation(i
         memory = np.zeros(n, dtype=np.uint8)
         assert _copyhash.copy(payload, _segments(bounds, memory), True) == want
         assert np.array_equal(memory, payload)
+        memory[:] = 0
+        assert _copyhash.copy(payload, _segments(bounds, memory), True, False) is None  # a plain copy
+        assert np.array_equal(memory, payload)
         out = np.zeros(n, dtype=np.uint8)
         assert _copyhash.copy(out, _segments(bounds, payload), False) == want
         assert np.array_equal(out, payload)
