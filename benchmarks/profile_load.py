@@ -43,7 +43,7 @@ from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
 from maru_vllm.connector.worker import MaruWorkerSide  # noqa: E402
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port  # noqa: E402
 from maru_vllm.models import SPECS  # noqa: E402
-from maru_vllm.native import ENV_NATIVE_COPY, path_name  # noqa: E402
+from maru_vllm.native import ENV_NATIVE_COPY, copy_kernel, path_name  # noqa: E402
 from maru_vllm.pool.objects import checksum_of, payload_hasher  # noqa: E402
 
 NS = "kv:profile"
@@ -193,6 +193,9 @@ def checksum_algorithms(nbytes: int = 64 << 20, repeats: int = 10) -> dict[str, 
         "xxh3_64": xxhash.xxh3_64_intdigest, "xxh3_128": xxhash.xxh3_128_intdigest,
         "xxh64": xxhash.xxh64_intdigest, "xxh32": xxhash.xxh32_intdigest, "crc32 (zlib)": zlib.crc32,
     }
+    kernel = copy_kernel()
+    if kernel is not None:  # the same XXH3-64, computed by this project's compiled kernel
+        algos[f"xxh3_64 (maru_vllm.native, {kernel.isa()})"] = kernel.hash
     try:
         import blake3
 

@@ -289,7 +289,9 @@ class KVCacheSet:
     device, data_ptr, shape, stride, dtype) are stored once. When all unique
     layers are equal views of one storage at a constant layer stride (vLLM
     0.31's single allocation), every run of blocks is one strided copy across
-    all layers instead of one per layer.
+    all layers instead of one per layer. On host memory, when every unique layer
+    has one page geometry, copies go through the fused copy + checksum kernel
+    (maru_vllm.native; page_segments.py plans them) unless it is missing or off.
     """
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], block_size: int, *,
@@ -434,6 +436,11 @@ class KVCacheSet:
                 srcs.append(cache[bid:bid + ln])
         _copy_all(dsts, srcs)
         return None
+
+    def copy_path(self) -> str:
+        """``native-<isa>`` when copies go through the fused kernel, else ``torch``."""
+        kernel = self._kernel()
+        return "torch" if kernel is None else f"native-{kernel.isa()}"
 
     def _kernel(self) -> Any | None:
         """The fused copy kernel when this cache set can use it (host memory, one page geometry)."""

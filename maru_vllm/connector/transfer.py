@@ -53,10 +53,14 @@ def copy_format(device_type: str, use_lmcache_kernels: bool) -> str:
 
 class TorchPageCopier:
     format = FORMAT_PAGES
-    name = "torch"
 
     def __init__(self, codec: KVCacheSet) -> None:
         self.codec = codec
+
+    @property
+    def name(self) -> str:
+        """How pages move now (for logs): ``native-<isa>`` (fused copy + checksum) or ``torch``."""
+        return self.codec.copy_path()
 
     def chunk_nbytes(self, n_blocks: int) -> int:
         return self.codec.chunk_nbytes(n_blocks)

@@ -57,10 +57,12 @@ def test_pack_gives_the_same_bytes_and_checksum_as_the_pure_path(monkeypatch: py
                                                                   stacked: bool) -> None:
     codec = _set(_caches(stacked, 1))
     assert (codec._stack is not None) == stacked and codec._segments is not None
+    assert codec.copy_path() == native.path_name() != "pure"  # what the worker logs as its copies
     ids = [3, 4, 5, 9, 0]  # runs and jumps
     fused = bytearray(codec.chunk_nbytes(len(ids)))
     crc = codec.pack_with_checksum(ids, fused)
     monkeypatch.setenv(native.ENV_NATIVE_COPY, "0")
+    assert codec.copy_path() == "torch"
     pure = bytearray(codec.chunk_nbytes(len(ids)))
     assert codec.pack_with_checksum(ids, pure) is None  # the pure path leaves hashing to the client
     assert fused == pure
