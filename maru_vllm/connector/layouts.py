@@ -416,7 +416,7 @@ class KVCacheSet:
         of exactly ``chunk_nbytes(len(block_ids))`` bytes.
         """
         self.pack_with_checksum(block_ids, out)
-        return _byte_tensor(out, writable=True).numel()
+        return self.chunk_nbytes(len(block_ids))
 
     def pack_with_checksum(self, block_ids: Sequence[int], out: Any) -> int | None:
         """:meth:`pack`, returning the payload's checksum (`objects.payload_checksum`) when the
