@@ -27,13 +27,14 @@ Prints ratios measured in this run; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,6 +49,7 @@ from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
 from maru_vllm.connector.worker import MaruWorkerSide  # noqa: E402
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port  # noqa: E402
 from maru_vllm.pool import PoolClient  # noqa: E402
+from maru_vllm.native import ENV_NATIVE_COPY, path_name  # noqa: E402
 from maru_vllm.pool.objects import payload_checksum  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD, BLOCK = 16, 4, 64, 128  # the `bench` fixture model
@@ -117,22 +119,44 @@ def store_once(rig: Rig, mode: str, chunks: int) -> tuple[float, float, int]:
 
 
 def parts_once(rig: Rig, chunks: int) -> dict[str, float]:
-    """The store's parts timed one by one: round trips, page copy, checksum."""
+    """The store's parts timed one by one: round trips, page copy (+ checksum, as served), commit;
+    and, for comparison, the pure path's copy and a checksum as a separate pass."""
     codec = rig.sides["inline"].codec
     stores = rig.stores(chunks)
     t0 = time.perf_counter()
     res = rig.client.reserve([(s.key, rig.chunk_bytes) for s in stores], NS)
     t1 = time.perf_counter()
     for s, r in zip(stores, res):
-        codec.pack(s.block_ids, r.buffer)
+        r.payload_checksum = codec.pack_with_checksum(s.block_ids, r.buffer)
     t2 = time.perf_counter()
-    for r in res:
-        payload_checksum(r.buffer)
+    with pure_path():
+        for s, r in zip(stores, res):
+            codec.pack(s.block_ids, r.buffer)
     t3 = time.perf_counter()
-    rig.client.commit(res, [None] * len(res))  # computes the checksum again, as a store does
+    with pure_path():
+        for r in res:
+            payload_checksum(r.buffer)
     t4 = time.perf_counter()
+    rig.client.commit(res, [None] * len(res))  # hashes only what the copy did not (the pure path)
+    t5 = time.perf_counter()
     rig.clear()
-    return {"reserve": t1 - t0, "page copy": t2 - t1, "checksum": t3 - t2, "commit (incl. checksum)": t4 - t3}
+    return {"reserve": t1 - t0, f"page copy as served ({path_name()})": t2 - t1,
+            "page copy, pure path (torch)": t3 - t2, "checksum as a separate pass (xxhash)": t4 - t3,
+            "commit": t5 - t4}
+
+
+@contextlib.contextmanager
+def pure_path() -> Iterator[None]:
+    """Torch copies + xxhash (MARU_NATIVE_COPY=0) for the duration."""
+    saved = os.environ.get(ENV_NATIVE_COPY)
+    os.environ[ENV_NATIVE_COPY] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[ENV_NATIVE_COPY]
+        else:
+            os.environ[ENV_NATIVE_COPY] = saved
 
 
 def memcpy_once(nbytes: int, bufs: dict[str, torch.Tensor]) -> float:
@@ -272,8 +296,15 @@ def main() -> int:
 
             return run
 
+        def sample_pure() -> float:
+            with pure_path():
+                _hold, busy, _stored = store_once(rig, "write-behind", args.chunks)
+            work_s["pure path"] = min(work_s.get("pure path", float("inf")), busy)
+            return busy
+
         configs = {"write-behind": sample("write-behind"), "inline": sample("inline"),
-                   "no checksum": sample("no checksum"), "memcpy": lambda: memcpy_once(nbytes, bufs)}
+                   "no checksum": sample("no checksum"), "pure path": sample_pure,
+                   "memcpy": lambda: memcpy_once(nbytes, bufs)}
         alternate(configs, 2)  # warm-up
         holds.clear()
         work_s.clear()
@@ -287,6 +318,9 @@ def main() -> int:
         results["memcpy_GBps"] = gbps(best["memcpy"])
         results["store_GBps"] = gbps(work_s["write-behind"])
         results["store_over_memcpy"] = best["memcpy"] / work_s["write-behind"]
+        results["path"] = path_name()
+        results["store_pure_path_GBps"] = gbps(work_s["pure path"])
+        results["store_pure_path_over_memcpy"] = best["memcpy"] / work_s["pure path"]
         results["store_no_checksum_GBps"] = gbps(work_s["no checksum"])
         results["store_no_checksum_over_memcpy"] = best["memcpy"] / work_s["no checksum"]
         results["parts_GBps"] = {k: gbps(v) for k, v in parts.items()}
@@ -330,9 +364,11 @@ def report(args: argparse.Namespace, results: dict, eng: dict[str, float] | None
     nbytes = results["bytes_per_prompt"]
     mib = nbytes / 2**20
     print(f"bench-model KV, {args.chunks} chunks = {mib:.0f} MiB per prompt, one core ({args.core}), "
-          f"min of {args.repeats}")
+          f"min of {args.repeats}; data path as served: {results['path']}")
     print(f"  store (writer: reserve + page copy + checksum + commit) {results['store_GBps']:6.2f} GB/s | "
           f"memcpy of the same bytes {results['memcpy_GBps']:6.2f} GB/s | store/memcpy {results['store_over_memcpy']:.2f}")
+    print(f"  store on the pure path (MARU_NATIVE_COPY=0) {results['store_pure_path_GBps']:6.2f} GB/s | "
+          f"store/memcpy {results['store_pure_path_over_memcpy']:.2f}")
     print(f"  store with maru_checksum=false {results['store_no_checksum_GBps']:6.2f} GB/s | "
           f"store/memcpy {results['store_no_checksum_over_memcpy']:.2f}")
     print("  parts: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in results["parts_GBps"].items()))

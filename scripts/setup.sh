@@ -21,7 +21,7 @@ LMCACHE_VERSION=0.5.6
 
 CURRENT_STEP="start"
 STEP_NO=0
-STEP_TOTAL=9
+STEP_TOTAL=10
 T0=$SECONDS
 
 step() {
@@ -94,6 +94,29 @@ if [[ "$PYVER" != "3.11" && "$PYVER" != "3.12" ]]; then
     false
 fi
 done_step "Python $PYVER"
+
+# ---------------------------------------------------------------------------------------------
+step "C compiler and Python $PYVER headers (the fused copy + checksum extension)"
+# maru_vllm/native/copyhash.c is compiled when our package is installed (below). Without them the
+# package still installs, on its pure copy path, so a missing compiler is fixed here rather than
+# discovered as a slower data path.
+has_build_tools() {
+    command -v "${CC:-gcc}" >/dev/null 2>&1 \
+        && "$PYTHON" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'
+}
+if has_build_tools; then
+    done_step "present: $("${CC:-gcc}" --version | head -n1)"
+else
+    if [[ $(id -u) -ne 0 ]] && ! command -v sudo >/dev/null; then
+        echo "[setup] a C compiler or the Python $PYVER headers are missing and we are not root: install them (apt-get install build-essential python$PYVER-dev)" >&2
+        false
+    fi
+    SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+    run_logged $SUDO apt-get update
+    run_logged env DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends build-essential "python$PYVER-dev"
+    has_build_tools
+    done_step "installed: build-essential python$PYVER-dev"
+fi
 
 # ---------------------------------------------------------------------------------------------
 step "nats-server (Debian package) for Dynamo's event plane and pool events"
@@ -194,10 +217,10 @@ fi
 # ---------------------------------------------------------------------------------------------
 step "maru-dynamo (editable) + test tools"
 # Our own package goes in last; its light dependencies never touch the pins above.
-# The hash is of pyproject's content only (not its path): a venv made for another checkout of the
-# same tree, or before pyproject changed, reinstalls.
-PYPROJECT_SHA=$(sha256sum <"$ROOT/pyproject.toml" | cut -d' ' -f1)
-if "$VENV/bin/python" -c 'import maru_vllm, maru_dynamo.components, pytest' >/dev/null 2>&1 \
+# The hash is of the build inputs' content only (not their path): a venv made for another checkout
+# of the same tree, or before pyproject or the C extension changed, reinstalls (which recompiles).
+PYPROJECT_SHA=$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/maru_vllm/native/*.c | sha256sum | cut -d' ' -f1)
+if "$VENV/bin/python" -c 'import maru_vllm, maru_dynamo.components, maru_vllm.native._copyhash, pytest' >/dev/null 2>&1 \
    && [[ "$(cat "$VENV/.maru-pyproject.sha" 2>/dev/null)" == "$PYPROJECT_SHA" ]]; then
     done_step "present"
 else

@@ -27,6 +27,10 @@ from typing import Any
 
 import torch
 
+from maru_vllm.connector.page_segments import PageSegments
+from maru_vllm.native import copy_kernel
+from maru_vllm.pool.objects import PayloadHasher, checksum_from_digest
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -263,10 +267,9 @@ def _byte_tensor(buf: Any, *, writable: bool) -> torch.Tensor:
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 
-# Bytes copied and then hashed at a time by a verifying unpack (whole layers): small enough that
-# a tile is still in cache when it is hashed, large enough that Python's per-tile cost stays
-# small. Measured with benchmarks/profile_load.py (64 MiB, bench model): 128-512 KiB tiles were
-# slower than 2-4 MiB ones (per-tile overhead), and 4 MiB = one bench-model chunk.
+# Bytes copied and then hashed at a time by a verifying unpack on the pure path (whole layers):
+# small enough that a tile is still in cache when it is hashed, large enough that Python's
+# per-tile cost stays small (benchmarks/profile_load.py compares tile sizes).
 TILE_BYTES = 4 * 1024 * 1024
 
 
@@ -286,7 +289,9 @@ class KVCacheSet:
     device, data_ptr, shape, stride, dtype) are stored once. When all unique
     layers are equal views of one storage at a constant layer stride (vLLM
     0.31's single allocation), every run of blocks is one strided copy across
-    all layers instead of one per layer.
+    all layers instead of one per layer. On host memory, when every unique layer
+    has one page geometry, copies go through the fused copy + checksum kernel
+    (maru_vllm.native; page_segments.py plans them) unless it is missing or off.
     """
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], block_size: int, *,
@@ -325,6 +330,8 @@ class KVCacheSet:
         self.num_blocks: int = counts.pop()
         self.bytes_per_block: int = sum(lay.page_nbytes for lay in self.layouts.values())
         self._stack = self._stacked_view()
+        # Host caches with one page geometry: copies may go through the fused copy + checksum kernel.
+        self._segments = PageSegments.build([self._pages[n] for n in self.unique_layers])
         self._signature = self._make_signature()
         logger.debug("KV cache set: %s; one copy per run across layers: %s",
                      self._signature, self._stack is not None)
@@ -408,8 +415,19 @@ class KVCacheSet:
         ``out`` is a writable buffer (memoryview, bytearray, mmap, uint8 tensor)
         of exactly ``chunk_nbytes(len(block_ids))`` bytes.
         """
+        self.pack_with_checksum(block_ids, out)
+        return self.chunk_nbytes(len(block_ids))
+
+    def pack_with_checksum(self, block_ids: Sequence[int], out: Any) -> int | None:
+        """:meth:`pack`, returning the payload's checksum (`objects.payload_checksum`) when the
+        fused kernel computed it in the copy, else None (the pure path: the pool client hashes)."""
         flat = _byte_tensor(out, writable=True)
         n = self._check(block_ids, flat.numel(), "pack")
+        kernel = self._kernel()
+        if kernel is not None and n:
+            assert self._segments is not None
+            digest = kernel.copy(flat.numpy(), self._segments.segments(block_ids, n), False)
+            return None if digest is None else checksum_from_digest(digest)
         runs = block_runs(block_ids)
         dsts, srcs = [], []
         for buf, cache in self._pairs(flat, n):
@@ -417,7 +435,16 @@ class KVCacheSet:
                 dsts.append(buf[pos:pos + ln])
                 srcs.append(cache[bid:bid + ln])
         _copy_all(dsts, srcs)
-        return flat.numel()
+        return None
+
+    def copy_path(self) -> str:
+        """``native-<isa>`` when copies go through the fused kernel, else ``torch``."""
+        kernel = self._kernel()
+        return "torch" if kernel is None else f"native-{kernel.isa()}"
+
+    def _kernel(self) -> Any | None:
+        """The fused copy kernel when this cache set can use it (host memory, one page geometry)."""
+        return copy_kernel() if self._segments is not None else None
 
     def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0,
                chunk_blocks: int | None = None, hasher: Any = None) -> None:
@@ -431,16 +458,29 @@ class KVCacheSet:
         Raises :class:`LayoutMismatch` when ``src`` is not exactly the size this
         geometry expects (a stale or foreign object: treat as a miss).
 
-        With ``hasher`` (anything with ``update(buffer)``, e.g. a streaming
-        checksum) every byte of ``src`` is fed to it in order, tile by tile, each
-        tile right after it was copied, while it is still in cache: verifying a
-        chunk then costs a hash of cached bytes instead of a second pass over
-        memory. The caller compares the digest and treats a mismatch as a miss.
+        With ``hasher`` every byte of ``src`` is hashed, copied or not. A fresh
+        :class:`~maru_vllm.pool.objects.PayloadHasher` on host caches gets the
+        digest of the fused copy + checksum kernel (one pass over memory). Any other
+        hasher (anything with ``update(buffer)``), or the pure path, is fed every byte
+        in order, tile by tile, each tile right after it was copied, while it is still
+        in cache. The caller compares the checksum and treats a mismatch as a miss.
         """
         if skip_blocks < 0:
             raise ValueError(f"skip_blocks={skip_blocks} must be >= 0")
         flat = _byte_tensor(src, writable=False)
         n = self._check(block_ids, flat.numel(), "unpack", skip_blocks, chunk_blocks)
+        kernel = self._kernel()
+        fused_hash = isinstance(hasher, PayloadHasher) and hasher.fresh
+        if kernel is not None and n and (hasher is None or fused_hash):
+            assert self._segments is not None
+            segments = self._segments.segments(block_ids, n, skip_blocks)
+            digest = kernel.copy(flat.numpy(), segments, True, hasher is not None)
+            if hasher is not None:
+                if digest is None:  # too short for the kernel's hash: the package hashes it
+                    hasher.update(memoryview(flat.numpy()))
+                else:
+                    hasher.set_digest(digest)
+            return
         runs = block_runs(block_ids)
         if hasher is None:
             dsts, srcs = [], []

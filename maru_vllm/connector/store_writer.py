@@ -1,11 +1,11 @@
 """Write-behind stores: a step hands its chunks over and goes on; one thread copies and commits.
 
-Why write-behind (measured with `benchmarks/bench_store.py`, numbers in the README):
-a synchronous store holds the step for reserve + page copy + checksum + commit, ~98 us per MiB
-stored here (10 GB/s). A CPU prefill produces KV at ~0.03 GB/s, so that is <1% of a miss; a
-GPU prefill produces KV at ~1 GB/s (Qwen2.5-32B: 1.1 GB in 1.06 s), and a synchronous store
-added 13% to a miss at that rate. Handed to a thread, the step is held only for building the
-job (0.44 us per MiB; +0.2% at the GPU rate), and the copy overlaps the next forward (GPU: the copy engine beside the compute; CPU: the core the forward leaves idle
+Why write-behind (`benchmarks/bench_store.py` measures it; figures in the README "Performance"):
+a synchronous store holds the step for reserve + page copy + checksum + commit, a cost that
+grows with the bytes stored. Next to a CPU prefill, which produces KV slowly, that is a small
+share of a miss; next to a GPU prefill, which produces KV orders of magnitude faster, it is a
+visible share. Handed to a thread, the step is held only for building the job (a cost per job,
+not per byte), and the copy overlaps the next forward (GPU: the copy engine beside the compute; CPU: the core the forward leaves idle
 while it waits, and after the request's last prefill step, time after the first token went
 out). Per-layer stores inside the forward (`save_kv_layer`) were not chosen: they would put
 one pool round trip or Python call per layer into the forward, and on CPU they compete with
@@ -83,7 +83,8 @@ class StoreWriter:
         self.rank = rank
         self.copier = copier
         self.write_behind = write_behind
-        self.pack: Callable[[list[int], Any], None] = copier.pack
+        # Returns the payload's checksum when the copy computed it (fused kernel), else None.
+        self.pack: Callable[[list[int], Any], int | None] = copier.pack
         self.host_registry = host_registry
         self._cv = threading.Condition()
         self._queue: collections.deque[StoreJob] = collections.deque()
@@ -199,7 +200,7 @@ class StoreWriter:
                         counters.stores_skipped += 1  # already in the pool, or no space
                         continue
                     try:
-                        self.pack(store.block_ids, res.buffer)
+                        res.payload_checksum = self.pack(store.block_ids, res.buffer)
                     except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
                         logger.warning("Maru store of a chunk failed while copying (%s); skipped", exc)
                         self.pool.abort([res])

@@ -3,7 +3,9 @@
 Two copiers with one interface (`pack`, `unpack`, `unpack_many`, `chunk_nbytes`, `format`):
 
 * `TorchPageCopier` (every device; the only one on CPU): `KVCacheSet`'s whole-page copies,
-  object format ``maru-pages`` (per block, every layer's page in storage order).
+  object format ``maru-pages`` (per block, every layer's page in storage order). On host caches
+  those copies go through the fused copy + checksum kernel when it is built and enabled
+  (maru_vllm.native, `MARU_NATIVE_COPY`): loads are verified and stores checksummed in the copy.
 * `LMCacheBlockCopier` (CUDA, `maru_use_lmcache_kernels: true` and LMCache's compiled
   ``multi_layer_block_kv_transfer`` resolves): one kernel launch moves every layer of a chunk
   (or, for a fused load, of every chunk of the step) between the paged cache and pool objects
@@ -51,16 +53,22 @@ def copy_format(device_type: str, use_lmcache_kernels: bool) -> str:
 
 class TorchPageCopier:
     format = FORMAT_PAGES
-    name = "torch"
 
     def __init__(self, codec: KVCacheSet) -> None:
         self.codec = codec
 
+    @property
+    def name(self) -> str:
+        """How pages move now (for logs): ``native-<isa>`` (fused copy + checksum) or ``torch``."""
+        return self.codec.copy_path()
+
     def chunk_nbytes(self, n_blocks: int) -> int:
         return self.codec.chunk_nbytes(n_blocks)
 
-    def pack(self, block_ids: Sequence[int], out: Any) -> None:
-        self.codec.pack(block_ids, out)
+    def pack(self, block_ids: Sequence[int], out: Any) -> int | None:
+        """Copy the pages into `out`; the payload's checksum when the copy computed it (host caches
+        with the fused kernel, see maru_vllm.native), else None."""
+        return self.codec.pack_with_checksum(block_ids, out)
 
     def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0,
                chunk_blocks: int | None = None, hasher: Any = None) -> None:
@@ -126,8 +134,10 @@ class LMCacheBlockCopier:
         flat = torch.frombuffer(mv, dtype=torch.uint8)
         return flat.view(self.dtype).view(*lead, n_blocks * self.block_size, width)
 
-    def pack(self, block_ids: Sequence[int], out: Any) -> None:
+    def pack(self, block_ids: Sequence[int], out: Any) -> int | None:
+        """A DMA copy on the device: no checksum computed on the way (the pool client hashes)."""
         self._launch([self._object(out, len(block_ids))], list(block_ids), store=True, skip=0)
+        return None
 
     def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0,
                chunk_blocks: int | None = None, hasher: Any = None) -> None:

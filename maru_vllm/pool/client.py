@@ -62,6 +62,9 @@ class Reservation:
     _gen: int
     _header: memoryview = field(repr=False)
     done: bool = False
+    # The payload's checksum (objects.payload_checksum) when whoever filled `buffer` computed it
+    # in the same pass (a fused copy); commit then does not hash the payload again.
+    payload_checksum: int | None = None
 
 
 @dataclass(eq=False)
@@ -435,7 +438,7 @@ class PoolClient:
                     r.done = True
                     continue  # from a previous connection: that session's space is already gone
                 write_header(r._header, r.oid, r.size, key_digest(r.namespace, r.key), r.buffer,
-                             self.write_checksum)
+                             self.write_checksum, known_checksum=r.payload_checksum)
                 send.append(r.oid)
                 send_metas.append(metas[i] if metas is not None else None)
                 send_parts.append(_keys(parts[i]) if parts is not None and parts[i] else None)

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from typing import Any
 
 import xxhash
 
+from maru_vllm.native import copy_kernel
+
 OBJ_MAGIC = 0x4A424F4D  # "MOBJ"
-OBJ_VERSION = 2  # 2: the checksum is XXH3-64 (low 32 bits), ~8x faster than CRC32 here
+OBJ_VERSION = 2  # 2: the checksum is XXH3-64 (low 32 bits); 1 used CRC32
 FLAG_CHECKSUM = 1
 OBJ_HEADER_SIZE = 64  # keeps payloads 64-byte aligned
 # magic, version, flags, object id, length, key digest, checksum
@@ -26,19 +29,63 @@ def key_digest(namespace: str, key: bytes) -> bytes:
     return hashlib.blake2b(namespace.encode() + b"\0" + key, digest_size=16).digest()
 
 
-def payload_checksum(payload: memoryview) -> int:
-    """32-bit checksum of a payload (XXH3-64 truncated): catches bit flips, not adversaries."""
-    return xxhash.xxh3_64_intdigest(payload) & 0xFFFFFFFF
+def checksum_from_digest(digest: int) -> int:
+    """The header's 32-bit checksum from a payload's full XXH3-64 digest."""
+    return digest & 0xFFFFFFFF
 
 
-def payload_hasher() -> xxhash.xxh3_64:
-    """A streaming hasher whose `checksum_of(h)` equals `payload_checksum` of the bytes fed to it,
-    so a reader can verify a payload piece by piece while each piece is still in cache."""
-    return xxhash.xxh3_64()
+def payload_checksum(payload: Any) -> int:
+    """32-bit checksum of a payload (XXH3-64 truncated): catches bit flips, not adversaries.
+
+    The compiled kernel (maru_vllm.native) computes the same XXH3-64 as the `xxhash` package,
+    without holding the GIL; either may be used by either side."""
+    kernel = copy_kernel()
+    digest = kernel.hash(payload) if kernel is not None else None
+    if digest is None:
+        digest = xxhash.xxh3_64_intdigest(payload)
+    return checksum_from_digest(digest)
 
 
-def checksum_of(hasher: xxhash.xxh3_64) -> int:
-    return hasher.intdigest() & 0xFFFFFFFF
+class PayloadHasher:
+    """The checksum of a payload a reader verifies while copying it.
+
+    Either bytes are streamed in with `update` (piece by piece, each while still in cache), or a
+    fused copy kernel that hashed the whole payload in its copy hands the digest over with
+    `set_digest`; `checksum_of(h)` then equals `payload_checksum` of the payload."""
+
+    def __init__(self) -> None:
+        self._stream = xxhash.xxh3_64()
+        self._fed = False
+        self._digest: int | None = None
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing was hashed yet (a fused kernel may then take over the whole payload)."""
+        return not self._fed and self._digest is None
+
+    def update(self, data: Any) -> None:
+        if self._digest is not None:
+            raise RuntimeError("PayloadHasher: the whole payload's digest was already set")
+        self._stream.update(data)
+        self._fed = True
+
+    def set_digest(self, digest: int) -> None:
+        """The XXH3-64 of the whole payload, computed elsewhere (a fused copy)."""
+        if not self.fresh:
+            raise RuntimeError("PayloadHasher: bytes were already streamed in")
+        self._digest = digest
+
+    def checksum(self) -> int:
+        return checksum_from_digest(self._stream.intdigest() if self._digest is None else self._digest)
+
+
+def payload_hasher() -> PayloadHasher:
+    """A hasher whose `checksum_of(h)` equals `payload_checksum` of the payload fed to it."""
+    return PayloadHasher()
+
+
+def checksum_of(hasher: PayloadHasher) -> int:
+    return hasher.checksum()
 
 
 def expected_checksum(header: memoryview) -> int | None:
@@ -48,10 +95,18 @@ def expected_checksum(header: memoryview) -> int | None:
 
 
 def write_header(
-    buf: memoryview, oid: int, length: int, digest: bytes, payload: memoryview | None, checksum: bool
+    buf: memoryview, oid: int, length: int, digest: bytes, payload: memoryview | None, checksum: bool,
+    known_checksum: int | None = None,
 ) -> None:
-    """Write the header into `buf` (the OBJ_HEADER_SIZE bytes just before the payload)."""
-    crc = payload_checksum(payload) if (checksum and payload is not None) else 0
+    """Write the header into `buf` (the OBJ_HEADER_SIZE bytes just before the payload).
+
+    `known_checksum`: the payload's checksum as its writer computed it while filling it (a fused
+    copy); the payload is then not hashed again."""
+    crc = 0
+    if checksum and known_checksum is not None:
+        crc = known_checksum
+    elif checksum and payload is not None:
+        crc = payload_checksum(payload)
     flags = FLAG_CHECKSUM if checksum else 0
     _OBJ.pack_into(buf, 0, 0, OBJ_VERSION, flags, oid, length, digest, crc)
     struct.pack_into("<I", buf, 0, OBJ_MAGIC)  # magic last: a torn header never validates

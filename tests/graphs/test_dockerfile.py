@@ -40,7 +40,9 @@ def test_dockerfile_builds_on_dynamo_161_and_pins_this_package() -> None:
     assert re.search(r"^ARG DYNAMO_IMAGE=nvcr\.io/nvidia/ai-dynamo/vllm-runtime:1\.6\.1$", text, re.M)
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert re.search(rf"^ARG MARU_VERSION={re.escape(version)}$", text, re.M), "MARU_VERSION != pyproject version"
-    assert '"/tmp/maru-wheels/maru_dynamo-${MARU_VERSION}-py3-none-any.whl"' in text
+    # The wheel holds a C extension: its tags name the image's Python and platform.
+    assert '"/tmp/maru-wheels/maru_dynamo-${MARU_VERSION}-"*.whl' in text
+    assert "COPY --chown=1000:0 pyproject.toml setup.py README.md /tmp/maru-src/" in text
     # Everything the wheel is built from is copied in (a new top-level package must be added here).
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
     for source in packages:
