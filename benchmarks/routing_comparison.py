@@ -469,7 +469,7 @@ def run_comparison(
     nats, nats_url = stack.nats_server(work_dir / "logs")
     nats.start()
     try:
-        nats.wait_for_log(r"Server is ready", timeout=30)
+        nats.wait_for_log(stack.NATS_READY_PATTERN, timeout=30)
         results = []
         for cfg in configs:
             t0 = time.monotonic()

@@ -148,6 +148,10 @@ class ManagedProcess:
         except FileNotFoundError:
             return ""
 
+    def output(self) -> str:
+        """What this start has written so far (the log holds every start's output)."""
+        return self.log_text()[self._log_offset:]
+
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
@@ -172,7 +176,7 @@ class ManagedProcess:
         found: list[re.Match[str]] = []
 
         def check() -> bool:
-            m = regex.search(self.log_text()[self._log_offset:])
+            m = regex.search(self.output())
             if m:
                 found.append(m)
             return bool(m)

@@ -15,11 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -41,10 +36,9 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from maru_vllm.connector.chunks import chunk_key, hash_bytes  # noqa: E402
 from maru_vllm.connector.metadata import MaruConnectorMetadata  # noqa: E402
+from maru_vllm.launch.stack import PoolProcess  # noqa: E402
 from maru_vllm.pool import PoolClient  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-READY = "maru-pool serving on "
 BLOCK_SIZE = 128
 CHUNK_TOKENS = 256
 BPC = CHUNK_TOKENS // BLOCK_SIZE
@@ -52,61 +46,10 @@ SAMPLE_TOKEN = 300  # a byte-range token, never EOS for the tiny model
 
 
 # ---- the pool service ----------------------------------------------------------------------
-class PoolService:
-    """`python -m maru_vllm.pool serve` as a child process on a unix socket."""
-
-    def __init__(self, sockdir: Path, size: str = "64M") -> None:
-        self.name = f"ts{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.sock = sockdir / f"{self.name}.sock"
-        self.log = sockdir / f"{self.name}.log"
-        self.size = size
-        self.proc: subprocess.Popen | None = None
-        self.address = ""
-
-    @property
-    def region_path(self) -> Path:
-        return Path(f"/dev/shm/maru-{self.name}")
-
-    def start(self, timeout: float = 30.0) -> PoolService:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env["PYTHONUNBUFFERED"] = "1"
-        cmd = [sys.executable, "-m", "maru_vllm.pool", "serve", "--name", self.name, "--size", self.size,
-               "--listen", f"unix://{self.sock}"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.log, "a"), text=True,
-                                     cwd=REPO, env=env)
-        lines: queue.Queue[str | None] = queue.Queue()
-
-        def pump() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
-                lines.put(line.rstrip("\n"))
-            lines.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-        try:
-            while True:
-                line = lines.get(timeout=timeout)
-                if line is None:
-                    raise RuntimeError(f"pool exited rc={self.proc.wait()}")
-                if line.startswith(READY):
-                    self.address = line[len(READY):]
-                    return self
-        except (queue.Empty, RuntimeError) as exc:
-            self.stop()
-            raise AssertionError(f"pool service did not start: {exc!r}\n{self.log.read_text()}") from exc
-
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `grace` seconds; removes the shared-memory region."""
-        p = self.proc
-        if p is not None and p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(grace)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-        self.region_path.unlink(missing_ok=True)
+def start_pool(sockdir: Path, size: str = "64M") -> PoolProcess:
+    """A real pool service (`python -m maru_vllm.pool serve`) on a unix socket in `sockdir`."""
+    name = f"ts{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return PoolProcess(name, size, sockdir / f"{name}.log", listen=[f"unix://{sockdir / name}.sock"]).serve()
 
 
 # ---- vLLM objects --------------------------------------------------------------------------

@@ -11,13 +11,13 @@ import torch
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
-from tests.connector.sched_harness import PoolService
+from tests.connector.sched_harness import start_pool
 from tests.connector.chunk_meta import chunk_meta
 
 
 def test_stores_past_the_session_quota_are_skipped_and_the_rest_load() -> None:
     d = Path(tempfile.mkdtemp(prefix="mqs-", dir="/tmp"))
-    svc = PoolService(d, size="2M").start()  # default quota: half the pool per session
+    svc = start_pool(d, size="2M")  # default quota: half the pool per session
     try:
         caches = {f"layer{i}": torch.randn(16, 2, 8, 32).to(torch.bfloat16) for i in range(3)}
         side = MaruWorkerSide(namespace="kv:quota", rank=0, pool=PoolAccess(svc.address, None, 5.0, True, "test"),

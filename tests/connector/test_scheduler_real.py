@@ -21,26 +21,27 @@ from sched_harness import (
     BLOCK_SIZE,
     BPC,
     CHUNK_TOKENS,
-    PoolService,
     Sim,
     StepRecord,
     make_request,
     make_scheduler,
     pool_keys,
+    start_pool,
     tokens,
 )
 from vllm.v1.request import RequestStatus
 
 from maru_vllm.connector.chunks import chunk_key, hash_bytes
 from maru_vllm.connector.metadata import ChunkLoad
+from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.pool import PoolClient
 
 
 # ---- fixtures ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def pool_service() -> Iterator[PoolService]:
+def pool_service() -> Iterator[PoolProcess]:
     d = Path(tempfile.mkdtemp(prefix="msr-", dir="/tmp"))  # short: unix socket paths are limited
-    svc = PoolService(d).start()
+    svc = start_pool(d)
     yield svc
     svc.stop()
     assert not svc.region_path.exists()
@@ -48,14 +49,14 @@ def pool_service() -> Iterator[PoolService]:
 
 
 @pytest.fixture
-def client(pool_service: PoolService) -> Iterator[PoolClient]:
+def client(pool_service: PoolProcess) -> Iterator[PoolClient]:
     c = PoolClient(pool_service.address, timeout=5.0)
     yield c
     c.close()
 
 
 @pytest.fixture
-def new_sim(tiny_model: Path, pool_service: PoolService, client: PoolClient):
+def new_sim(tiny_model: Path, pool_service: PoolProcess, client: PoolClient):
     """Factory: a scheduler with a fresh salt (so every test has its own pool namespace)."""
     made: list[Sim] = []
 

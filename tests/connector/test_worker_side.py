@@ -21,16 +21,17 @@ def _meta(chunk: int) -> ChunkMeta:
                      token_ids=[[1, 2, 3, 4], [5, 6, 7, 8]])
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
-from tests.connector.sched_harness import PoolService
+from maru_vllm.launch.stack import PoolProcess
+from tests.connector.sched_harness import start_pool
 from tests.connector.chunk_meta import chunk_meta
 
 NS = "kv:test:worker"
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[PoolService]:
+def pool() -> Iterator[PoolProcess]:
     d = Path(tempfile.mkdtemp(prefix="mws-", dir="/tmp"))
-    svc = PoolService(d).start()
+    svc = start_pool(d)
     yield svc
     svc.stop()
     shutil.rmtree(d, ignore_errors=True)
@@ -46,7 +47,7 @@ def make_worker(address: str, seed: int) -> tuple[MaruWorkerSide, dict[str, torc
     return side, caches
 
 
-def test_store_then_load_into_another_instance(pool: PoolService) -> None:
+def test_store_then_load_into_another_instance(pool: PoolProcess) -> None:
     a, a_kv = make_worker(pool.address, 1)
     b, b_kv = make_worker(pool.address, 2)
     a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"chunk-a", [3, 4], chunk_meta(0))]))
@@ -58,7 +59,7 @@ def test_store_then_load_into_another_instance(pool: PoolService) -> None:
         assert torch.equal(b_kv[name][10], a_kv[name][3]) and torch.equal(b_kv[name][11], a_kv[name][4])
 
 
-def test_failed_load_blocks_are_reported_and_that_requests_stores_are_dropped(pool: PoolService) -> None:
+def test_failed_load_blocks_are_reported_and_that_requests_stores_are_dropped(pool: PoolProcess) -> None:
     w, kv = make_worker(pool.address, 3)
     step = MaruConnectorMetadata(
         loads=[ChunkLoad("r1", b"never-stored", [0, 1])],
@@ -90,7 +91,7 @@ def test_pool_down_means_misses_and_skipped_stores_never_errors(tmp_path: Path) 
     assert all(torch.equal(before[k], kv[k]) for k in kv)
 
 
-def test_unsupported_layout_disables_the_connector_instead_of_the_engine(pool: PoolService,
+def test_unsupported_layout_disables_the_connector_instead_of_the_engine(pool: PoolProcess,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     side = MaruWorkerSide(namespace=NS, rank=0, pool=PoolAccess(pool.address, None, 5.0, True, "test"),
                           block_size=8, num_blocks=16, use_lmcache_kernels=False, enable_fused_load=False)
@@ -132,7 +133,7 @@ def step_with_a_pool_hit(w: MaruWorkerSide) -> MaruConnectorMetadata:
 
 
 @pytest.mark.parametrize("where", ["before-copy", "after-first-chunk"])
-def test_start_load_kv_error_reports_every_planned_block(pool: PoolService, where: str) -> None:
+def test_start_load_kv_error_reports_every_planned_block(pool: PoolProcess, where: str) -> None:
     w, _ = make_worker(pool.address, 5)
     step = step_with_a_pool_hit(w)
     conn = worker_connector(w)
@@ -162,7 +163,7 @@ def test_start_load_kv_error_reports_every_planned_block(pool: PoolService, wher
     assert w.pool.client.lookup([b"fc-r1-2/r0", b"fc-r2-0/r0"], namespace=NS) == [False, True]
 
 
-def test_load_errors_hook_error_reports_every_planned_block(pool: PoolService) -> None:
+def test_load_errors_hook_error_reports_every_planned_block(pool: PoolProcess) -> None:
     w, _ = make_worker(pool.address, 6)
     step = step_with_a_pool_hit(w)
     step.loads.append(ChunkLoad("r3", b"never-stored", [12, 13]))  # really fails
@@ -181,7 +182,7 @@ def test_load_errors_hook_error_reports_every_planned_block(pool: PoolService) -
     assert w.take_failed_blocks() == set()  # not reported twice
 
 
-def test_loads_the_scheduler_could_not_plan_are_reported_and_their_stores_dropped(pool: PoolService) -> None:
+def test_loads_the_scheduler_could_not_plan_are_reported_and_their_stores_dropped(pool: PoolProcess) -> None:
     from maru_vllm.connector.metadata import LoadFailure
 
     w, _ = make_worker(pool.address, 7)
@@ -198,7 +199,7 @@ def test_loads_the_scheduler_could_not_plan_are_reported_and_their_stores_droppe
     assert w.pool.client.lookup([b"fc-r4-1/r0", b"fc-r1-2/r0"], namespace=NS) == [False, True]
 
 
-def test_a_chunk_shared_in_part_loads_its_leading_blocks(pool: PoolService) -> None:
+def test_a_chunk_shared_in_part_loads_its_leading_blocks(pool: PoolProcess) -> None:
     a, a_kv = make_worker(pool.address, 5)
     b, b_kv = make_worker(pool.address, 6)
     before = {k: v.clone() for k, v in b_kv.items()}
@@ -229,7 +230,7 @@ def test_a_chunk_shared_in_part_loads_its_leading_blocks(pool: PoolService) -> N
     assert b.pool.client.stats()["pins"] == 0
 
 
-def test_corrupt_payload_is_a_miss_recomputed_and_removed_from_the_pool(pool: PoolService) -> None:
+def test_corrupt_payload_is_a_miss_recomputed_and_removed_from_the_pool(pool: PoolProcess) -> None:
     """A chunk whose bytes changed after commit fails its checksum while being copied in: its
     blocks are reported for recompute, the other chunk of the step loads, and the pool drops
     the corrupt object so nobody loads it again."""

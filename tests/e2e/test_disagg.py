@@ -184,7 +184,7 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     prefill_port = system_port()
     prefill = maru_worker("prefill", tiny_model,
                           env_factory.build(cpu_thread=PREFILL_CORE, DYN_SYSTEM_PORT=str(prefill_port)),
-                          log_dir, pool_address=pool.address, pool_name=pool.name, mode="prefill")
+                          log_dir, pool_address=pool.address, pool_name=pool.pool_name, mode="prefill")
     procs.start(prefill)
     frontend, url = stack.dynamo_frontend(env_factory.build(), log_dir)
     procs.start(frontend)
@@ -204,7 +204,7 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     decode_port = system_port()
     decode_env = env_factory.build(cpu_thread=DECODE_CORE, DYN_SYSTEM_PORT=str(decode_port))
     decode = maru_worker("decode", tiny_model, decode_env, log_dir,
-                         pool_address=pool.address, pool_name=pool.name, mode="decode")
+                         pool_address=pool.address, pool_name=pool.pool_name, mode="decode")
     procs.start(decode)
     serve_when_ready(url, tiny_model, [prefill, decode], timeout=400)
 
@@ -254,7 +254,7 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     assert decode.stop() is not None
     missing = f"unix:///tmp/maru-absent-{uuid.uuid4().hex[:8]}.sock"
     decode2 = maru_worker("decode-nopool", tiny_model, decode_env, log_dir,
-                          pool_address=missing, pool_name=pool.name, mode="decode")
+                          pool_address=missing, pool_name=pool.pool_name, mode="decode")
     procs.start(decode2)
     serve_when_ready(url, tiny_model, [prefill, decode2])
     before = pool_stats(pool.address)

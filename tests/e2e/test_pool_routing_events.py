@@ -139,15 +139,10 @@ def test_router_credits_pool_blocks_at_host_tier(tiny_model: Path, procs: Proces
                                                  tmp_path: Path, nats, monkeypatch: pytest.MonkeyPatch) -> None:
     _, nats_url = nats
     pool_name = f"ev{uuid.uuid4().hex[:8]}"
-    sock = f"/tmp/maru-{pool_name}.sock"
-    pool_proc = ManagedProcess(
-        "pool", [sys.executable, "-m", "maru_vllm.pool", "serve", "--name", pool_name, "--size", "256M",
-                 "--listen", f"unix://{sock}", "--nats", nats_url],
-        log_path=log_dir / "pool.log",
-    )
-    procs.start(pool_proc)
-    pool_proc.wait_for_log(r"maru-pool serving on", timeout=60)
-    address = f"unix://{sock}"
+    pool_proc = stack.PoolProcess(pool_name, "256M", log_dir / "pool.log", listen=[f"unix:///tmp/maru-{pool_name}.sock"],
+                                  nats=nats_url)
+    procs.add(pool_proc)
+    address = pool_proc.serve().address
     pool = PoolClient.connect(address)
     namespace = f"kv:{tiny_model.name}:e2e-events"
 

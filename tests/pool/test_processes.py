@@ -10,7 +10,8 @@ import time
 import pytest
 
 from maru_vllm.pool import PoolClient, PoolUnavailable
-from pool_helpers import spawn_worker, stop_process, wait_until
+from pool_helpers import spawn_worker, stop_process
+from tests.waiting import wait_until
 
 
 def _leak_free(st: dict) -> bool:
@@ -111,7 +112,7 @@ def test_service_restart_clients_recover_without_stale_reads(pool):
         assert c.put(b"old", b"from-incarnation-1")
         old_inc = c.incarnation
         held = c.acquire([b"old"])[0]
-        pool.restart()
+        pool.serve()
         # the next call either fails with PoolUnavailable or reconnects; it never returns old data
         def recovered():
             try:
@@ -128,7 +129,7 @@ def test_service_restart_clients_recover_without_stale_reads(pool):
             assert bytes(v) == b"from-incarnation-2"
         # reservations from before a restart can never be committed into the new region
         (r,) = c.reserve([(b"straddle", 100)])
-        pool.restart()
+        pool.serve()
         with pytest.raises(PoolUnavailable):
             c.commit([r])
         assert wait_until(lambda: _try(lambda: c.lookup([b"straddle"]))) == [False]
