@@ -157,11 +157,12 @@ class PoolProcess(ManagedProcess):
         extra_args: Sequence[str] = (),
         name: str = "pool",
         env: Mapping[str, str] | None = None,
+        cwd: Path | str | None = None,
         cpus: Sequence[int] | None = None,
     ) -> None:
         argv = pool_command(pool_name, size, listen=listen, nats=nats, backend=None if backend == "shm" else backend,
                             path=path, extra_args=extra_args)
-        super().__init__(name, argv, log_path=log_path, env=env, cpus=cpus)
+        super().__init__(name, argv, log_path=log_path, env=env, cwd=cwd, cpus=cpus)
         self.pool_name = pool_name
         self.region_path = Path(path) if path is not None else default_region_path(backend, pool_name)
         self._listens = len(listen) + sum(1 for a in extra_args if a == "--listen")
