@@ -32,12 +32,12 @@ from typing import Any
 
 from maru_vllm.events.nats_source import PoolSourceConfig
 from maru_vllm.events.pool_view import NamespaceFilter
-from maru_vllm.events.relay import DEFAULT_MEDIUM, KvEventRelay, RelayThread
+from maru_vllm.events.relay import KvEventRelay, RelayThread
+from maru_vllm.events.types import DEFAULT_MEDIUM
 
 logger = logging.getLogger(__name__)
 
 REQUIRED_DYNAMO_VERSION = "1.6.1"
-REQUIRED_HASH_SEED = "0"  # the graph's PYTHONHASHSEED (maru_vllm.launch.stack.GRAPH_HASH_SEED)
 _SETUP_PARAMS = ("config", "generate_endpoint", "vllm_config")
 
 
@@ -62,18 +62,6 @@ def check_dynamo_version() -> str:
             f"Install the pinned versions (pip install 'maru-dynamo[dynamo]')."
         )
     return found["ai-dynamo"]  # type: ignore[return-value]
-
-
-def check_hash_seed(env: dict[str, str] | os._Environ[str] | None = None) -> None:
-    """Raise unless PYTHONHASHSEED is unset or the graph's value (vLLM block hashes depend on it)."""
-    env = os.environ if env is None else env
-    seed = env.get("PYTHONHASHSEED")
-    if seed is not None and seed != REQUIRED_HASH_SEED:
-        raise RuntimeError(
-            f"PYTHONHASHSEED={seed!r}, but every process of a Maru graph must use "
-            f"PYTHONHASHSEED={REQUIRED_HASH_SEED}: vLLM's block hashes (pool keys, router events) only "
-            f"match across workers with the same seed. Unset it or set it to {REQUIRED_HASH_SEED}."
-        )
 
 
 @dataclasses.dataclass(frozen=True)

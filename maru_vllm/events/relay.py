@@ -36,12 +36,19 @@ import zmq.asyncio
 from maru_vllm.events import vllm_format as vf
 from maru_vllm.events.nats_source import PoolEventSource, PoolSourceConfig
 from maru_vllm.events.pool_view import NamespaceFilter, PoolView
-from maru_vllm.events.types import Announcement, BlocksRemoved, BlocksStored, PoolEvent, PoolSnapshot
+from maru_vllm.events.types import (
+    DEFAULT_MEDIUM,
+    KNOWN_MEDIUMS,
+    Announcement,
+    BlocksRemoved,
+    BlocksStored,
+    PoolEvent,
+    PoolSnapshot,
+)
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-DEFAULT_MEDIUM = "CPU_PINNED"
 MAX_BATCH_BLOCKS = 1024  # blocks per KVEventBatch the relay sends (a removal of many blocks is split too)
 
 
@@ -76,9 +83,9 @@ class KvEventRelay:
         hwm: int = 100_000,
         reannounce_after_s: tuple[float, ...] = (3.0, 10.0),
     ) -> None:
-        if medium not in vf.KNOWN_MEDIUMS:
+        if medium not in KNOWN_MEDIUMS:
             logger.warning("medium %r is not one Dynamo's router places in a tier %s; its blocks will be "
-                           "ignored by the router", medium, vf.KNOWN_MEDIUMS)
+                           "ignored by the router", medium, KNOWN_MEDIUMS)
         self.upstream = upstream
         self.downstream = downstream
         self.medium = medium

@@ -26,6 +26,13 @@ SUPPORTED_META_VERSIONS = M.SUPPORTED_CHUNK_META_VERSIONS
 
 ObjectId = tuple[str, str]  # (namespace, key hex): a pool object's identity
 
+#: Mediums Dynamo 1.6.1's router places in a tier (it drops events at any other).
+KNOWN_MEDIUMS = ("GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL", "SHARED")
+#: The lower tiers pool blocks may be announced at: host (CPU_PINNED, CPU) or disk-like (DISK, EXTERNAL, SHARED).
+POOL_MEDIUMS = tuple(m for m in KNOWN_MEDIUMS if m != "GPU")
+#: Dynamo's host tier, which the frontend weights with --router-host-cache-hit-weight.
+DEFAULT_MEDIUM = "CPU_PINNED"
+
 #: A pool event or snapshot that does not have the documented structure.
 EventFormatError = M.MessageError
 

@@ -18,13 +18,14 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from maru_vllm.hash_seed import GRAPH_HASH_SEED
+from maru_vllm.launch.argv import kv_events_args
 from maru_vllm.launch.ports import free_port
 from maru_vllm.launch.process import ManagedProcess
 from maru_vllm.pool.region import default_region_path
 from maru_vllm.pool.service import READY_LINE
 
 LOOPBACK = "127.0.0.1"
-GRAPH_HASH_SEED = "0"  # Dynamo sets 0 for its workers; every process of a graph uses it.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,9 +268,7 @@ def dynamo_vllm_worker(
         "--model", str(model),
         "--max-model-len", str(max_model_len),
         "--enforce-eager",
-        # vLLM binds its KV-event publisher itself; `tcp://127.0.0.1:N` silently delivers nothing.
-        "--kv-events-config",
-        json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_events_port}"}),
+        *kv_events_args(kv_events_port),
         *extra_args,
     ]
     return ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env, cpus=cpus)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -36,20 +35,12 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from maru_vllm.connector.chunks import chunk_key, hash_bytes  # noqa: E402
 from maru_vllm.connector.metadata import MaruConnectorMetadata  # noqa: E402
-from maru_vllm.launch.stack import PoolProcess  # noqa: E402
 from maru_vllm.pool import PoolClient  # noqa: E402
 
 BLOCK_SIZE = 128
 CHUNK_TOKENS = 256
 BPC = CHUNK_TOKENS // BLOCK_SIZE
 SAMPLE_TOKEN = 300  # a byte-range token, never EOS for the tiny model
-
-
-# ---- the pool service ----------------------------------------------------------------------
-def start_pool(sockdir: Path, size: str = "64M") -> PoolProcess:
-    """A real pool service (`python -m maru_vllm.pool serve`) on a unix socket in `sockdir`."""
-    name = f"ts{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return PoolProcess(name, size, sockdir / f"{name}.log", listen=[f"unix://{sockdir / name}.sock"]).serve()
 
 
 # ---- vLLM objects --------------------------------------------------------------------------

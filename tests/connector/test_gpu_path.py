@@ -10,8 +10,6 @@ The tests at the end run the real thing and skip, saying why, without a CUDA dev
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +25,7 @@ from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier, ma
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.pool import PoolClient
 from maru_vllm.launch.stack import PoolProcess
-from tests.connector.sched_harness import start_pool
+from tests.running_pool import running_pool
 from tests.connector.chunk_meta import chunk_meta
 
 L, NB, H, BS, C = 4, 16, 2, 8, 64  # layers, blocks, kv heads, block size, 2 * head size
@@ -182,11 +180,8 @@ class RecordingCudart:
 
 @pytest.fixture
 def pool() -> Iterator[PoolProcess]:
-    d = Path(tempfile.mkdtemp(prefix="mgp-", dir="/tmp"))
-    svc = start_pool(d, size="16M")
-    yield svc
-    svc.stop()
-    shutil.rmtree(d, ignore_errors=True)
+    with running_pool("16M") as pool:
+        yield pool
 
 
 def test_region_is_registered_once_per_mapping_and_again_after_a_pool_restart(pool: PoolProcess) -> None:

@@ -11,8 +11,6 @@ nothing left behind" contract (`check_run`).
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +24,6 @@ from sched_harness import (
     make_request,
     make_scheduler,
     pool_keys,
-    start_pool,
     tokens,
 )
 from vllm.v1.request import RequestStatus
@@ -35,17 +32,14 @@ from maru_vllm.connector.chunks import chunk_key, hash_bytes
 from maru_vllm.connector.metadata import ChunkLoad
 from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.pool import PoolClient
+from tests.running_pool import running_pool
 
 
 # ---- fixtures ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pool_service() -> Iterator[PoolProcess]:
-    d = Path(tempfile.mkdtemp(prefix="msr-", dir="/tmp"))  # short: unix socket paths are limited
-    svc = start_pool(d)
-    yield svc
-    svc.stop()
-    assert not svc.region_path.exists()
-    shutil.rmtree(d, ignore_errors=True)
+    with running_pool() as pool:
+        yield pool
 
 
 @pytest.fixture

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +20,7 @@ def _meta(chunk: int) -> ChunkMeta:
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.launch.stack import PoolProcess
-from tests.connector.sched_harness import start_pool
+from tests.running_pool import running_pool
 from tests.connector.chunk_meta import chunk_meta
 
 NS = "kv:test:worker"
@@ -30,11 +28,8 @@ NS = "kv:test:worker"
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[PoolProcess]:
-    d = Path(tempfile.mkdtemp(prefix="mws-", dir="/tmp"))
-    svc = start_pool(d)
-    yield svc
-    svc.stop()
-    shutil.rmtree(d, ignore_errors=True)
+    with running_pool() as pool:
+        yield pool
 
 
 def make_worker(address: str, seed: int) -> tuple[MaruWorkerSide, dict[str, torch.Tensor]]:

@@ -6,8 +6,6 @@ so each test sees the moment that matters (a copy still reading blocks) determin
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +18,9 @@ from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.pool import PoolClient
+from tests.running_pool import running_pool
 from maru_vllm.launch.stack import PoolProcess
-from tests.connector.sched_harness import BLOCK_SIZE, Sim, start_pool, make_request, make_scheduler, pool_keys, tokens
+from tests.connector.sched_harness import BLOCK_SIZE, Sim, make_request, make_scheduler, pool_keys, tokens
 from tests.connector.chunk_meta import chunk_meta
 
 NUM_BLOCKS = 64
@@ -29,11 +28,8 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[PoolProcess]:
-    d = Path(tempfile.mkdtemp(prefix="mwb-", dir="/tmp"))
-    svc = start_pool(d, size="128M")
-    yield svc
-    svc.stop()
-    shutil.rmtree(d, ignore_errors=True)
+    with running_pool("128M") as pool:
+        yield pool
 
 
 @pytest.fixture

@@ -17,14 +17,9 @@ prompt), and a `router_probe` (a second KvRouter) that reports per-tier overlap 
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import random
-import re
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -36,6 +31,7 @@ from maru_vllm.events.vllm_format import external_hash
 from tests.e2e.router_probe_client import RouterProbe, selected_lines
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port
 from maru_vllm.launch import stack
+from maru_vllm.launch.argv import kv_events_args
 from maru_vllm.pool import PoolClient
 from tests.e2e.openai_client import completion
 
@@ -164,8 +160,7 @@ def test_router_credits_pool_blocks_at_host_tier(tiny_model: Path, procs: Proces
     worker = ManagedProcess(
         "worker",
         [sys.executable, "-c", WORKER_BOOT, "--model", str(tiny_model), "--max-model-len", "4096",
-         "--enforce-eager", "--kv-events-config",
-         json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_port}"})],
+         "--enforce-eager", *kv_events_args(kv_port)],
         log_path=log_dir / "worker.log", env=worker_env,
     )
     frontend, url = stack.dynamo_frontend(env_factory.build(), log_dir)
