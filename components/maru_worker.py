@@ -26,12 +26,12 @@ import argparse
 import json
 import logging
 import os
-import runpy
 import sys
 import time
 
 from maru_vllm.events.types import DEFAULT_MEDIUM, POOL_MEDIUMS
 from maru_vllm.launch.argv import flag_value, has_flag, kv_events_args
+from maru_vllm.launch.handoff import run_module_as_main
 from maru_vllm.launch.ports import free_port
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         register_maru_pd_protocol()  # dynamo.vllm's PD handlers accept only registered connectors
     except DynamoPdApiError as exc:
         sys.exit(f"maru_worker: {exc}")
-    sys.argv = [sys.argv[0], *rest]
-    runpy.run_module("dynamo.vllm", run_name="__main__", alter_sys=True)
+    run_module_as_main("dynamo.vllm", rest)
 
 
 if __name__ == "__main__":

@@ -42,14 +42,14 @@ CHUNK_BLOCKS = 2
 PROMPT_BLOCKS = 4
 
 WORKER_BOOT = """
-import os, runpy, sys
+import os, sys
 from maru_vllm.text_only import install_text_only_stand_ins
 install_text_only_stand_ins()
 from maru_vllm.events import install_pool_event_relay
+from maru_vllm.launch.handoff import run_module_as_main
 install_pool_event_relay(pool_name=os.environ["MARU_TEST_POOL_NAME"],
                          pool_address=os.environ["MARU_TEST_POOL_ADDRESS"], probe_interval_s=2.0)
-sys.argv = ["dynamo.vllm", *sys.argv[1:]]
-runpy.run_module("dynamo.vllm", run_name="__main__", alter_sys=True)
+run_module_as_main("dynamo.vllm", sys.argv[1:])
 """
 
 
