@@ -88,23 +88,16 @@ class PoolEventSource:
         self._need_resync = True
         self._link = NatsLink(config.nats_url, f"maru-events-{config.pool_name}",
                               on_disconnect=self._on_disconnect, on_reconnect=self._on_reconnect)
-        self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._synced_event = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="maru-pool-events")
+        self._link.start(self._run(), name="maru-pool-events")
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        await self._link.close()
+        await self._link.stop()
 
     async def wait_synced(self, timeout: float) -> bool:
         try:

@@ -40,13 +40,21 @@ class EngineCounters:
                                  for f in dataclasses.fields(self)})
 
 
-def _samples(url: str, timeout: float):
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        text = resp.read().decode(errors="replace")
+def _parse(text: str):
     for line in text.splitlines():
         m = _SAMPLE.match(line)
         if m:
             yield m["name"], m["labels"] or "", float(m["value"])
+
+
+def _samples(url: str, timeout: float):
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return list(_parse(resp.read().decode(errors="replace")))
+
+
+def metric_total(text: str, name: str) -> float:
+    """The sum of metric `name`'s samples, over all label sets, in a Prometheus exposition `text`."""
+    return sum(value for sample, _labels, value in _parse(text) if sample == name)
 
 
 def read_counters(url: str, timeout: float = 60.0) -> EngineCounters:

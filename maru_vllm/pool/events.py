@@ -72,7 +72,6 @@ class EventPublisher:
         self._queue: collections.deque[bytes] = collections.deque()
         self._max_queue = max_queue
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self._link = NatsLink(url, f"maru-pool-{pool}", on_disconnect=self._on_disconnect,
                               on_reconnect=self._on_reconnect)
         self._stopping = False
@@ -93,7 +92,7 @@ class EventPublisher:
         return len(self._queue)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="maru-events")
+        self._link.start(self._run(), name="maru-events")
 
     async def _connect(self) -> None:
         async def serve_snapshots(nc: Any) -> None:
@@ -160,13 +159,7 @@ class EventPublisher:
                 logger.warning("%d events not published at shutdown", len(self._queue))
         self._stopping = True
         self._wake.set()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        await self._link.close(flush_timeout)
+        await self._link.stop(flush_timeout)
 
     async def _drain_queue(self) -> None:
         while self._queue:

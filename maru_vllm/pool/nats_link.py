@@ -4,7 +4,7 @@ nats.py reconnects a connection it once made, forever with `max_reconnect_attemp
 re-subscribes what was subscribed; it does not retry the first connect (NATS may start after
 the pool or a worker) and it only tells its owner about an outage through callbacks. `NatsLink`
 adds the retried first connect, with the owner's subscriptions made as part of it, and a close
-that is bounded in time. Both users - the pool's event publisher and a worker's event source -
+that is bounded in time, together with the owner's task that uses the connection. Both users - the pool's event publisher and a worker's event source -
 keep their own state in the disconnect/reconnect callbacks.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,22 @@ class NatsLink:
         self._on_disconnect = on_disconnect
         self._on_reconnect = on_reconnect
         self.nc: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, main: Coroutine[Any, Any, None], name: str) -> None:
+        """Run the owner's `main` (which calls `connect` first) as a task on the running loop."""
+        self._task = asyncio.get_running_loop().create_task(main, name=name)
+
+    async def stop(self, timeout: float = 2.0) -> None:
+        """Cancel the owner's task, wait for it, then close the connection."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # it is gone either way
+                pass
+        await self.close(timeout)
 
     async def connect(self, setup: Callable[[Any], Awaitable[None]], *, what: str,
                       stopping: Callable[[], bool]) -> bool:

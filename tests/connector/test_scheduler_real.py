@@ -11,7 +11,6 @@ nothing left behind" contract (`check_run`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,25 +31,11 @@ from maru_vllm.connector.chunks import chunk_key, hash_bytes
 from maru_vllm.connector.metadata import ChunkLoad
 from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.pool import PoolClient
-from tests.running_pool import running_pool
 
 
 # ---- fixtures ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pool_service() -> Iterator[PoolProcess]:
-    with running_pool() as pool:
-        yield pool
-
-
 @pytest.fixture
-def client(pool_service: PoolProcess) -> Iterator[PoolClient]:
-    c = PoolClient(pool_service.address, timeout=5.0)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def new_sim(tiny_model: Path, pool_service: PoolProcess, client: PoolClient):
+def new_sim(tiny_model: Path, pool: PoolProcess, client: PoolClient):
     """Factory: a scheduler with a fresh salt (so every test has its own pool namespace)."""
     made: list[Sim] = []
 
@@ -58,7 +43,7 @@ def new_sim(tiny_model: Path, pool_service: PoolProcess, client: PoolClient):
              **kw) -> Sim:
         extra = kw.pop("extra", {})
         extra.setdefault("maru_namespace", f"t{len(made)}-{id(made)}")
-        sched = make_scheduler(tiny_model, address or pool_service.address, extra=extra, **kw)
+        sched = make_scheduler(tiny_model, address or pool.address, extra=extra, **kw)
         sim = Sim(sched, play_worker_stores=play_worker_stores, pool_client=client, play_part_keys=play_part_keys)
         made.append(sim)
         return sim
@@ -333,7 +318,7 @@ def test_part_keys_raise_the_pool_hit_rate_on_the_chat_workload(new_sim, client)
     assert supplied[True]["computed"] < supplied[False]["computed"]
 
 
-def test_one_lookup_while_waiting_for_memory(new_sim, client, pool_service):
+def test_one_lookup_while_waiting_for_memory(new_sim, client, pool):
     sim = new_sim(num_blocks=12, max_num_seqs=4)  # 11 usable blocks
     big = make_request("big", tokens(16, 1100), max_tokens=30)  # 9-10 blocks
     sim.add(big)
@@ -376,14 +361,14 @@ def test_preemption_and_resume(new_sim, client):
     assert resumed_loads, "no resumed request loaded from the pool"
 
 
-def test_preemption_and_aborts_with_a_real_write_behind_worker(new_sim, client, pool_service):
+def test_preemption_and_aborts_with_a_real_write_behind_worker(new_sim, client, pool):
     # The worker side copies real pages behind every step; preempted requests' copies finish
     # before their freed blocks can be reused, finished and aborted ones hold their blocks until
     # reported, and in the end every request and block is released (check_run).
     from tests.connector.test_write_behind import make_worker
 
     sim = new_sim(num_blocks=24, max_num_seqs=8)
-    worker, _ = make_worker(pool_service.address, sim.namespace, num_blocks=24)
+    worker, _ = make_worker(pool.address, sim.namespace, num_blocks=24)
     sim.worker = worker
     waited: list[set[str]] = []
     real_wait = worker.writer.wait

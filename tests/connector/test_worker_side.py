@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,16 +19,9 @@ def _meta(chunk: int) -> ChunkMeta:
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.launch.stack import PoolProcess
-from tests.running_pool import running_pool
 from tests.connector.chunk_meta import chunk_meta
 
 NS = "kv:test:worker"
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[PoolProcess]:
-    with running_pool() as pool:
-        yield pool
 
 
 def make_worker(address: str, seed: int) -> tuple[MaruWorkerSide, dict[str, torch.Tensor]]:

@@ -7,10 +7,8 @@ so each test sees the moment that matters (a copy still reading blocks) determin
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 
 from maru_vllm.connector.chunks import chunk_key
@@ -18,25 +16,11 @@ from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.pool import PoolClient
-from tests.running_pool import running_pool
 from maru_vllm.launch.stack import PoolProcess
 from tests.connector.sched_harness import BLOCK_SIZE, Sim, make_request, make_scheduler, pool_keys, tokens
 from tests.connector.chunk_meta import chunk_meta
 
 NUM_BLOCKS = 64
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[PoolProcess]:
-    with running_pool("128M") as pool:
-        yield pool
-
-
-@pytest.fixture
-def client(pool: PoolProcess) -> Iterator[PoolClient]:
-    c = PoolClient(pool.address, timeout=5.0)
-    yield c
-    c.close()
 
 
 def make_worker(address: str, namespace: str, *, block_size: int = BLOCK_SIZE, write_behind: bool = True,

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from maru_vllm.launch import ProcessGroup
+from maru_vllm.launch.engine_metrics import metric_total
 from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.models import ensure_model
 from maru_vllm.pool import PoolClient
@@ -116,15 +117,6 @@ def test_cross_instance_pool_hit_equals_local_prefix_hit(maru: Stack) -> None:
     assert tokens(pool_hit) == tokens(local_hit)
     assert logprobs(pool_hit) == logprobs(local_hit)  # bit-exact
     assert tokens(pool_hit) == tokens(out_a)
-
-
-def metric_total(text: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples (all label sets) in an exposition text."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_metrics_report_pool_hits_and_transfers(maru: Stack) -> None:

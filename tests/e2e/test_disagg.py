@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from maru_vllm.launch import ManagedProcess, ProcessGroup
+from maru_vllm.launch.engine_metrics import metric_total
 from maru_vllm.launch.ports import free_system_port
 from maru_vllm.launch import stack
 from maru_vllm.pool import PoolClient
@@ -64,14 +65,6 @@ def maru_worker(name: str, model: Path, env: dict[str, str], log_dir: Path, *, p
 def metrics(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         return resp.read().decode()
-
-
-def metric_total(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def wait_metric(port: int, name: str, at_least: float, timeout: float = 30.0) -> str:

@@ -30,10 +30,7 @@ def test_events_gap_free_with_meta_and_snapshot_matches_live_set(pool_factory, n
     assert events_subject(p.pool_name) == f"maru.{p.pool_name}.events"
 
     async def main():
-        nc = await nats_py.connect(nats_url)
-        events = []
-        await nc.subscribe(events_subject(p.pool_name), cb=_collector(events))
-        await nc.flush()
+        nc, events = await _subscribe(nats_url, p.pool_name)
         c = PoolClient.connect(p.address)
         try:
             await _wait(lambda: c.stats()["nats_connected"], what="pool connected to NATS")
@@ -70,10 +67,17 @@ def test_events_gap_free_with_meta_and_snapshot_matches_live_set(pool_factory, n
     asyncio.run(main())
 
 
-def _collector(events):
-    async def cb(msg):
+async def _subscribe(nats_url: str, pool_name: str):
+    """A nats-py connection subscribed to the pool's events, and the list they arrive in."""
+    nc = await nats_py.connect(nats_url)
+    events = []
+
+    async def collect(msg):
         events.append(json.loads(msg.data))
-    return cb
+
+    await nc.subscribe(events_subject(pool_name), cb=collect)
+    await nc.flush()
+    return nc, events
 
 
 @pytest.mark.timeout(120)
@@ -93,10 +97,7 @@ def test_ops_continue_while_nats_is_down_and_events_resume(pool_factory, nats):
         nats_proc.restart().wait_for_log(stack.NATS_READY_PATTERN, timeout=30)
 
         async def main():
-            nc = await nats_py.connect(nats_url)
-            events = []
-            await nc.subscribe(events_subject(p.pool_name), cb=_collector(events))
-            await nc.flush()
+            nc, events = await _subscribe(nats_url, p.pool_name)
             await _wait(lambda: c.stats()["nats_connected"], timeout=30, what="pool reconnected to NATS")
             await asyncio.to_thread(c.put, b"after", b"2")
             await _wait(lambda: any(e["type"] == "stored" and e["key"] == b"after".hex() for e in events),
@@ -117,10 +118,7 @@ def test_remove_hides_objects_emits_removed_and_frees_space(pool_factory, nats):
     p = pool_factory(size="4M", extra=["--nats", nats_url])
 
     async def main():
-        nc = await nats_py.connect(nats_url)
-        events = []
-        await nc.subscribe(events_subject(p.pool_name), cb=_collector(events))
-        await nc.flush()
+        nc, events = await _subscribe(nats_url, p.pool_name)
         c = PoolClient.connect(p.address)
         try:
             await _wait(lambda: c.stats()["nats_connected"], what="pool connected to NATS")
