@@ -55,16 +55,18 @@ class PoolSourceConfig:
 
 @dataclasses.dataclass
 class SourceStats:
-    events_applied: int = 0
-    events_skipped: int = 0
-    resyncs: int = 0
-    resync_failures: int = 0
-    gaps: int = 0
-    incarnation_changes: int = 0
-    reconnects: int = 0
-    probes: int = 0
-    bad_messages: int = 0
-    overflows: int = 0
+    """What the source has done since it started (the relay logs them; tests read them)."""
+
+    events_applied: int = 0  # handed to on_event in order
+    events_skipped: int = 0  # already covered by the snapshot applied
+    resyncs: int = 0  # snapshots applied
+    resync_failures: int = 0  # snapshots that could not be fetched (retried with backoff)
+    gaps: int = 0  # missing seqs found in the stream or by a probe
+    incarnation_changes: int = 0  # pool restarts noticed
+    reconnects: int = 0  # NATS connections that came back
+    probes: int = 0  # idle checks sent
+    bad_messages: int = 0  # events that did not parse
+    overflows: int = 0  # times the queue filled up and was dropped for a resync
 
 
 class PoolEventSource:

@@ -54,15 +54,17 @@ MAX_BATCH_BLOCKS = 1024  # blocks per KVEventBatch the relay sends (a removal of
 
 @dataclasses.dataclass
 class RelayStats:
-    vllm_batches: int = 0
-    vllm_seq_gaps: int = 0
-    pool_batches: int = 0
-    pool_blocks_stored: int = 0
-    pool_blocks_removed: int = 0
-    sent: int = 0
-    send_errors: int = 0
-    held_dropped: int = 0
-    subscribers_joined: int = 0
+    """What one relay has passed on since it started."""
+
+    vllm_batches: int = 0  # batches received from vLLM's publisher
+    vllm_seq_gaps: int = 0  # breaks in vLLM's sequence numbers (batches that never arrived)
+    pool_batches: int = 0  # batches of pool blocks announced
+    pool_blocks_stored: int = 0  # blocks announced as stored at the pool's tier
+    pool_blocks_removed: int = 0  # blocks announced as removed from it
+    sent: int = 0  # batches sent to Dynamo's publisher
+    send_errors: int = 0  # batches the downstream socket refused
+    held_dropped: int = 0  # batches dropped while no subscriber had joined (the hold was full)
+    subscribers_joined: int = 0  # (re)subscriptions seen on the downstream socket
 
 
 class KvEventRelay:
