@@ -104,12 +104,9 @@ from maru_vllm.launch import ManagedProcess, ProcessGroup  # noqa: E402
 from maru_vllm.launch.ports import free_system_port  # noqa: E402
 from maru_vllm.launch import stack  # noqa: E402
 from maru_vllm.launch.engine_metrics import EngineCounters, read_counters, running_requests  # noqa: E402
+from maru_vllm.routing import POOL_TIER_WEIGHT  # noqa: E402
 from maru_vllm.workload import Workload, WorkloadSpec, build_workload  # noqa: E402
 
-try:
-    from maru_vllm.routing import POOL_TIER_WEIGHT  # noqa: E402
-except ImportError:  # older trees: Dynamo's own default
-    POOL_TIER_WEIGHT = 0.75
 
 CHUNK_TOKENS = 256
 MAX_MODEL_LEN = 8192  # the fixture models' position limit: room for long decodes (--window > 1)

@@ -38,7 +38,7 @@ from maru_vllm.routing import pool_tier_weight
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
-# vLLM on CPU builds and warms its engine in ~20 s; several share two cores here.
+# vLLM on CPU builds and warms each engine before it serves, and several may share a few cores.
 READY_TIMEOUT_S = 600.0
 # What each vLLM engine gets locally unless the graph's args say otherwise (as in stack.py).
 LOCAL_WORKER_DEFAULTS: tuple[tuple[str, str | None], ...] = (("--max-model-len", "4096"), ("--enforce-eager", None))

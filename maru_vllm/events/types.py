@@ -43,7 +43,7 @@ class PoolChunk:
 
     `block_hashes` are raw vLLM `BlockHash` bytes (what the connector hex-encodes), in prompt
     order; `tokens` are the blocks' token ids back to back (`block_size` per block, uint32: a
-    relay holds 10^6 chunks, and Python ints would cost 7x more); `parent_block_hash` is the
+    relay holds 10^6 chunks, and a list of Python ints costs several times the memory); `parent_block_hash` is the
     hash of the block before the first one (None for the first chunk of a prompt).
     """
 

@@ -15,7 +15,7 @@ import struct
 import xxhash
 
 OBJ_MAGIC = 0x4A424F4D  # "MOBJ"
-OBJ_VERSION = 2  # 2: the checksum is XXH3-64 (low 32 bits), ~8x faster than CRC32 here
+OBJ_VERSION = 2  # 2: the checksum is XXH3-64 (low 32 bits)
 FLAG_CHECKSUM = 1
 OBJ_HEADER_SIZE = 64  # keeps payloads 64-byte aligned
 # magic, version, flags, object id, length, key digest, checksum

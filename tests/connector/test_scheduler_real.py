@@ -247,7 +247,7 @@ def test_pool_hit_leaves_one_token_to_compute(new_sim, client):
 
 
 def test_whole_chunk_prompts_without_part_keys_load_whole_chunks_only(new_sim, client):
-    """Objects committed without part keys (an older connector): whole chunks as before."""
+    """Chunks committed without part keys load as whole chunks, and only those."""
     sim = new_sim()
     whole = make_request("whole", tokens(14, 3 * CHUNK_TOKENS), max_tokens=2)
     _put_chunks(client, sim, whole, 3)

@@ -136,7 +136,7 @@ def test_idle_sockets_with_a_low_file_limit_neither_block_clients_nor_flood_the_
         s = socket.socket(socket.AF_UNIX)
         s.connect(p.address.removeprefix("unix://"))
         socks.append(s)
-    time.sleep(2.0)  # the old service logged thousands of accept errors per second here
+    time.sleep(2.0)  # an accept loop that retries EMFILE at once would log thousands of errors by now
     try:
         with PoolClient.connect(p.address, timeout=10) as c:
             assert c.stats()["max_connections"] == 64 - 32  # derived from the open-file limit

@@ -37,8 +37,8 @@ def _fill(c: PoolClient, n: int, ns: str = "default", batch: int = 500, start: i
 
 
 def test_snapshot_larger_than_a_frame_is_paged_and_the_connection_stays_usable(pool_factory) -> None:
-    """8,000 connector chunks are ~20 MiB of metadata: more than one 16 MiB frame (this used to
-    leave the client out of step: "reply frame of 2499877059 bytes")."""
+    """8,000 connector chunks are ~20 MiB of metadata: more than one 16 MiB frame, so the snapshot
+    comes in pages and the client stays in step with the connection (no "reply frame of N bytes")."""
     p = pool_factory(size="64M")
     with PoolClient.connect(p.address, heartbeat=False) as c:
         assert _fill(c, 4000, "a") + _fill(c, 4000, "b", start=4000) == 8000
