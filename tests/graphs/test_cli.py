@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.components.frontend import build_argv
+from maru_vllm.hash_seed import GRAPH_HASH_SEED
 from maru_vllm.launch import stack
 from maru_vllm.routing import POOL_TIER_WEIGHT
 
@@ -92,7 +93,7 @@ def test_dry_run_lists_every_process_on_loopback() -> None:
 
     for name in ("pool", "worker:worker-0", "worker:worker-1", "frontend"):
         env = env_of(procs[name])
-        assert env.get("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED")) == "0", name
+        assert env.get("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED")) == GRAPH_HASH_SEED, name
         assert env["DYN_EVENT_PLANE"] == "nats" and env["NATS_SERVER"] == f"nats://127.0.0.1:{nats_port}", name
         assert env["DYN_DISCOVERY_BACKEND"] == "file", name
         discovery.add(env["DYN_FILE_KV"])
