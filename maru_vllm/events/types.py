@@ -21,15 +21,12 @@ import msgspec
 
 from maru_vllm.pool import messages as M
 
-#: The `meta["v"]` values of MaruKVConnector chunk metadata this relay understands.
-SUPPORTED_META_VERSIONS = M.SUPPORTED_CHUNK_META_VERSIONS
-
 ObjectId = tuple[str, str]  # (namespace, key hex): a pool object's identity
 
-#: Mediums Dynamo 1.6.1's router places in a tier (it drops events at any other).
-KNOWN_MEDIUMS = ("GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL", "SHARED")
 #: The lower tiers pool blocks may be announced at: host (CPU_PINNED, CPU) or disk-like (DISK, EXTERNAL, SHARED).
-POOL_MEDIUMS = tuple(m for m in KNOWN_MEDIUMS if m != "GPU")
+POOL_MEDIUMS = ("CPU_PINNED", "CPU", "DISK", "EXTERNAL", "SHARED")
+#: Mediums Dynamo 1.6.1's router places in a tier (it drops events at any other).
+KNOWN_MEDIUMS = ("GPU", *POOL_MEDIUMS)
 #: Dynamo's host tier, which the frontend weights with --router-host-cache-hit-weight.
 DEFAULT_MEDIUM = "CPU_PINNED"
 
