@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -205,18 +206,22 @@ class ManagedProcess:
         return body[0]
 
 
+P = TypeVar("P", bound=ManagedProcess)
+
+
 class ProcessGroup:
     """Processes started together and stopped together, last started first stopped."""
 
     def __init__(self) -> None:
         self.processes: list[ManagedProcess] = []
 
-    def add(self, proc: ManagedProcess) -> ManagedProcess:
+    def add(self, proc: P) -> P:
         self.processes.append(proc)
         return proc
 
-    def start(self, proc: ManagedProcess) -> ManagedProcess:
-        return self.add(proc).start()
+    def start(self, proc: P) -> P:
+        self.add(proc).start()
+        return proc
 
     def stop_all(self, grace_s: float = DEFAULT_STOP_GRACE_S) -> None:
         for proc in reversed(self.processes):
