@@ -14,6 +14,7 @@ import pytest
 from maru_dynamo.components.frontend import build_argv
 from maru_vllm.hash_seed import GRAPH_HASH_SEED
 from maru_vllm.launch import stack
+from maru_vllm.pool.service import READY_LINE
 from maru_vllm.routing import POOL_TIER_WEIGHT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,7 +158,7 @@ def test_pool_component_serves_and_stops(tmp_path: Path) -> None:
     log.close()
     try:
         line = proc.stdout.readline()
-        assert line.strip() == f"maru-pool serving on unix://{sock}", (tmp_path / "pool.log").read_text()
+        assert line.strip() == READY_LINE.format(address=f"unix://{sock}"), (tmp_path / "pool.log").read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         assert not Path(region).exists() and not sock.exists()
