@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,18 +18,6 @@ def child_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 10.0) -> int:
-    """SIGTERM (or `sig`), then SIGKILL after `grace` seconds."""
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    return proc.returncode
 
 
 def spawn_worker(*args: str) -> tuple[subprocess.Popen, StdoutLines]:

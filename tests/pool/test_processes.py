@@ -10,7 +10,7 @@ import time
 import pytest
 
 from maru_vllm.pool import PoolClient, PoolUnavailable
-from pool_helpers import spawn_worker, stop_process
+from pool_helpers import spawn_worker
 from tests.waiting import wait_until
 
 
@@ -102,8 +102,8 @@ def test_silent_client_is_released_by_lease_expiry(pool_factory):
             assert c.stats()["sessions_expired"] == 1
             assert c.hello["session"] == my_session
         finally:
-            os.kill(proc.pid, signal.SIGCONT)
-            stop_process(proc, signal.SIGKILL)
+            proc.kill()
+            proc.wait(10)
 
 
 def test_service_restart_clients_recover_without_stale_reads(pool):
