@@ -27,7 +27,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import zmq
@@ -50,6 +50,20 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MAX_BATCH_BLOCKS = 1024  # blocks per KVEventBatch the relay sends (a removal of many blocks is split too)
+
+
+async def _received(receive: Callable[[], Awaitable[T]], what: str, level: int) -> AsyncIterator[T]:
+    """Every message `receive()` returns; a failed receive is logged at `level` and retried."""
+    while True:
+        try:
+            msg = await receive()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a socket error: the next receive may work
+            logger.log(level, "%s receive failed: %s", what, exc)
+            await asyncio.sleep(0.1)
+            continue
+        yield msg
 
 
 @dataclasses.dataclass
@@ -173,15 +187,7 @@ class KvEventRelay:
     # -- inputs ----------------------------------------------------------------------------
     async def _vllm_loop(self) -> None:
         assert self._sub is not None
-        while True:
-            try:
-                frames = await self._sub.recv_multipart()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.warning("vLLM KV event receive failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
+        async for frames in _received(self._sub.recv_multipart, "vLLM KV event", logging.WARNING):
             if len(frames) != 3:
                 logger.warning("ignoring a vLLM KV event message of %d frames", len(frames))
                 continue
@@ -196,15 +202,7 @@ class KvEventRelay:
 
     async def _subscription_loop(self) -> None:
         assert self._pub is not None
-        while True:
-            try:
-                msg = await self._pub.recv()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.debug("XPUB receive failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
+        async for msg in _received(self._pub.recv, "XPUB", logging.DEBUG):
             if not msg or msg[0] != 1:
                 continue  # an unsubscription
             self.stats.subscribers_joined += 1
