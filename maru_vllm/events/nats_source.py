@@ -253,7 +253,7 @@ class PoolEventSource:
     async def _nats_snapshot_page(self, namespace: str | None, after: int = 0) -> SnapshotPage:
         body = msgspec.json.encode({"namespace": namespace, "after": after})
         reply = await self._link.nc.request(snapshot_subject(self.config.pool_name), body,
-                                       timeout=self.config.request_timeout_s)
+                                            timeout=self.config.request_timeout_s)
         return decode_snapshot_page(reply.data)
 
     async def _probe(self) -> None:
