@@ -89,11 +89,10 @@ class Engines:
         self.logs = work / "logs"
         self.urls: dict[str, str] = {}
         address = f"unix://{work}/pool.sock"
-        pool = group.start(ManagedProcess(
-            "maru-pool", [sys.executable, "-m", "maru_vllm.pool", "serve", "--name", f"bench{free_port()}",
-                          "--size", f"{pool_gb}G", "--listen", address],
-            log_path=self.logs / "maru-pool.log", cpus=(CORE_A,)))
-        pool.wait_for_log("maru-pool serving on", timeout=60)
+        pool = stack.PoolProcess(f"bench{free_port()}", f"{pool_gb}G", self.logs / "maru-pool.log", listen=[address],
+                                 name="maru-pool", cpus=(CORE_A,))
+        group.add(pool)
+        pool.serve()
         maru = {"kv_connector": "MaruKVConnector", "kv_connector_module_path": "maru_vllm.connector",
                 "kv_role": "kv_both", "kv_connector_extra_config": {"maru_pool_address": address}}
         configs: list[tuple[str, int, dict[str, Any] | None]] = [

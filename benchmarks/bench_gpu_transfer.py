@@ -55,7 +55,8 @@ def main() -> int:
     from maru_vllm.connector.chunks import placeholder_meta
     from maru_vllm.connector.pool_access import PoolAccess
     from maru_vllm.connector.worker import MaruWorkerSide
-    from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port
+    from maru_vllm.launch import ProcessGroup, free_port
+    from maru_vllm.launch.stack import PoolProcess
     from maru_vllm.pool import PoolClient
 
     bpc = 256 // args.block_size
@@ -68,10 +69,7 @@ def main() -> int:
     results: dict[str, object] = {"gpu": torch.cuda.get_device_name(), "chunks": args.chunks}
     with ProcessGroup() as group:
         nbytes_region = int(big.numel() * 2 * 1.5) + (256 << 20)
-        pool = group.start(ManagedProcess("pool", [sys.executable, "-m", "maru_vllm.pool", "serve", "--name",
-                                                   f"bgpu{free_port()}", "--size", str(nbytes_region),
-                                                   "--listen", address], log_path=work / "pool.log"))
-        pool.wait_for_log("maru-pool serving on", timeout=120)
+        group.add(PoolProcess(f"bgpu{free_port()}", nbytes_region, work / "pool.log", listen=[address])).serve(120)
         admin = PoolClient.connect(address)
         configs = [("torch", False)]
         if transfer.copy_format("cuda", True) == transfer.FORMAT_LMCACHE_BLOCK:

@@ -20,9 +20,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,26 +30,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from maru_vllm.launch.stack import PoolProcess  # noqa: E402
 from maru_vllm.pool import PoolClient  # noqa: E402
 
 MiB = 1 << 20
 
 
-def start_service(size: str) -> tuple[subprocess.Popen, str, str, str]:
-    name = f"bench-{uuid.uuid4().hex[:8]}"
-    d = tempfile.mkdtemp(prefix="mpb-", dir="/tmp")
-    sock = f"{d}/pool.sock"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "maru_vllm.pool", "serve", "--name", name, "--size", size, "--listen",
-         f"unix://{sock}", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True, env=env, cwd=REPO,
-    )
-    line = proc.stdout.readline() if proc.stdout else ""
-    if not line.startswith("maru-pool serving on "):
-        proc.kill()
-        raise SystemExit(f"pool service did not start (got {line!r})")
-    return proc, line.split(" on ", 1)[1].strip(), d, name
+def start_service(size: str, work: Path) -> PoolProcess:
+    pool = PoolProcess(f"bench-{uuid.uuid4().hex[:8]}", size, work / "pool.log", listen=[f"unix://{work}/pool.sock"],
+                       extra_args=["--log-level", "WARNING"])
+    return pool.serve()
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -138,21 +126,18 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,4,16,64", help="object sizes in MiB")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    proc, address, tmpdir, name = start_service(args.size)
+    work = Path(tempfile.mkdtemp(prefix="mpb-", dir="/tmp"))
+    pool = start_service(args.size, work)
     try:
-        with PoolClient.connect(address) as c:
+        with PoolClient.connect(pool.address) as c:
             warm_region(c, c.stats()["capacity_bytes"])
             lat = latency(c, args.iters)
             bw = bandwidth(c, [int(s) for s in args.sizes.split(",")], args.reps)
             st = c.stats()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        shutil.rmtree(tmpdir, ignore_errors=True)
-        Path(f"/dev/shm/maru-{name}").unlink(missing_ok=True)
+        pool.stop()
+        shutil.rmtree(work, ignore_errors=True)
+        pool.region_path.unlink(missing_ok=True)
     if args.json:
         print(json.dumps({"latency": lat, "bandwidth": bw, "evictions": st["evictions"]}, indent=2))
         return 0

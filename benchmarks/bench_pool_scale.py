@@ -43,7 +43,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -53,7 +52,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from maru_vllm.connector.chunks import ChunkGeometry, chunk_key  # noqa: E402
-from maru_vllm.launch import free_port  # noqa: E402
+from maru_vllm.launch import ProcessGroup, free_port  # noqa: E402
+from maru_vllm.launch.lines import StdoutLines  # noqa: E402
+from maru_vllm.launch.stack import NATS_READY_PATTERN, PoolProcess, StackEnv, nats_server  # noqa: E402
 from maru_vllm.pool import PoolClient  # noqa: E402
 
 NS = "kv:bench:1"
@@ -117,32 +118,6 @@ def rss(pid: int) -> int:
     return 0
 
 
-class Lines:
-    """A child's stdout, line by line, from a reader thread."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        import queue
-
-        self.proc = proc
-        self.q: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.q.put(line.rstrip("\n"))
-        self.q.put(None)
-
-    def wait(self, prefix: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            line = self.q.get(timeout=max(0.1, deadline - time.monotonic()))
-            if line is None:
-                raise RuntimeError(f"process exited while waiting for {prefix!r}")
-            if line.startswith(prefix):
-                return line
-
-
 class Stack:
     """nats-server + pool service + (later) router probe and worker stand-in, in a temp dir."""
 
@@ -150,30 +125,23 @@ class Stack:
         self.dir = Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
         self.name = f"scale-{uuid.uuid4().hex[:8]}"
         self.procs: list[subprocess.Popen] = []
+        self.servers = ProcessGroup()
         self.nats_url = None
         if nats:
-            port = free_port()
-            exe = shutil.which("nats-server")
-            if exe is None:
+            if shutil.which("nats-server") is None:
                 raise SystemExit("nats-server is not on PATH (make setup installs it)")
-            self._spawn([exe, "-a", "127.0.0.1", "-p", str(port)], log="nats.log")
-            self.nats_url = f"nats://127.0.0.1:{port}"
-        sock = self.dir / "pool.sock"
+            nats_proc, self.nats_url = nats_server(self.dir)
+            self.servers.start(nats_proc).wait_for_log(NATS_READY_PATTERN, timeout=30)
         size = max(64 * MiB, chunks * 160)  # 64 B header per empty object, slab slack
-        cmd = [sys.executable, "-m", "maru_vllm.pool", "serve", "--name", self.name, "--size", str(size),
-               "--listen", f"unix://{sock}", "--log-level", "WARNING"]
-        if self.nats_url:
-            cmd += ["--nats", self.nats_url]
-        if code_root == REPO:  # budget flags exist only from this version on
-            cmd += ["--max-objects", str(2 * chunks + 100_000), "--metadata-budget", "16G"]
-        self.pool = self._spawn(cmd, log="pool.log", env={"PYTHONPATH": str(code_root)}, cwd=code_root)
-        line = Lines(self.pool).wait("maru-pool serving on ", 60)
-        self.address = line.split(" on ", 1)[1]
-        self.env = dict(os.environ, PYTHONPATH=str(REPO), DYN_DISCOVERY_BACKEND="file",
-                        DYN_FILE_KV=str(self.dir / "discovery"), DYN_TCP_RPC_HOST="127.0.0.1",
-                        DYN_EVENT_PLANE_HOST="127.0.0.1", DYN_TCP_RESPONSE_STREAM_HOST="127.0.0.1",
-                        DYN_EVENT_PLANE="nats", NATS_SERVER=self.nats_url or "", PYTHONHASHSEED="0",
-                        DYN_LOG=os.environ.get("BENCH_DYN_LOG", "warn"))
+        self.pool = PoolProcess(self.name, size, self.dir / "pool.log", listen=[f"unix://{self.dir / 'pool.sock'}"],
+                                nats=self.nats_url,
+                                extra_args=["--log-level", "WARNING", "--max-objects", str(2 * chunks + 100_000),
+                                            "--metadata-budget", "16G"],
+                                env=dict(os.environ, PYTHONPATH=str(code_root)), cwd=code_root)
+        self.servers.add(self.pool)
+        self.address = self.pool.serve().address
+        self.env = StackEnv(discovery_dir=self.dir / "discovery", nats_url=self.nats_url).build(
+            PYTHONPATH=str(REPO), DYN_LOG=os.environ.get("BENCH_DYN_LOG", "warn"))
 
     def _spawn(self, cmd: list[str], log: str, env: dict[str, str] | None = None, cwd: Path = REPO,
                stdin: bool = False) -> subprocess.Popen:
@@ -197,7 +165,8 @@ class Stack:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        Path(f"/dev/shm/maru-{self.name}").unlink(missing_ok=True)
+        self.servers.stop_all(15)
+        self.pool.region_path.unlink(missing_ok=True)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -208,13 +177,13 @@ class Router:
         self.proc = stack._spawn([sys.executable, "-m", "maru_vllm.events.router_probe", "--endpoint", ENDPOINT,
                                   "--block-size", str(block_size), "--timeout", "300"],
                                  log="router.log", env=stack.env, stdin=True)
-        self.lines = Lines(self.proc)
+        self.lines = StdoutLines(self.proc)
 
     def scores(self, tokens: list[int]) -> dict[str, Any]:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"token_ids": tokens}) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self.lines.wait("{", 120))
+        return json.loads(self.lines.wait_for("{", 120))
 
     def host_blocks(self, tokens: list[int]) -> int:
         rows = self.scores(tokens).get("workers") or []
@@ -305,9 +274,9 @@ def run_scale(args: argparse.Namespace, chunks: int) -> dict[str, Any]:
                                "--pool-name", stack.name, "--nats", stack.nats_url or "", "--block-size",
                                str(args.block_size), "--timeout", str(args.timeout)],
                               log="worker.log", env=stack.env, stdin=True)
-        wlines = Lines(worker)
-        wlines.wait("serving", 120)
-        router.lines.wait("ready", 300)
+        wlines = StdoutLines(worker)
+        wlines.wait_for("serving", 120)
+        router.lines.wait_for("ready", 300)
         time.sleep(1.0)  # let the router's event subscription settle
         out["router_rss_empty_mib"] = rss(router.proc.pid) / MiB
         last = prompts - 1
@@ -315,7 +284,7 @@ def run_scale(args: argparse.Namespace, chunks: int) -> dict[str, Any]:
         assert worker.stdin is not None
         worker.stdin.write("go\n")
         worker.stdin.flush()
-        synced = json.loads(wlines.wait("{", args.timeout))
+        synced = json.loads(wlines.wait_for("{", args.timeout))
         credited = router.wait_credit(work.prompt_tokens(last), full, args.timeout)
         out["resync_relay_s"] = synced["synced"] - synced["relay_start"]
         out["resync_to_router_s"] = credited - synced["relay_start"]

@@ -47,7 +47,8 @@ from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata  # no
 from maru_vllm.connector.chunks import placeholder_meta  # noqa: E402
 from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
 from maru_vllm.connector.worker import MaruWorkerSide  # noqa: E402
-from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port  # noqa: E402
+from maru_vllm.launch import ProcessGroup, free_port  # noqa: E402
+from maru_vllm.launch.stack import PoolProcess  # noqa: E402
 from maru_vllm.pool import PoolClient  # noqa: E402
 from maru_vllm.native import ENV_NATIVE_COPY, path_name  # noqa: E402
 from maru_vllm.pool.objects import payload_checksum  # noqa: E402
@@ -69,10 +70,7 @@ class Rig:
 
     def __init__(self, group: ProcessGroup, work: Path, num_blocks: int) -> None:
         self.address = f"unix://{work}/pool.sock"
-        pool = group.start(ManagedProcess("pool", [sys.executable, "-m", "maru_vllm.pool", "serve", "--name",
-                                                   f"bstore{free_port()}", "--size", "2G", "--listen", self.address],
-                                          log_path=work / "pool.log"))
-        pool.wait_for_log("maru-pool serving on", timeout=60)
+        group.add(PoolProcess(f"bstore{free_port()}", "2G", work / "pool.log", listen=[self.address])).serve()
         self.caches = kv_caches(num_blocks)
         self.sides = {}
         for mode, behind, checksum in (("write-behind", True, True), ("inline", False, True),
@@ -231,10 +229,7 @@ def engine_miss_tax(args: argparse.Namespace) -> dict[str, float]:
     work = Path(tempfile.mkdtemp(prefix="maru-bstore-eng-"))
     address = f"unix://{work}/pool.sock"
     with ProcessGroup() as group:
-        pool = group.start(ManagedProcess("pool", [sys.executable, "-m", "maru_vllm.pool", "serve", "--name",
-                                                   f"bse{free_port()}", "--size", "2G", "--listen", address],
-                                          log_path=work / "pool.log"))
-        pool.wait_for_log("maru-pool serving on", timeout=60)
+        group.add(PoolProcess(f"bse{free_port()}", "2G", work / "pool.log", listen=[address])).serve()
         kv = {"kv_connector": "MaruKVConnector", "kv_connector_module_path": "maru_vllm.connector",
               "kv_role": "kv_both", "kv_connector_extra_config": {"maru_pool_address": address}}
         urls = {}

@@ -41,7 +41,8 @@ from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMet
 from maru_vllm.connector.chunks import placeholder_meta  # noqa: E402
 from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
 from maru_vllm.connector.worker import MaruWorkerSide  # noqa: E402
-from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port  # noqa: E402
+from maru_vllm.launch import ProcessGroup, free_port  # noqa: E402
+from maru_vllm.launch.stack import PoolProcess  # noqa: E402
 from maru_vllm.models import SPECS  # noqa: E402
 from maru_vllm.native import ENV_NATIVE_COPY, copy_kernel, path_name  # noqa: E402
 from maru_vllm.pool.objects import checksum_of, payload_hasher  # noqa: E402
@@ -85,10 +86,8 @@ def profile_load(tokens: int = 4096, repeats: int = 15, *, chunk_tokens: int = 2
         samples.setdefault(name, []).append(time.perf_counter() - t0)
 
     with ProcessGroup() as group:
-        pool = group.start(ManagedProcess("pool", [sys.executable, "-m", "maru_vllm.pool", "serve", "--name",
-                                                   f"prof{free_port()}", "--size", "1G", "--listen", address],
-                                          log_path=work / "pool.log", cpus=os.sched_getaffinity(0)))
-        pool.wait_for_log("maru-pool serving on", timeout=60)
+        group.add(PoolProcess(f"prof{free_port()}", "1G", work / "pool.log", listen=[address],
+                              cpus=tuple(os.sched_getaffinity(0)))).serve()
 
         def side(seed: int) -> MaruWorkerSide:
             kv = bench_caches(spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim, seed)

@@ -83,7 +83,6 @@ import concurrent.futures
 import dataclasses
 import http.client
 import json
-import random
 import re
 import shutil
 import socket
@@ -102,14 +101,12 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from maru_vllm.launch import ManagedProcess, ProcessGroup  # noqa: E402
+from maru_vllm.launch.ports import free_system_port  # noqa: E402
 from maru_vllm.launch import stack  # noqa: E402
 from maru_vllm.launch.engine_metrics import EngineCounters, read_counters, running_requests  # noqa: E402
+from maru_vllm.routing import POOL_TIER_WEIGHT  # noqa: E402
 from maru_vllm.workload import Workload, WorkloadSpec, build_workload  # noqa: E402
 
-try:
-    from maru_vllm.routing import POOL_TIER_WEIGHT  # noqa: E402
-except ImportError:  # older trees: Dynamo's own default
-    POOL_TIER_WEIGHT = 0.75
 
 CHUNK_TOKENS = 256
 MAX_MODEL_LEN = 8192  # the fixture models' position limit: room for long decodes (--window > 1)
@@ -296,20 +293,6 @@ def _wait_running(metric_urls: Sequence[str], want: int, name: str, index: int, 
         time.sleep(0.05)
 
 
-def _system_port() -> int:
-    """A free loopback port below 32768: Dynamo 1.6.1 parses DYN_SYSTEM_PORT as an i16."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((stack.LOOPBACK, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 32768 for DYN_SYSTEM_PORT")
-
-
 def _selected_lines(frontend: ManagedProcess) -> list[str]:
     text = re.sub(r"\x1b\[[0-9;]*m", "", frontend.log_text())
     return [line for line in text.splitlines() if "Selected worker" in line]
@@ -356,13 +339,12 @@ def run_config(
     group = ProcessGroup()
     try:
         if config.pool:
-            pool = group.start(ManagedProcess(
-                "pool", [py, "-m", "maru_vllm.pool", "serve", "--name", pool_name, "--size", "512M",
-                         "--listen", address, "--path", str(region), "--nats", nats_url],
-                log_path=logs / "pool.log", env=env.build()))
-            pool.wait_for_log(r"maru-pool serving on", timeout=60)
+            pool = stack.PoolProcess(pool_name, "512M", logs / "pool.log", listen=[address], nats=nats_url,
+                                     path=region, env=env.build())
+            group.add(pool)
+            pool.serve()
 
-        metric_ports = [_system_port() for _ in range(workers)]
+        metric_ports = [free_system_port() for _ in range(workers)]
         # Window > 1 keeps requests decoding; streaming every token of them would take the cores the
         # next request's prefill needs, so the engines hand their output over every STREAM_INTERVAL tokens.
         stream_args = ["--stream-interval", str(STREAM_INTERVAL)] if window > 1 else []
@@ -469,7 +451,7 @@ def run_comparison(
     nats, nats_url = stack.nats_server(work_dir / "logs")
     nats.start()
     try:
-        nats.wait_for_log(r"Server is ready", timeout=30)
+        nats.wait_for_log(stack.NATS_READY_PATTERN, timeout=30)
         results = []
         for cfg in configs:
             t0 = time.monotonic()

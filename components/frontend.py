@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
-import runpy
 import sys
 from collections.abc import Mapping, Sequence
 
 from maru_vllm.launch.argv import has_flag
+from maru_vllm.launch.handoff import run_module_as_main
 from maru_vllm.routing import ENV_VAR as WEIGHT_ENV_VAR
 from maru_vllm.routing import pool_tier_weight
 
@@ -50,8 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         full = build_argv(args)
     except ValueError as exc:
         sys.exit(f"maru-dynamo frontend: error: {exc}")
-    sys.argv = [sys.argv[0], *full]
-    runpy.run_module("dynamo.frontend", run_name="__main__", alter_sys=True)
+    run_module_as_main("dynamo.frontend", full)
 
 
 if __name__ == "__main__":

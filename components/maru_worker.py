@@ -26,16 +26,15 @@ import argparse
 import json
 import logging
 import os
-import runpy
 import sys
 import time
 
-from maru_vllm.launch.argv import flag_value, has_flag
+from maru_vllm.events.types import DEFAULT_MEDIUM, POOL_MEDIUMS
+from maru_vllm.launch.argv import flag_value, has_flag, kv_events_args
+from maru_vllm.launch.handoff import run_module_as_main
 from maru_vllm.launch.ports import free_port
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-# Lower tiers Dynamo 1.6.1's router credits: host (CPU_PINNED, CPU) or disk-like (DISK, EXTERNAL, SHARED).
-EVENT_MEDIUMS = ("CPU_PINNED", "CPU", "DISK", "EXTERNAL", "SHARED")
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="maru_worker", add_help=False)
     p.add_argument("--maru-pool-address", required=True)
     p.add_argument("--maru-pool-name", default=None)
-    p.add_argument("--maru-event-medium", default="CPU_PINNED", choices=EVENT_MEDIUMS)
+    p.add_argument("--maru-event-medium", default=DEFAULT_MEDIUM, choices=POOL_MEDIUMS)
     p.add_argument("--maru-chunk-tokens", type=int, default=256)
     p.add_argument("--maru-pool-events", action=argparse.BooleanOptionalAction, default=True)
     ours, rest = p.parse_known_args(argv)
@@ -60,9 +59,7 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                           "maru_kv_chunk_tokens": ours.maru_chunk_tokens},
         })]
     if not has_flag(rest, "--kv-events-config", "--kv_events_config"):
-        # vLLM binds its publisher; only a wildcard bind delivers (tcp://127.0.0.1:N sends nothing).
-        rest += ["--kv-events-config", json.dumps(
-            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"})]
+        rest += kv_events_args(free_port())
     return ours, rest
 
 
@@ -103,13 +100,13 @@ def main(argv: list[str] | None = None) -> None:
     from maru_vllm.text_only import install_text_only_stand_ins
 
     install_text_only_stand_ins()  # before anything imports vLLM / Dynamo
-    from maru_vllm.events.dynamo_hook import check_hash_seed
+    from maru_vllm.hash_seed import GRAPH_HASH_SEED, check_hash_seed
 
     try:
         check_hash_seed()
     except RuntimeError as exc:
         sys.exit(f"maru_worker: {exc}")
-    os.environ["PYTHONHASHSEED"] = "0"
+    os.environ["PYTHONHASHSEED"] = GRAPH_HASH_SEED
     ours, rest = build(argv)
     from maru_vllm.launch.cpu_kv import NotEnoughMemory, apply_default_kv_space
 
@@ -129,8 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         register_maru_pd_protocol()  # dynamo.vllm's PD handlers accept only registered connectors
     except DynamoPdApiError as exc:
         sys.exit(f"maru_worker: {exc}")
-    sys.argv = [sys.argv[0], *rest]
-    runpy.run_module("dynamo.vllm", run_name="__main__", alter_sys=True)
+    run_module_as_main("dynamo.vllm", rest)
 
 
 if __name__ == "__main__":

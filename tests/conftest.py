@@ -50,7 +50,7 @@ def nats(procs: ProcessGroup, log_dir: Path) -> tuple[ManagedProcess, str]:
     """A real nats-server on a free loopback port: (process, url)."""
     proc, url = stack.nats_server(log_dir)
     procs.start(proc)
-    proc.wait_for_log(r"Server is ready", timeout=30)
+    proc.wait_for_log(stack.NATS_READY_PATTERN, timeout=30)
     return proc, url
 
 

@@ -141,8 +141,8 @@ def test_maru_worker_registers_before_running_dynamo(monkeypatch: pytest.MonkeyP
     seen = {}
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     monkeypatch.setattr(events, "install_pool_event_relay", lambda **kw: None, raising=False)
-    monkeypatch.setattr(maru_worker.runpy, "run_module",
-                        lambda name, **kw: seen.update(name=name, registered=dict(registry.KV_CONNECTOR_PROTOCOLS)))
+    monkeypatch.setattr(maru_worker, "run_module_as_main",
+                        lambda name, argv: seen.update(name=name, registered=dict(registry.KV_CONNECTOR_PROTOCOLS)))
     monkeypatch.setattr(sys, "argv", ["maru_worker"])
     maru_worker.main(["--maru-pool-address", "unix:///tmp/x.sock", "--maru-pool-name", "kv",
                       "--model", "m", "--disaggregation-mode", "prefill"])

@@ -8,29 +8,30 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.components import maru_worker
-from tests.connector.sched_harness import PoolService, running_pool
+from maru_vllm.launch.stack import PoolProcess
+from tests.running_pool import running_pool
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[PoolService]:
-    with running_pool() as svc:
-        yield svc
+def pool() -> Iterator[PoolProcess]:
+    with running_pool() as pool:
+        yield pool
 
 
-def test_name_is_asked_from_the_pool_when_not_given(pool: PoolService) -> None:
-    assert maru_worker.resolve_pool_name(pool.address, None) == pool.name
+def test_name_is_asked_from_the_pool_when_not_given(pool: PoolProcess) -> None:
+    assert maru_worker.resolve_pool_name(pool.address, None) == pool.pool_name
 
 
-def test_a_matching_name_is_accepted(pool: PoolService) -> None:
-    assert maru_worker.resolve_pool_name(pool.address, pool.name) == pool.name
+def test_a_matching_name_is_accepted(pool: PoolProcess) -> None:
+    assert maru_worker.resolve_pool_name(pool.address, pool.pool_name) == pool.pool_name
 
 
-def test_a_mismatching_name_is_refused_in_one_line(pool: PoolService) -> None:
+def test_a_mismatching_name_is_refused_in_one_line(pool: PoolProcess) -> None:
     with pytest.raises(SystemExit) as exc:
         maru_worker.resolve_pool_name(pool.address, "other")
     msg = str(exc.value.code)
     assert "\n" not in msg
-    assert "--maru-pool-name 'other'" in msg and repr(pool.name) in msg and pool.address in msg
+    assert "--maru-pool-name 'other'" in msg and repr(pool.pool_name) in msg and pool.address in msg
 
 
 def test_no_pool_and_no_name_stops_in_one_line(tmp_path: Path) -> None:

@@ -28,7 +28,8 @@ from maru_vllm.pool.messages import ChunkMeta
 
 
 def hash_bytes(block_hash: Any) -> bytes:
-    """vLLM's BlockHash is bytes in 0.31; older generations used ints or tuples."""
+    """A block hash as key bytes: vLLM's `BlockHash` is bytes already; an int (tests use small
+    ints as stand-ins) becomes 16 bytes, anything else its repr."""
     if isinstance(block_hash, bytes):
         return block_hash
     if isinstance(block_hash, int):

@@ -42,7 +42,7 @@ class MaruConnectorConfig:
         return self.chunk_tokens // self.block_size
 
 
-# key -> (default, description) ; documented in README "Connector configuration".
+# key -> (default, description); the README's "The connector" section has the same table.
 KEYS: dict[str, tuple[Any, str]] = {
     "maru_pool_address": (None, "pool service address: unix:///path.sock or tcp://host:port "
                                 f"(default: ${DEFAULT_POOL_ADDRESS_ENV})"),

@@ -15,6 +15,8 @@ import hashlib
 import json
 from typing import Any
 
+from maru_vllm.events.pool_view import model_namespace_prefix
+
 NAMESPACE_VERSION = 1
 
 
@@ -42,8 +44,7 @@ class KVIdentity:
 
     def namespace(self) -> str:
         """Pool namespace string: readable prefix (for `pool status`) + digest."""
-        name = self.model.rstrip("/").rsplit("/", 1)[-1][:40]
-        return f"kv:{name}:{self.digest()}"
+        return model_namespace_prefix(self.model) + self.digest()
 
 
 def _kv_spec_facts(kv_cache_config: Any) -> tuple[int, int, int, str, int]:

@@ -82,9 +82,6 @@ class MaruSchedulerSide:
         self.requests: dict[str, RequestState] = {}
         # Finished requests whose blocks vLLM holds for the worker's stores, not yet announced.
         self.held_for_stores: set[str] = set()
-        # Counters for vLLM's external prefix-cache metrics and our own.
-        self.lookups = 0
-        self.lookup_hit_tokens = 0
 
     # -- lookup ------------------------------------------------------------------------------
     def _state(self, request: Request) -> RequestState:
@@ -112,7 +109,6 @@ class MaruSchedulerSide:
             if max_chunks:
                 keys = g.keys_all_ranks(request.block_hashes, max_chunks)
                 present = self.pool.lookup_prefix(keys, self.namespace)
-            self.lookups += 1
             st.checked_blocks = max_blocks
             st.pool_chunks = present // g.ranks
             st.part_blocks = self._shared_part(request, st.pool_chunks, max_blocks)
@@ -142,8 +138,6 @@ class MaruSchedulerSide:
         st = self._state(request)
         st.block_ids = list(blocks.get_block_ids()[0])
         st.pending_load_tokens = num_external_tokens if self.can_load else 0
-        if num_external_tokens:
-            self.lookup_hit_tokens += num_external_tokens
         # Scheduled: the next time vLLM asks (after a preemption) look up again.
         st.checked_blocks = -1
 
@@ -230,6 +224,3 @@ class MaruSchedulerSide:
             return False
         self.held_for_stores.add(request.request_id)
         return True
-
-    def stats(self) -> dict[str, Any]:
-        return {"tracked_requests": len(self.requests), "lookups": self.lookups, "hit_tokens": self.lookup_hit_tokens}

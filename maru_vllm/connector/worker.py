@@ -327,7 +327,3 @@ class MaruWorkerSide:
         if self.writer is not None:
             counters.add(self.writer.take_counters())
         return None if counters.is_empty() else counters
-
-    def describe(self) -> dict[str, Any]:
-        return {"rank": self.rank, "namespace": self.namespace, "fused_load": self.fused_load,
-                "write_behind": self.write_behind}

@@ -49,7 +49,6 @@ __all__ = [
     "DynamoVersionError",
     "RelayInstallation",
     "check_dynamo_version",
-    "check_hash_seed",
     "install_pool_event_relay",
 ]
 

@@ -32,12 +32,12 @@ from typing import Any
 
 from maru_vllm.events.nats_source import PoolSourceConfig
 from maru_vllm.events.pool_view import NamespaceFilter
-from maru_vllm.events.relay import DEFAULT_MEDIUM, KvEventRelay, RelayThread
+from maru_vllm.events.relay import KvEventRelay, RelayThread
+from maru_vllm.events.types import DEFAULT_MEDIUM
 
 logger = logging.getLogger(__name__)
 
 REQUIRED_DYNAMO_VERSION = "1.6.1"
-REQUIRED_HASH_SEED = "0"  # the graph's PYTHONHASHSEED (maru_vllm.launch.stack.GRAPH_HASH_SEED)
 _SETUP_PARAMS = ("config", "generate_endpoint", "vllm_config")
 
 
@@ -64,28 +64,12 @@ def check_dynamo_version() -> str:
     return found["ai-dynamo"]  # type: ignore[return-value]
 
 
-def check_hash_seed(env: dict[str, str] | os._Environ[str] | None = None) -> None:
-    """Raise unless PYTHONHASHSEED is unset or the graph's value (vLLM block hashes depend on it)."""
-    env = os.environ if env is None else env
-    seed = env.get("PYTHONHASHSEED")
-    if seed is not None and seed != REQUIRED_HASH_SEED:
-        raise RuntimeError(
-            f"PYTHONHASHSEED={seed!r}, but every process of a Maru graph must use "
-            f"PYTHONHASHSEED={REQUIRED_HASH_SEED}: vLLM's block hashes (pool keys, router events) only "
-            f"match across workers with the same seed. Unset it or set it to {REQUIRED_HASH_SEED}."
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class PoolEventRelayOptions:
-    pool_name: str
-    nats_url: str
-    pool_address: str | None = None
-    pool_token: str | None = None
+    source: PoolSourceConfig  # which pool to follow, and how (its snapshot namespace is set per relay)
     medium: str = DEFAULT_MEDIUM
     namespace: str | None = None
     namespace_prefix: str | None = None
-    probe_interval_s: float = 10.0
 
 
 @dataclasses.dataclass
@@ -136,8 +120,9 @@ def install_pool_event_relay(
     global _installed
     check_dynamo_version()
     nats_url = nats_url or os.environ.get("NATS_SERVER") or "nats://127.0.0.1:4222"
-    opts = PoolEventRelayOptions(pool_name, nats_url, pool_address, pool_token, medium, namespace,
-                                 namespace_prefix, probe_interval_s)
+    source = PoolSourceConfig(nats_url=nats_url, pool_name=pool_name, pool_address=pool_address,
+                              pool_token=pool_token, probe_interval_s=probe_interval_s)
+    opts = PoolEventRelayOptions(source, medium, namespace, namespace_prefix)
     import dynamo.vllm.main as dm
 
     original = dm.setup_kv_event_publisher
@@ -206,14 +191,7 @@ def _start_relay(inst: RelayInstallation, vllm_config: Any, upstream: str, dp_ra
     block_size = int(vllm_config.cache_config.block_size)
     if inst.thread is None:
         inst.thread = RelayThread()
-    pool_cfg = PoolSourceConfig(
-        nats_url=opts.nats_url,
-        pool_name=opts.pool_name,
-        pool_address=opts.pool_address,
-        pool_token=opts.pool_token,
-        snapshot_namespace=filt.single_namespace,
-        probe_interval_s=opts.probe_interval_s,
-    )
+    pool_cfg = dataclasses.replace(opts.source, snapshot_namespace=filt.single_namespace)
 
     async def make() -> KvEventRelay:
         relay = KvEventRelay(upstream=upstream, pool=pool_cfg, namespaces=filt, block_size=block_size,

@@ -30,6 +30,7 @@ import msgspec
 from maru_vllm.events.types import EventFormatError, PoolEvent, PoolSnapshot
 from maru_vllm.pool.events import events_subject, snapshot_subject
 from maru_vllm.pool.messages import SnapshotPage, decode_snapshot_page
+from maru_vllm.pool.nats_link import NatsLink
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +55,18 @@ class PoolSourceConfig:
 
 @dataclasses.dataclass
 class SourceStats:
-    events_applied: int = 0
-    events_skipped: int = 0
-    resyncs: int = 0
-    resync_failures: int = 0
-    gaps: int = 0
-    incarnation_changes: int = 0
-    reconnects: int = 0
-    probes: int = 0
-    bad_messages: int = 0
-    overflows: int = 0
+    """What the source has done since it started (the relay logs them; tests read them)."""
+
+    events_applied: int = 0  # handed to on_event in order
+    events_skipped: int = 0  # already covered by the snapshot applied
+    resyncs: int = 0  # snapshots applied
+    resync_failures: int = 0  # snapshots that could not be fetched (retried with backoff)
+    gaps: int = 0  # missing seqs found in the stream or by a probe
+    incarnation_changes: int = 0  # pool restarts noticed
+    reconnects: int = 0  # NATS connections that came back
+    probes: int = 0  # idle checks sent
+    bad_messages: int = 0  # events that did not parse
+    overflows: int = 0  # times the queue filled up and was dropped for a resync
 
 
 class PoolEventSource:
@@ -85,28 +88,18 @@ class PoolEventSource:
         self.stats = SourceStats()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._need_resync = True
-        self._nc: Any = None
-        self._task: asyncio.Task[None] | None = None
+        self._link = NatsLink(config.nats_url, f"maru-events-{config.pool_name}",
+                              on_disconnect=self._on_disconnect, on_reconnect=self._on_reconnect)
         self._stopping = False
         self._synced_event = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="maru-pool-events")
+        self._link.start(self._run(), name="maru-pool-events")
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        if self._nc is not None:
-            try:
-                await asyncio.wait_for(self._nc.close(), 2.0)
-            except Exception as exc:
-                logger.debug("NATS close: %s", exc)
+        await self._link.stop()
 
     async def wait_synced(self, timeout: float) -> bool:
         try:
@@ -146,40 +139,15 @@ class PoolEventSource:
             logger.exception("pool event source stopped; pool awareness is off for this worker")
 
     async def _connect(self) -> None:
-        import nats
-
-        backoff = 0.2
         subject = events_subject(self.config.pool_name)
-        while not self._stopping:
-            try:
-                self._nc = await nats.connect(
-                    servers=[self.config.nats_url],
-                    name=f"maru-events-{self.config.pool_name}",
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    connect_timeout=2,
-                    disconnected_cb=self._on_disconnect,
-                    reconnected_cb=self._on_reconnect,
-                    error_cb=self._on_error,
-                )
-                await self._nc.subscribe(subject, cb=self._on_msg, pending_msgs_limit=self.config.max_queue)
-                await self._nc.flush(timeout=self.config.request_timeout_s)
-                self.connected = True
-                logger.info("following pool %r events on %s (%s)", self.config.pool_name, subject,
-                            self.config.nats_url)
-                return
-            except Exception as exc:
-                logger.warning("cannot subscribe to pool events at %s (%s); retrying in %.1fs",
-                               self.config.nats_url, exc, backoff)
-                if self._nc is not None:
-                    try:
-                        await self._nc.close()
-                    except Exception:
-                        pass
-                    self._nc = None
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+
+        async def subscribe(nc: Any) -> None:
+            await nc.subscribe(subject, cb=self._on_msg, pending_msgs_limit=self.config.max_queue)
+            await nc.flush(timeout=self.config.request_timeout_s)
+
+        if await self._link.connect(subscribe, what="subscribe to pool events", stopping=lambda: self._stopping):
+            self.connected = True
+            logger.info("following pool %r events on %s (%s)", self.config.pool_name, subject, self.config.nats_url)
 
     async def _on_msg(self, msg: Any) -> None:
         if self._queue.qsize() >= self.config.max_queue:
@@ -201,9 +169,6 @@ class PoolEventSource:
         self.stats.reconnects += 1
         logger.info("NATS reconnected; resyncing with pool %r", self.config.pool_name)
         self.request_resync()
-
-    async def _on_error(self, exc: Exception) -> None:
-        logger.debug("NATS error: %s", exc)
 
     # -- events ----------------------------------------------------------------------------
     def _handle(self, data: bytes) -> None:
@@ -240,7 +205,7 @@ class PoolEventSource:
 
     # -- snapshots -------------------------------------------------------------------------
     async def _resync(self) -> bool:
-        if self._nc is None or not self.connected:
+        if self._link.nc is None or not self.connected:
             return False
         try:
             snap = await self._snapshot(self.config.snapshot_namespace)
@@ -287,13 +252,13 @@ class PoolEventSource:
 
     async def _nats_snapshot_page(self, namespace: str | None, after: int = 0) -> SnapshotPage:
         body = msgspec.json.encode({"namespace": namespace, "after": after})
-        reply = await self._nc.request(snapshot_subject(self.config.pool_name), body,
-                                       timeout=self.config.request_timeout_s)
+        reply = await self._link.nc.request(snapshot_subject(self.config.pool_name), body,
+                                            timeout=self.config.request_timeout_s)
         return decode_snapshot_page(reply.data)
 
     async def _probe(self) -> None:
         """Idle check: has the pool restarted, or moved past what we applied?"""
-        if self._nc is None or not self.connected or not self.synced:
+        if self._link.nc is None or not self.connected or not self.synced:
             return
         self.stats.probes += 1
         try:

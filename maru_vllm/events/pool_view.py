@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 def model_namespace_prefix(model: str) -> str:
     """The namespace prefix MaruKVConnector uses for every engine of `model`.
 
-    The connector's namespace is `kv:<model base name, 40 chars>:<digest of the KV layout>`
-    (`maru_vllm.connector.namespace.KVIdentity.namespace`); tests pin that the two agree.
+    The connector's namespace is this prefix, `kv:<model base name, 40 chars>:`, followed by the
+    digest of the KV layout (`maru_vllm.connector.namespace.KVIdentity.namespace`).
     """
     return f"kv:{model.rstrip('/').rsplit('/', 1)[-1][:40]}:"
 

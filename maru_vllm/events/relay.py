@@ -36,26 +36,49 @@ import zmq.asyncio
 from maru_vllm.events import vllm_format as vf
 from maru_vllm.events.nats_source import PoolEventSource, PoolSourceConfig
 from maru_vllm.events.pool_view import NamespaceFilter, PoolView
-from maru_vllm.events.types import Announcement, BlocksRemoved, BlocksStored, PoolEvent, PoolSnapshot
+from maru_vllm.events.types import (
+    DEFAULT_MEDIUM,
+    KNOWN_MEDIUMS,
+    Announcement,
+    BlocksRemoved,
+    BlocksStored,
+    PoolEvent,
+    PoolSnapshot,
+)
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-DEFAULT_MEDIUM = "CPU_PINNED"
 MAX_BATCH_BLOCKS = 1024  # blocks per KVEventBatch the relay sends (a removal of many blocks is split too)
+
+
+async def _received(receive: Callable[[], Awaitable[T]], what: str, level: int) -> AsyncIterator[T]:
+    """Every message `receive()` returns; a failed receive is logged at `level` and retried."""
+    while True:
+        try:
+            msg = await receive()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a socket error: the next receive may work
+            logger.log(level, "%s receive failed: %s", what, exc)
+            await asyncio.sleep(0.1)
+            continue
+        yield msg
 
 
 @dataclasses.dataclass
 class RelayStats:
-    vllm_batches: int = 0
-    vllm_seq_gaps: int = 0
-    pool_batches: int = 0
-    pool_blocks_stored: int = 0
-    pool_blocks_removed: int = 0
-    sent: int = 0
-    send_errors: int = 0
-    held_dropped: int = 0
-    subscribers_joined: int = 0
+    """What one relay has passed on since it started."""
+
+    vllm_batches: int = 0  # batches received from vLLM's publisher
+    vllm_seq_gaps: int = 0  # breaks in vLLM's sequence numbers (batches that never arrived)
+    pool_batches: int = 0  # batches of pool blocks announced
+    pool_blocks_stored: int = 0  # blocks announced as stored at the pool's tier
+    pool_blocks_removed: int = 0  # blocks announced as removed from it
+    sent: int = 0  # batches sent to Dynamo's publisher
+    send_errors: int = 0  # batches the downstream socket refused
+    held_dropped: int = 0  # batches dropped while no subscriber had joined (the hold was full)
+    subscribers_joined: int = 0  # (re)subscriptions seen on the downstream socket
 
 
 class KvEventRelay:
@@ -76,9 +99,9 @@ class KvEventRelay:
         hwm: int = 100_000,
         reannounce_after_s: tuple[float, ...] = (3.0, 10.0),
     ) -> None:
-        if medium not in vf.KNOWN_MEDIUMS:
+        if medium not in KNOWN_MEDIUMS:
             logger.warning("medium %r is not one Dynamo's router places in a tier %s; its blocks will be "
-                           "ignored by the router", medium, vf.KNOWN_MEDIUMS)
+                           "ignored by the router", medium, KNOWN_MEDIUMS)
         self.upstream = upstream
         self.downstream = downstream
         self.medium = medium
@@ -164,7 +187,7 @@ class KvEventRelay:
     # -- inputs ----------------------------------------------------------------------------
     async def _vllm_loop(self) -> None:
         assert self._sub is not None
-        async for frames in _received(self._sub.recv_multipart, logging.WARNING, "vLLM KV event receive"):
+        async for frames in _received(self._sub.recv_multipart, "vLLM KV event", logging.WARNING):
             if len(frames) != 3:
                 logger.warning("ignoring a vLLM KV event message of %d frames", len(frames))
                 continue
@@ -179,7 +202,7 @@ class KvEventRelay:
 
     async def _subscription_loop(self) -> None:
         assert self._pub is not None
-        async for msg in _received(self._pub.recv, logging.DEBUG, "XPUB receive"):
+        async for msg in _received(self._pub.recv, "XPUB", logging.DEBUG):
             if not msg or msg[0] != 1:
                 continue  # an unsubscription
             self.stats.subscribers_joined += 1
@@ -286,20 +309,6 @@ def _split_removals(announcements: list[Announcement]) -> Iterator[Announcement]
         else:
             yield a
 
-
-async def _received(recv: Callable[[], Awaitable[T]], level: int, what: str) -> AsyncIterator[T]:
-    """Every message `recv()` returns, until cancelled; a failed receive is logged and, after a
-    moment, tried again."""
-    while True:
-        try:
-            msg = await recv()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            logger.log(level, "%s failed: %s", what, exc)
-            await asyncio.sleep(0.1)
-            continue
-        yield msg
 
 
 class RelayThread:

@@ -21,10 +21,14 @@ import msgspec
 
 from maru_vllm.pool import messages as M
 
-#: The `meta["v"]` values of MaruKVConnector chunk metadata this relay understands.
-SUPPORTED_META_VERSIONS = M.SUPPORTED_CHUNK_META_VERSIONS
-
 ObjectId = tuple[str, str]  # (namespace, key hex): a pool object's identity
+
+#: The lower tiers pool blocks may be announced at: host (CPU_PINNED, CPU) or disk-like (DISK, EXTERNAL, SHARED).
+POOL_MEDIUMS = ("CPU_PINNED", "CPU", "DISK", "EXTERNAL", "SHARED")
+#: Mediums Dynamo 1.6.1's router places in a tier (it drops events at any other).
+KNOWN_MEDIUMS = ("GPU", *POOL_MEDIUMS)
+#: Dynamo's host tier, which the frontend weights with --router-host-cache-hit-weight.
+DEFAULT_MEDIUM = "CPU_PINNED"
 
 #: A pool event or snapshot that does not have the documented structure.
 EventFormatError = M.MessageError
@@ -36,7 +40,7 @@ class PoolChunk:
 
     `block_hashes` are raw vLLM `BlockHash` bytes (what the connector hex-encodes), in prompt
     order; `tokens` are the blocks' token ids back to back (`block_size` per block, uint32: a
-    relay holds 10^6 chunks, and Python ints would cost 7x more); `parent_block_hash` is the
+    relay holds 10^6 chunks, and a list of Python ints costs several times the memory); `parent_block_hash` is the
     hash of the block before the first one (None for the first chunk of a prompt).
     """
 

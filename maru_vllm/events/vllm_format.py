@@ -17,7 +17,7 @@ import msgspec
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
-from maru_vllm.events.types import Announcement, BlocksRemoved, BlocksStored
+from maru_vllm.events.types import KNOWN_MEDIUMS, Announcement, BlocksRemoved, BlocksStored
 
 __all__ = [
     "AllBlocksCleared",
@@ -34,8 +34,6 @@ __all__ = [
     "to_vllm_event",
 ]
 
-#: Mediums Dynamo 1.6.1's router places in a tier (others are dropped by the router).
-KNOWN_MEDIUMS = ("GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL", "SHARED")
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(type=KVEventBatch)

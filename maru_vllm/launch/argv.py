@@ -1,4 +1,4 @@
-"""Reading pass-through command lines: is a flag given, and with which value.
+"""Pass-through command lines: is a flag given, with which value, and the defaults we add.
 
 The Maru components add defaults to the arguments they hand to Dynamo and vLLM only where the
 user gave none; both `--flag VALUE` and `--flag=VALUE` count as given.
@@ -6,6 +6,7 @@ user gave none; both `--flag VALUE` and `--flag=VALUE` count as given.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 
@@ -22,3 +23,13 @@ def flag_value(argv: Sequence[str], flag: str) -> str | None:
         if a.startswith(flag + "="):
             return a.split("=", 1)[1]
     return None
+
+
+def kv_events_args(port: int) -> list[str]:
+    """vLLM's `--kv-events-config` for a ZMQ publisher of KV events on `port`.
+
+    vLLM binds its publisher itself, and only a wildcard bind delivers: with
+    `tcp://127.0.0.1:N` it silently sends nothing.
+    """
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    return ["--kv-events-config", json.dumps(config)]

@@ -9,11 +9,11 @@ counters. Reading the counters before and after a request attributes the change 
 from __future__ import annotations
 
 import dataclasses
-import re
 import urllib.request
+from collections.abc import Iterator
 
-_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
-_SOURCE = re.compile(r'source="([^"]+)"')
+from prometheus_client.parser import text_string_to_metric_families
+
 _COUNTERS = {
     "vllm:request_success_total": "requests",
     "vllm:prompt_tokens_total": "prompt_tokens",
@@ -40,13 +40,21 @@ class EngineCounters:
                                  for f in dataclasses.fields(self)})
 
 
-def _samples(url: str, timeout: float):
+def _parse(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """(sample name, labels, value) of every sample, read with prometheus_client's own parser."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield sample.name, sample.labels, sample.value
+
+
+def _samples(url: str, timeout: float) -> list[tuple[str, dict[str, str], float]]:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
-        text = resp.read().decode(errors="replace")
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            yield m["name"], m["labels"] or "", float(m["value"])
+        return list(_parse(resp.read().decode(errors="replace")))
+
+
+def metric_total(text: str, name: str) -> float:
+    """The sum of metric `name`'s samples, over all label sets, in a Prometheus exposition `text`."""
+    return sum(value for sample, _labels, value in _parse(text) if sample == name)
 
 
 def read_counters(url: str, timeout: float = 60.0) -> EngineCounters:
@@ -55,8 +63,8 @@ def read_counters(url: str, timeout: float = 60.0) -> EngineCounters:
     for name, labels, value in _samples(url, timeout):
         key = _COUNTERS.get(name)
         if key is None and name == "vllm:prompt_tokens_by_source_total":
-            src = _SOURCE.search(labels)
-            key = src.group(1) if src and src.group(1) in _PROMPT_SOURCES else None
+            source = labels.get("source")
+            key = source if source in _PROMPT_SOURCES else None
         if key is not None:
             totals[key] = totals.get(key, 0.0) + value
     return EngineCounters(**{k: int(v) for k, v in totals.items()})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 
@@ -24,3 +25,21 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
+
+
+def free_system_port(host: str = "127.0.0.1") -> int:
+    """A port for `DYN_SYSTEM_PORT` (Dynamo's metrics server) that was free on `host` a moment ago.
+
+    Dynamo 1.6.1 parses DYN_SYSTEM_PORT as an i16, so it must stay below 32768; the kernel's
+    ephemeral ports lie above that, hence a random pick from a range below it.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 32768 for DYN_SYSTEM_PORT")

@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,10 @@ class ManagedProcess:
         except FileNotFoundError:
             return ""
 
+    def output(self) -> str:
+        """What this start has written so far (the log holds every start's output)."""
+        return self.log_text()[self._log_offset:]
+
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
@@ -172,7 +177,7 @@ class ManagedProcess:
         found: list[re.Match[str]] = []
 
         def check() -> bool:
-            m = regex.search(self.log_text()[self._log_offset:])
+            m = regex.search(self.output())
             if m:
                 found.append(m)
             return bool(m)
@@ -201,18 +206,22 @@ class ManagedProcess:
         return body[0]
 
 
+P = TypeVar("P", bound=ManagedProcess)
+
+
 class ProcessGroup:
     """Processes started together and stopped together, last started first stopped."""
 
     def __init__(self) -> None:
         self.processes: list[ManagedProcess] = []
 
-    def add(self, proc: ManagedProcess) -> ManagedProcess:
+    def add(self, proc: P) -> P:
         self.processes.append(proc)
         return proc
 
-    def start(self, proc: ManagedProcess) -> ManagedProcess:
-        return self.add(proc).start()
+    def start(self, proc: P) -> P:
+        self.add(proc).start()
+        return proc
 
     def stop_all(self, grace_s: float = DEFAULT_STOP_GRACE_S) -> None:
         for proc in reversed(self.processes):

@@ -1,7 +1,7 @@
 """Command lines and environments for the real services of a local graph.
 
-One place that knows how to start nats-server, a vLLM OpenAI server, Dynamo's frontend and a
-Dynamo vLLM worker on this machine: loopback addresses only, one pinned CPU thread per vLLM
+One place that knows how to start nats-server, the pool service, a vLLM OpenAI server, Dynamo's
+frontend and a Dynamo vLLM worker on this machine: loopback addresses only, one pinned CPU thread per vLLM
 engine (two engines on two cores otherwise thrash, and greedy output is bit-exact only with a
 fixed thread count), and the same PYTHONHASHSEED everywhere (vLLM's block hashes, and so the
 pool keys and the router's view, match across instances only then).
@@ -13,15 +13,19 @@ import dataclasses
 import importlib.metadata
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from maru_vllm.hash_seed import GRAPH_HASH_SEED
+from maru_vllm.launch.argv import kv_events_args
 from maru_vllm.launch.ports import free_port
 from maru_vllm.launch.process import ManagedProcess
+from maru_vllm.pool.region import default_region_path
+from maru_vllm.pool.service import READY_LINE
 
 LOOPBACK = "127.0.0.1"
-GRAPH_HASH_SEED = "0"  # Dynamo sets 0 for its workers; every process of a graph uses it.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +96,9 @@ def cpu_thread_for(index: int) -> int:
     return index % max(1, os.cpu_count() or 1)
 
 
+NATS_READY_PATTERN = r"Server is ready"  # nats-server's log line once it accepts clients
+
+
 def nats_server(log_dir: Path, port: int | None = None) -> tuple[ManagedProcess, str]:
     """A nats-server on a loopback port; returns the process and its URL."""
     port = port or free_port()
@@ -101,6 +108,97 @@ def nats_server(log_dir: Path, port: int | None = None) -> tuple[ManagedProcess,
         log_path=log_dir / f"nats-{port}.log",
     )
     return proc, f"nats://{LOOPBACK}:{port}"
+
+
+POOL_MODULE = "maru_vllm.pool"  # `python -m maru_vllm.pool serve ...`, as `maru-dynamo pool serve`
+POOL_COMPONENT = "maru_dynamo.components.pool"  # the same service as a graph component (no `serve`)
+# The line the pool prints once per address it serves, when it accepts clients.
+POOL_READY_PATTERN = "(?m)^" + re.escape(READY_LINE).replace(re.escape("{address}"), r"(\S+)") + "$"
+
+
+def pool_command(
+    name: str,
+    size: str | int,
+    *,
+    listen: Sequence[str] = (),
+    nats: str | None = None,
+    backend: str | None = None,
+    path: str | Path | None = None,
+    extra_args: Sequence[str] = (),
+    component: bool = False,
+) -> list[str]:
+    """The pool service's command line (`component`: through the graph component's entry point)."""
+    entry = ["-m", POOL_COMPONENT] if component else ["-m", POOL_MODULE, "serve"]
+    argv = [sys.executable, *entry, "--name", name, "--size", str(size)]
+    if backend is not None:
+        argv += ["--backend", backend]
+    for address in listen:
+        argv += ["--listen", address]
+    if nats is not None:
+        argv += ["--nats", nats]
+    argv += extra_args
+    if path is not None:
+        argv += ["--path", str(path)]
+    return argv
+
+
+class PoolProcess(ManagedProcess):
+    """A pool service as a child process: `pool_command` plus a wait for its ready lines."""
+
+    def __init__(
+        self,
+        pool_name: str,
+        size: str | int,
+        log_path: Path | str,
+        *,
+        listen: Sequence[str] = (),
+        nats: str | None = None,
+        backend: str = "shm",
+        path: str | Path | None = None,
+        extra_args: Sequence[str] = (),
+        name: str = "pool",
+        env: Mapping[str, str] | None = None,
+        cwd: Path | str | None = None,
+        cpus: Sequence[int] | None = None,
+    ) -> None:
+        argv = pool_command(pool_name, size, listen=listen, nats=nats, backend=None if backend == "shm" else backend,
+                            path=path, extra_args=extra_args)
+        super().__init__(name, argv, log_path=log_path, env=env, cwd=cwd, cpus=cpus)
+        self.pool_name = pool_name
+        self.region_path = Path(path) if path is not None else default_region_path(backend, pool_name)
+        self._listens = len(listen) + sum(1 for a in extra_args if a == "--listen")
+        self.addresses: list[str] = []
+
+    @property
+    def address(self) -> str:
+        """The first address the pool serves (its default socket when no --listen was given)."""
+        if not self.addresses:
+            raise RuntimeError(f"{self.name}: not ready yet (call wait_ready)")
+        return self.addresses[0]
+
+    def wait_ready(self, timeout: float = 60.0) -> str:
+        """Wait until this start has printed a ready line for every address; return the first."""
+        regex = re.compile(POOL_READY_PATTERN)
+        want = max(1, self._listens)
+        found: list[str] = []
+
+        def check() -> bool:
+            found[:] = regex.findall(self.output())
+            return len(found) >= want
+
+        self.wait_until(check, timeout, f"{want} ready line(s) /{POOL_READY_PATTERN}/")
+        self.addresses = list(found)
+        return self.addresses[0]
+
+    def serve(self, timeout: float = 60.0) -> PoolProcess:
+        """Start (a started pool: stop it and start it again) and wait until it accepts clients."""
+        if self.proc is None:
+            self.start()
+        else:
+            self.stop()
+            self.restart()
+        self.wait_ready(timeout)
+        return self
 
 
 def vllm_openai_server(
@@ -170,9 +268,7 @@ def dynamo_vllm_worker(
         "--model", str(model),
         "--max-model-len", str(max_model_len),
         "--enforce-eager",
-        # vLLM binds its KV-event publisher itself; `tcp://127.0.0.1:N` silently delivers nothing.
-        "--kv-events-config",
-        json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_events_port}"}),
+        *kv_events_args(kv_events_port),
         *extra_args,
     ]
     return ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env, cpus=cpus)

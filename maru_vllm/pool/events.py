@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from maru_vllm.pool import messages as M
+from maru_vllm.pool.nats_link import NatsLink
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ class EventPublisher:
         self._queue: collections.deque[bytes] = collections.deque()
         self._max_queue = max_queue
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._nc: Any = None
+        self._link = NatsLink(url, f"maru-pool-{pool}", on_disconnect=self._on_disconnect,
+                              on_reconnect=self._on_reconnect)
         self._stopping = False
         self.published = 0
         self.dropped = 0
@@ -91,33 +92,15 @@ class EventPublisher:
         return len(self._queue)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="maru-events")
+        self._link.start(self._run(), name="maru-events")
 
     async def _connect(self) -> None:
-        import nats  # imported here so the pool works without touching NATS at all
+        async def serve_snapshots(nc: Any) -> None:
+            await nc.subscribe(snapshot_subject(self.pool), cb=self._on_snapshot_request)
 
-        backoff = 0.2
-        while not self._stopping:
-            try:
-                self._nc = await nats.connect(
-                    servers=[self.url],
-                    name=f"maru-pool-{self.pool}",
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    connect_timeout=2,
-                    disconnected_cb=self._on_disconnect,
-                    reconnected_cb=self._on_reconnect,
-                    error_cb=self._on_error,
-                )
-                await self._nc.subscribe(snapshot_subject(self.pool), cb=self._on_snapshot_request)
-                self.connected = True
-                logger.info("publishing pool events to %s on %s", self.url, self.subject)
-                return
-            except Exception as exc:  # nats-py raises its own error types as well as OSError
-                logger.warning("cannot connect to NATS at %s (%s); retrying in %.1fs", self.url, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+        if await self._link.connect(serve_snapshots, what="connect to NATS", stopping=lambda: self._stopping):
+            self.connected = True
+            logger.info("publishing pool events to %s on %s", self.url, self.subject)
 
     async def _run(self) -> None:
         await self._connect()
@@ -128,7 +111,7 @@ class EventPublisher:
                 continue
             payload = self._queue[0]
             try:
-                await self._nc.publish(self.subject, payload)
+                await self._link.nc.publish(self.subject, payload)
             except Exception as exc:  # nats-py: outbound buffer full / connection closed
                 logger.debug("event publish deferred: %s", exc)
                 await asyncio.sleep(0.2)
@@ -145,7 +128,7 @@ class EventPublisher:
             req = None
             body = _json.encode(M.ErrorMsg("bad_request", f"invalid snapshot request: {exc}"))
         if req is not None:
-            max_payload = getattr(self._nc, "max_payload", 1 << 20)
+            max_payload = getattr(self._link.nc, "max_payload", 1 << 20)
             # leave room for the page envelope; a page stops once its objects pass the budget
             # (a page may pass its byte budget by one object, at most ~17 KiB of JSON)
             budget = max(max_payload // 2, max_payload - 64 * 1024)
@@ -167,31 +150,18 @@ class EventPublisher:
         self.connected = True
         logger.info("NATS reconnected; resuming event publishing")
 
-    async def _on_error(self, exc: Exception) -> None:
-        logger.debug("NATS error: %s", exc)
-
     async def close(self, flush_timeout: float = 2.0) -> None:
         """Publish what is queued (bounded by `flush_timeout`), then disconnect."""
-        if self._nc is not None and self.connected:
+        if self._link.nc is not None and self.connected:
             try:
                 await asyncio.wait_for(self._drain_queue(), flush_timeout)
             except asyncio.TimeoutError:
                 logger.warning("%d events not published at shutdown", len(self._queue))
         self._stopping = True
         self._wake.set()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        if self._nc is not None:
-            try:
-                await asyncio.wait_for(self._nc.close(), flush_timeout)
-            except Exception as exc:
-                logger.debug("NATS close: %s", exc)
+        await self._link.stop(flush_timeout)
 
     async def _drain_queue(self) -> None:
         while self._queue:
             await asyncio.sleep(0.01)
-        await self._nc.flush(timeout=1)
+        await self._link.nc.flush(timeout=1)

@@ -27,7 +27,7 @@ against `max_objects` and every committed object's metadata (its JSON bytes plus
 against `metadata_budget` bytes. Like region space, both are reclaimed by evicting LRU objects;
 when nothing evictable is left a reserve (object cap) or a commit (metadata budget) is refused,
 which the connector treats as a skipped store. Metadata is kept as the JSON bytes it arrives as
-(a parsed dict of token lists costs ~8x more), and snapshots are served in pages in commit order
+(a parsed dict of token lists costs several times the memory), and snapshots are served in pages in commit order
 (`snapshot_page`), so neither a snapshot nor `stats` ever walks or copies the whole set at once.
 """
 
@@ -413,7 +413,7 @@ class PoolIndex:
         st: dict[str, Any] = dict(self.counters)
         st.update(self.alloc.stats())
         pinned = pins = doomed = live_alloc = 0
-        for o in self.live.values():  # one pass (the sums below used to take one each)
+        for o in self.live.values():  # every sum below in one pass
             pinned += o.pins > 0
             pins += o.pins
             doomed += o.doomed

@@ -276,10 +276,6 @@ def decode_snapshot_page(data: bytes) -> SnapshotPage:
         raise MessageError(f"pool answered the snapshot request with {err.error}: {err.message}") from None
 
 
-def encode_chunk_meta(meta: ChunkMeta) -> bytes:
-    return json_encoder.encode(meta)
-
-
 def decode_chunk_meta(raw: msgspec.Raw | bytes) -> ChunkMeta:
     try:
         return _chunk_decoder.decode(raw)

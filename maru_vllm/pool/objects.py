@@ -18,7 +18,7 @@ import xxhash
 from maru_vllm.native import copy_kernel
 
 OBJ_MAGIC = 0x4A424F4D  # "MOBJ"
-OBJ_VERSION = 2  # 2: the checksum is XXH3-64 (low 32 bits); 1 used CRC32
+OBJ_VERSION = 2  # 2: the checksum is XXH3-64 (low 32 bits)
 FLAG_CHECKSUM = 1
 OBJ_HEADER_SIZE = 64  # keeps payloads 64-byte aligned
 # magic, version, flags, object id, length, key digest, checksum

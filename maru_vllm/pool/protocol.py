@@ -176,7 +176,3 @@ def nesting_depth(value: Any, limit: int = MAX_META_DEPTH) -> int:
             deepest = max(deepest, depth)
             stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
     return deepest
-
-
-def encode_meta(meta: dict[str, Any] | None) -> bytes:
-    return _encoder.encode(meta)

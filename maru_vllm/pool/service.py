@@ -93,7 +93,6 @@ class PoolService:
         self._servers: list[asyncio.AbstractServer] = []
         self._conns: dict[int, asyncio.StreamWriter] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._stopped = asyncio.Event()
         self.metrics_port: int | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -166,7 +165,6 @@ class PoolService:
         if self.region is not None:
             self.region.close(unlink=not self.cfg.keep_region)
             self.region = None
-        self._stopped.set()
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -445,9 +443,6 @@ class PoolService:
             events_dropped=pub.dropped if pub else 0,
         )
         return st
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
 
 
 def _refuse_live_socket(path: str) -> None:

@@ -9,8 +9,8 @@ reads back the mocker's times:
   of that size, as the mocker's vLLM scheduler does;
 * decode: the inter-token latency of a step that only decodes, as a function of the KV tokens of
   the batch (8 requests decoding together, holding 2% .. 85% of the worker's GPU KV cache: the
-  mocker's decode step grows with the share of the cache in use - from ~6 ms to several times
-  that - barely with the batch size, so the probe runs at the spec's own ``gpu_blocks``). The
+  mocker's decode step grows with the share of the cache in use and barely with the batch
+  size, so the probe runs at the spec's own ``gpu_blocks``). The
   latest request to start decoding in each probe is read, so its decode runs without prefill
   steps in between.
 

@@ -13,19 +13,9 @@ how many times each request looked the pool up.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import queue
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
-import uuid
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,85 +37,10 @@ from maru_vllm.connector.chunks import chunk_key, hash_bytes  # noqa: E402
 from maru_vllm.connector.metadata import MaruConnectorMetadata  # noqa: E402
 from maru_vllm.pool import PoolClient  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-READY = "maru-pool serving on "
 BLOCK_SIZE = 128
 CHUNK_TOKENS = 256
 BPC = CHUNK_TOKENS // BLOCK_SIZE
 SAMPLE_TOKEN = 300  # a byte-range token, never EOS for the tiny model
-
-
-# ---- the pool service ----------------------------------------------------------------------
-class PoolService:
-    """`python -m maru_vllm.pool serve` as a child process on a unix socket."""
-
-    def __init__(self, sockdir: Path, size: str = "64M") -> None:
-        self.name = f"ts{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.sock = sockdir / f"{self.name}.sock"
-        self.log = sockdir / f"{self.name}.log"
-        self.size = size
-        self.proc: subprocess.Popen | None = None
-        self.address = ""
-
-    @property
-    def region_path(self) -> Path:
-        return Path(f"/dev/shm/maru-{self.name}")
-
-    def start(self, timeout: float = 30.0) -> PoolService:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env["PYTHONUNBUFFERED"] = "1"
-        cmd = [sys.executable, "-m", "maru_vllm.pool", "serve", "--name", self.name, "--size", self.size,
-               "--listen", f"unix://{self.sock}"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.log, "a"), text=True,
-                                     cwd=REPO, env=env)
-        lines: queue.Queue[str | None] = queue.Queue()
-
-        def pump() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
-                lines.put(line.rstrip("\n"))
-            lines.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-        try:
-            while True:
-                line = lines.get(timeout=timeout)
-                if line is None:
-                    raise RuntimeError(f"pool exited rc={self.proc.wait()}")
-                if line.startswith(READY):
-                    self.address = line[len(READY):]
-                    return self
-        except (queue.Empty, RuntimeError) as exc:
-            self.stop()
-            raise AssertionError(f"pool service did not start: {exc!r}\n{self.log.read_text()}") from exc
-
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `grace` seconds; removes the shared-memory region."""
-        p = self.proc
-        if p is not None and p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(grace)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-        self.region_path.unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def running_pool(size: str = "64M") -> Iterator[PoolService]:
-    """A pool service with its socket in a fresh folder under /tmp (short: unix socket paths are
-    limited); stopped, and the folder removed, on the way out."""
-    d = Path(tempfile.mkdtemp(prefix="mp-", dir="/tmp"))
-    try:
-        svc = PoolService(d, size=size).start()
-        try:
-            yield svc
-        finally:
-            svc.stop()
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 # ---- vLLM objects --------------------------------------------------------------------------

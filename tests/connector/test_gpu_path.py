@@ -24,7 +24,8 @@ from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier, make_copier
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.pool import PoolClient
-from tests.connector.sched_harness import PoolService, running_pool
+from maru_vllm.launch.stack import PoolProcess
+from tests.running_pool import running_pool
 from tests.connector.chunk_meta import chunk_meta
 
 L, NB, H, BS, C = 4, 16, 2, 8, 64  # layers, blocks, kv heads, block size, 2 * head size
@@ -178,12 +179,12 @@ class RecordingCudart:
 
 
 @pytest.fixture
-def pool() -> Iterator[PoolService]:
-    with running_pool(size="16M") as svc:
-        yield svc
+def pool() -> Iterator[PoolProcess]:
+    with running_pool("16M") as pool:
+        yield pool
 
 
-def test_region_is_registered_once_per_mapping_and_again_after_a_pool_restart(pool: PoolService) -> None:
+def test_region_is_registered_once_per_mapping_and_again_after_a_pool_restart(pool: PoolProcess) -> None:
     cudart = RecordingCudart()
     reg = HostRegistry(cudart)
     client = PoolClient.connect(pool.address)
@@ -194,8 +195,7 @@ def test_region_is_registered_once_per_mapping_and_again_after_a_pool_restart(po
     (res,) = client.reserve([(b"k", 4096)], "ns")
     assert reg.covers(buffer_address(res.buffer), 4096)
     client.abort([res])
-    pool.stop()
-    pool.start()
+    pool.serve()
     client.reconnect()
     assert reg.ensure(client.region_view)
     assert len(cudart.registered) == 2 and cudart.registered[1][0] == buffer_address(client.region_view)
@@ -204,7 +204,7 @@ def test_region_is_registered_once_per_mapping_and_again_after_a_pool_restart(po
     client.close()
 
 
-def test_refused_registration_is_reported_once_and_copies_still_go(pool: PoolService, caplog) -> None:
+def test_refused_registration_is_reported_once_and_copies_still_go(pool: PoolProcess, caplog) -> None:
     cudart = RecordingCudart(rc=712)  # cudaErrorHostMemoryAlreadyRegistered, say
     reg = HostRegistry(cudart)
     client = PoolClient.connect(pool.address)
@@ -219,7 +219,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 
 
 @cuda
-def test_cuda_store_and_load_through_the_registered_region(pool: PoolService) -> None:
+def test_cuda_store_and_load_through_the_registered_region(pool: PoolProcess) -> None:
     for use_kernels in (False, True):
         ns = f"cuda-{use_kernels}"
         kv_a, kv_b = caches(1, "cuda"), caches(2, "cuda")
@@ -245,7 +245,7 @@ def test_cuda_store_and_load_through_the_registered_region(pool: PoolService) ->
             side.host_registry.close()
 
 
-def test_load_waits_for_the_copies_before_unpinning_the_objects(pool: PoolService) -> None:
+def test_load_waits_for_the_copies_before_unpinning_the_objects(pool: PoolProcess) -> None:
     # An asynchronous kernel reads the pinned objects after its launch returns: the pins may only
     # go once the copier says the reads are done.
     side = MaruWorkerSide(namespace="order", rank=0, pool=PoolAccess(pool.address, None, 5.0, True, "t"),

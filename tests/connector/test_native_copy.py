@@ -17,7 +17,7 @@ from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMet
 from maru_vllm.pool import objects
 from maru_vllm.pool.objects import checksum_of, payload_checksum, payload_hasher
 from tests.connector.chunk_meta import chunk_meta
-from tests.connector.test_worker_side import _address, make_worker, pool  # noqa: F401 - pool is a fixture
+from tests.connector.test_worker_side import _address, make_worker
 
 NB, BS, H, D, L = 12, 16, 2, 32, 5
 

@@ -11,7 +11,7 @@ import pytest
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.pool_interface import ConnectorPool
 from tests.connector.chunk_meta import chunk_meta
-from tests.connector.sched_harness import running_pool
+from tests.running_pool import running_pool
 
 NS = "kv:test:access"
 
@@ -40,7 +40,7 @@ def test_every_operation_answers_its_failure_value_while_the_pool_is_down(
 
 def test_an_outage_is_logged_once_and_its_end_once(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="maru_vllm.connector.pool_access")
-    with running_pool(size="8M") as svc:
+    with running_pool("8M") as svc:
         access = PoolAccess(svc.address, None, 5.0, True, "test")
         try:
             (res,) = access.reserve([(b"c0", 4096)], NS) or [None]
@@ -58,7 +58,7 @@ def test_an_outage_is_logged_once_and_its_end_once(caplog: pytest.LogCaptureFixt
             for _ in range(3):
                 assert access.lookup_prefix([b"c0"], NS) == 0
             assert not access.available
-            svc.start()
+            svc.serve()
             deadline = time.monotonic() + 30
             while access.lookup_prefix([b"c0"], NS) == 0 and not access.available:
                 assert time.monotonic() < deadline, "the pool did not come back"

@@ -11,47 +11,31 @@ nothing left behind" contract (`check_run`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sched_harness import (
+from tests.connector.sched_harness import (
     BLOCK_SIZE,
     BPC,
     CHUNK_TOKENS,
-    PoolService,
     Sim,
     StepRecord,
     make_request,
     make_scheduler,
     pool_keys,
-    running_pool,
     tokens,
 )
 from vllm.v1.request import RequestStatus
 
 from maru_vllm.connector.chunks import chunk_key, hash_bytes
 from maru_vllm.connector.metadata import ChunkLoad
+from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.pool import PoolClient
 
 
 # ---- fixtures ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pool_service() -> Iterator[PoolService]:
-    with running_pool() as svc:
-        yield svc
-    assert not svc.region_path.exists()
-
-
 @pytest.fixture
-def client(pool_service: PoolService) -> Iterator[PoolClient]:
-    c = PoolClient(pool_service.address, timeout=5.0)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def new_sim(tiny_model: Path, pool_service: PoolService, client: PoolClient):
+def new_sim(tiny_model: Path, pool: PoolProcess, client: PoolClient):
     """Factory: a scheduler with a fresh salt (so every test has its own pool namespace)."""
     made: list[Sim] = []
 
@@ -59,7 +43,7 @@ def new_sim(tiny_model: Path, pool_service: PoolService, client: PoolClient):
              **kw) -> Sim:
         extra = kw.pop("extra", {})
         extra.setdefault("maru_namespace", f"t{len(made)}-{id(made)}")
-        sched = make_scheduler(tiny_model, address or pool_service.address, extra=extra, **kw)
+        sched = make_scheduler(tiny_model, address or pool.address, extra=extra, **kw)
         sim = Sim(sched, play_worker_stores=play_worker_stores, pool_client=client, play_part_keys=play_part_keys)
         made.append(sim)
         return sim
@@ -263,7 +247,7 @@ def test_pool_hit_leaves_one_token_to_compute(new_sim, client):
 
 
 def test_whole_chunk_prompts_without_part_keys_load_whole_chunks_only(new_sim, client):
-    """Objects committed without part keys (an older connector): whole chunks as before."""
+    """Chunks committed without part keys load as whole chunks, and only those."""
     sim = new_sim()
     whole = make_request("whole", tokens(14, 3 * CHUNK_TOKENS), max_tokens=2)
     _put_chunks(client, sim, whole, 3)
@@ -334,7 +318,7 @@ def test_part_keys_raise_the_pool_hit_rate_on_the_chat_workload(new_sim, client)
     assert supplied[True]["computed"] < supplied[False]["computed"]
 
 
-def test_one_lookup_while_waiting_for_memory(new_sim, client, pool_service):
+def test_one_lookup_while_waiting_for_memory(new_sim, client, pool):
     sim = new_sim(num_blocks=12, max_num_seqs=4)  # 11 usable blocks
     big = make_request("big", tokens(16, 1100), max_tokens=30)  # 9-10 blocks
     sim.add(big)
@@ -377,14 +361,14 @@ def test_preemption_and_resume(new_sim, client):
     assert resumed_loads, "no resumed request loaded from the pool"
 
 
-def test_preemption_and_aborts_with_a_real_write_behind_worker(new_sim, client, pool_service):
+def test_preemption_and_aborts_with_a_real_write_behind_worker(new_sim, client, pool):
     # The worker side copies real pages behind every step; preempted requests' copies finish
     # before their freed blocks can be reused, finished and aborted ones hold their blocks until
     # reported, and in the end every request and block is released (check_run).
     from tests.connector.test_write_behind import make_worker
 
     sim = new_sim(num_blocks=24, max_num_seqs=8)
-    worker, _ = make_worker(pool_service.address, sim.namespace, num_blocks=24)
+    worker, _ = make_worker(pool.address, sim.namespace, num_blocks=24)
     sim.worker = worker
     waited: list[set[str]] = []
     real_wait = worker.writer.wait

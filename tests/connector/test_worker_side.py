@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -12,16 +11,10 @@ import torch
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
-from tests.connector.sched_harness import PoolService, running_pool
+from maru_vllm.launch.stack import PoolProcess
 from tests.connector.chunk_meta import chunk_meta
 
 NS = "kv:test:worker"
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[PoolService]:
-    with running_pool() as svc:
-        yield svc
 
 
 def make_worker(address: str, seed: int) -> tuple[MaruWorkerSide, dict[str, torch.Tensor]]:
@@ -34,7 +27,7 @@ def make_worker(address: str, seed: int) -> tuple[MaruWorkerSide, dict[str, torc
     return side, caches
 
 
-def test_store_then_load_into_another_instance(pool: PoolService) -> None:
+def test_store_then_load_into_another_instance(pool: PoolProcess) -> None:
     a, a_kv = make_worker(pool.address, 1)
     b, b_kv = make_worker(pool.address, 2)
     a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"chunk-a", [3, 4], chunk_meta(0))]))
@@ -46,7 +39,7 @@ def test_store_then_load_into_another_instance(pool: PoolService) -> None:
         assert torch.equal(b_kv[name][10], a_kv[name][3]) and torch.equal(b_kv[name][11], a_kv[name][4])
 
 
-def test_failed_load_blocks_are_reported_and_that_requests_stores_are_dropped(pool: PoolService) -> None:
+def test_failed_load_blocks_are_reported_and_that_requests_stores_are_dropped(pool: PoolProcess) -> None:
     w, kv = make_worker(pool.address, 3)
     step = MaruConnectorMetadata(
         loads=[ChunkLoad("r1", b"never-stored", [0, 1])],
@@ -78,7 +71,7 @@ def test_pool_down_means_misses_and_skipped_stores_never_errors(tmp_path: Path) 
     assert all(torch.equal(before[k], kv[k]) for k in kv)
 
 
-def test_unsupported_layout_disables_the_connector_instead_of_the_engine(pool: PoolService,
+def test_unsupported_layout_disables_the_connector_instead_of_the_engine(pool: PoolProcess,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     side = MaruWorkerSide(namespace=NS, rank=0, pool=PoolAccess(pool.address, None, 5.0, True, "test"),
                           block_size=8, num_blocks=16, use_lmcache_kernels=False, enable_fused_load=False)
@@ -120,7 +113,7 @@ def step_with_a_pool_hit(w: MaruWorkerSide) -> MaruConnectorMetadata:
 
 
 @pytest.mark.parametrize("where", ["before-copy", "after-first-chunk"])
-def test_start_load_kv_error_reports_every_planned_block(pool: PoolService, where: str) -> None:
+def test_start_load_kv_error_reports_every_planned_block(pool: PoolProcess, where: str) -> None:
     w, _ = make_worker(pool.address, 5)
     step = step_with_a_pool_hit(w)
     conn = worker_connector(w)
@@ -150,7 +143,7 @@ def test_start_load_kv_error_reports_every_planned_block(pool: PoolService, wher
     assert w.pool.client.lookup([b"fc-r1-2/r0", b"fc-r2-0/r0"], namespace=NS) == [False, True]
 
 
-def test_load_errors_hook_error_reports_every_planned_block(pool: PoolService) -> None:
+def test_load_errors_hook_error_reports_every_planned_block(pool: PoolProcess) -> None:
     w, _ = make_worker(pool.address, 6)
     step = step_with_a_pool_hit(w)
     step.loads.append(ChunkLoad("r3", b"never-stored", [12, 13]))  # really fails
@@ -169,7 +162,7 @@ def test_load_errors_hook_error_reports_every_planned_block(pool: PoolService) -
     assert w.take_failed_blocks() == set()  # not reported twice
 
 
-def test_loads_the_scheduler_could_not_plan_are_reported_and_their_stores_dropped(pool: PoolService) -> None:
+def test_loads_the_scheduler_could_not_plan_are_reported_and_their_stores_dropped(pool: PoolProcess) -> None:
     from maru_vllm.connector.metadata import LoadFailure
 
     w, _ = make_worker(pool.address, 7)
@@ -186,7 +179,7 @@ def test_loads_the_scheduler_could_not_plan_are_reported_and_their_stores_droppe
     assert w.pool.client.lookup([b"fc-r4-1/r0", b"fc-r1-2/r0"], namespace=NS) == [False, True]
 
 
-def test_a_chunk_shared_in_part_loads_its_leading_blocks(pool: PoolService) -> None:
+def test_a_chunk_shared_in_part_loads_its_leading_blocks(pool: PoolProcess) -> None:
     a, a_kv = make_worker(pool.address, 5)
     b, b_kv = make_worker(pool.address, 6)
     before = {k: v.clone() for k, v in b_kv.items()}
@@ -217,7 +210,7 @@ def test_a_chunk_shared_in_part_loads_its_leading_blocks(pool: PoolService) -> N
     assert b.pool.client.stats()["pins"] == 0
 
 
-def test_corrupt_payload_is_a_miss_recomputed_and_removed_from_the_pool(pool: PoolService) -> None:
+def test_corrupt_payload_is_a_miss_recomputed_and_removed_from_the_pool(pool: PoolProcess) -> None:
     """A chunk whose bytes changed after commit fails its checksum while being copied in: its
     blocks are reported for recompute, the other chunk of the step loads, and the pool drops
     the corrupt object so nobody loads it again."""

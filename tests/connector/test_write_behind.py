@@ -7,10 +7,8 @@ so each test sees the moment that matters (a copy still reading blocks) determin
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 
 from maru_vllm.connector.chunks import chunk_key
@@ -18,24 +16,11 @@ from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.pool import PoolClient
-from tests.connector.sched_harness import (BLOCK_SIZE, PoolService, Sim, make_request, make_scheduler, pool_keys,
-                                          running_pool, tokens)
+from maru_vllm.launch.stack import PoolProcess
+from tests.connector.sched_harness import BLOCK_SIZE, Sim, make_request, make_scheduler, pool_keys, tokens
 from tests.connector.chunk_meta import chunk_meta
 
 NUM_BLOCKS = 64
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[PoolService]:
-    with running_pool(size="128M") as svc:
-        yield svc
-
-
-@pytest.fixture
-def client(pool: PoolService) -> Iterator[PoolClient]:
-    c = PoolClient(pool.address, timeout=5.0)
-    yield c
-    c.close()
 
 
 def make_worker(address: str, namespace: str, *, block_size: int = BLOCK_SIZE, write_behind: bool = True,
@@ -73,7 +58,7 @@ class Gate:
 
 
 def test_finished_request_keeps_its_blocks_until_its_copy_is_done_and_is_invisible_until_then(
-        tiny_model: Path, pool: PoolService, client: PoolClient) -> None:
+        tiny_model: Path, pool: PoolProcess, client: PoolClient) -> None:
     sched = make_scheduler(tiny_model, pool.address, num_blocks=NUM_BLOCKS, max_num_batched_tokens=1024,
                            extra={"maru_namespace": "wb-hold"})
     worker, caches = make_worker(pool.address, sched.connector.namespace)
@@ -113,7 +98,7 @@ def test_finished_request_keeps_its_blocks_until_its_copy_is_done_and_is_invisib
     worker.shutdown()
 
 
-def test_preemption_waits_for_the_preempted_requests_copies_only(pool: PoolService) -> None:
+def test_preemption_waits_for_the_preempted_requests_copies_only(pool: PoolProcess) -> None:
     worker, _ = make_worker(pool.address, "wb-preempt", block_size=8)
     gate = Gate(worker)
     worker.store(MaruConnectorMetadata(stores=[ChunkStore("victim", b"v0", [1, 2], chunk_meta(0))]))
@@ -132,7 +117,7 @@ def test_preemption_waits_for_the_preempted_requests_copies_only(pool: PoolServi
     worker.shutdown()
 
 
-def test_held_request_is_reported_once_and_only_after_vllm_said_it_finished(pool: PoolService) -> None:
+def test_held_request_is_reported_once_and_only_after_vllm_said_it_finished(pool: PoolProcess) -> None:
     worker, _ = make_worker(pool.address, "wb-report", block_size=8)
     worker.store(MaruConnectorMetadata(stores=[ChunkStore("a", b"a0", [1, 2], chunk_meta(0))]))
     assert worker.writer.wait(timeout=30)
@@ -142,7 +127,7 @@ def test_held_request_is_reported_once_and_only_after_vllm_said_it_finished(pool
     assert worker.finished_stores({"a"}, MaruConnectorMetadata()) == set()  # never twice
 
 
-def test_failed_copy_is_aborted_and_never_visible(pool: PoolService, client: PoolClient) -> None:
+def test_failed_copy_is_aborted_and_never_visible(pool: PoolProcess, client: PoolClient) -> None:
     worker, _ = make_worker(pool.address, "wb-fail", block_size=8)
 
     def broken(block_ids, out) -> None:
@@ -162,14 +147,14 @@ def test_failed_copy_is_aborted_and_never_visible(pool: PoolService, client: Poo
     assert client.lookup([chunk_key(b"f0", 0)], "wb-fail") == [True]
 
 
-def test_inline_mode_stores_before_the_step_returns(pool: PoolService, client: PoolClient) -> None:
+def test_inline_mode_stores_before_the_step_returns(pool: PoolProcess, client: PoolClient) -> None:
     # A producer-only engine (disaggregated prefill): the decode engine looks right after the response.
     worker, _ = make_worker(pool.address, "wb-inline", block_size=8, write_behind=False)
     worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"i0", [1, 2], chunk_meta(0))]))
     assert client.lookup([chunk_key(b"i0", 0)], "wb-inline") == [True]
 
 
-def test_shutdown_finishes_queued_stores(pool: PoolService, client: PoolClient) -> None:
+def test_shutdown_finishes_queued_stores(pool: PoolProcess, client: PoolClient) -> None:
     worker, _ = make_worker(pool.address, "wb-shutdown", block_size=8)
     for i in range(4):
         worker.store(MaruConnectorMetadata(stores=[ChunkStore(f"r{i}", f"s{i}".encode(), [2 * i, 2 * i + 1],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import sys
 from collections.abc import Iterator
@@ -14,27 +13,12 @@ from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port
 from maru_vllm.launch import stack
 
 
-@dataclasses.dataclass
-class PoolService:
-    proc: ManagedProcess
-    name: str
-    address: str
-    region_path: Path
-
-
 def start_pool(group: ProcessGroup, log_dir: Path, name: str, size: str = "256M",
-               extra: list[str] | None = None) -> PoolService:
-    sock = Path(f"/tmp/maru-test-{name}.sock")
-    address = f"unix://{sock}"
-    proc = ManagedProcess(
-        f"pool-{name}",
-        [sys.executable, "-m", "maru_vllm.pool", "serve", "--name", name, "--size", size, "--listen", address,
-         *(extra or [])],
-        log_path=log_dir / f"pool-{name}.log",
-    )
-    group.start(proc)
-    proc.wait_for_log(r"maru-pool serving on", timeout=60)
-    return PoolService(proc, name, address, Path(f"/dev/shm/maru-{name}"))
+               extra: list[str] | None = None) -> stack.PoolProcess:
+    pool = stack.PoolProcess(name, size, log_dir / f"pool-{name}.log", listen=[f"unix:///tmp/maru-test-{name}.sock"],
+                             extra_args=extra or [], name=f"pool-{name}")
+    group.add(pool)
+    return pool.serve()
 
 
 def maru_kv_config(pool_address: str, role: str = "kv_both", **extra: object) -> dict[str, object]:
@@ -84,13 +68,13 @@ def wait_engines(group: ProcessGroup, urls: dict[str, str]) -> None:
         by_name[name].wait_for_http(f"{url}/v1/models", timeout=300)
 
 
-def maru_worker(name: str, model: Path, env: dict[str, str], log_dir: Path, pool: PoolService,
+def maru_worker(name: str, model: Path, env: dict[str, str], log_dir: Path, pool: stack.PoolProcess,
                 extra_args: list[str] | None = None) -> ManagedProcess:
     """A Maru worker component (`dynamo.vllm` + MaruKVConnector + pool events for the router)."""
     return ManagedProcess(
         name,
         [sys.executable, "-m", "maru_dynamo.components.maru_worker", "--model", str(model),
-         "--maru-pool-address", pool.address, "--maru-pool-name", pool.name,
+         "--maru-pool-address", pool.address, "--maru-pool-name", pool.pool_name,
          "--max-model-len", "4096", "--enforce-eager", *(extra_args or [])],
         log_path=log_dir / f"{name}.log", env=env,
     )

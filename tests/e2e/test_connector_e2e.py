@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 
 from maru_vllm.launch import ProcessGroup
+from maru_vllm.launch.engine_metrics import metric_total
+from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.models import ensure_model
 from maru_vllm.pool import PoolClient
 from maru_vllm.pool.objects import payload_checksum
-from tests.e2e.conftest import PoolService, maru_kv_config, start_engine, start_pool, token_prompt, wait_engines
-from tests.e2e.metrics_text import metric_total
+from tests.e2e.conftest import maru_kv_config, start_engine, start_pool, token_prompt, wait_engines
 from tests.e2e.openai_client import cached_tokens, completion
 
 pytestmark = [pytest.mark.e2e]
@@ -32,7 +33,7 @@ OBJ_HEADER = 64  # maru_vllm.pool.objects.OBJ_HEADER_SIZE
 
 
 class Stack:
-    def __init__(self, pool: PoolService, urls: dict[str, str], models: dict[str, str], group: ProcessGroup,
+    def __init__(self, pool: PoolProcess, urls: dict[str, str], models: dict[str, str], group: ProcessGroup,
                  log_dir: Path, tmp: Path) -> None:
         self.pool, self.urls, self.models, self.group, self.log_dir, self.tmp = pool, urls, models, group, log_dir, tmp
 
@@ -193,16 +194,14 @@ def test_other_model_with_same_tokens_gets_no_hit(maru: Stack) -> None:
 
 
 def test_pool_outage_degrades_to_plain_serving_and_hits_resume(maru: Stack) -> None:
-    pool_proc = maru.pool.proc
-    assert pool_proc.stop() == 0
+    assert maru.pool.stop() == 0
     during = token_prompt(7, 3 * CHUNK + 1)
     out = maru.ask("B", during)
     assert out["usage"]["completion_tokens"] == 8 and cached_tokens(out) == 0
     out = maru.ask("A", during)
     assert out["usage"]["completion_tokens"] == 8
 
-    pool_proc.restart()
-    pool_proc.wait_for_log(r"maru-pool serving on", timeout=60)
+    maru.pool.serve()
     after = token_prompt(8, 3 * CHUNK + 1)
     # The engines reconnect with backoff (at most 2 s); keep serving until stores land.
     for attempt in range(10):

@@ -25,9 +25,7 @@ response usage, so the decode worker's pool hit is read from its own metrics
 
 from __future__ import annotations
 
-import random
 import re
-import socket
 import struct
 import sys
 import time
@@ -39,10 +37,11 @@ from pathlib import Path
 import pytest
 
 from maru_vllm.launch import ManagedProcess, ProcessGroup
+from maru_vllm.launch.engine_metrics import metric_total
+from maru_vllm.launch.ports import free_system_port
 from maru_vllm.launch import stack
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import start_pool, token_prompt
-from tests.e2e.metrics_text import metric_total
 from tests.e2e.openai_client import cached_tokens, completion
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -61,20 +60,6 @@ def maru_worker(name: str, model: Path, env: dict[str, str], log_dir: Path, *, p
             "--disaggregation-mode", mode,
             "--max-model-len", "4096", "--enforce-eager"]
     return ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env)
-
-
-def system_port() -> int:
-    """A free loopback port for DYN_SYSTEM_PORT, which Dynamo parses as an i16 (<= 32767)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32768)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 32768")
 
 
 def metrics(port: int) -> str:
@@ -174,10 +159,10 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     prompt_miss = token_prompt(22, PROMPT_LEN)
 
     # Prefill worker (core 0) and frontend boot while the reference runs on core 1.
-    prefill_port = system_port()
+    prefill_port = free_system_port()
     prefill = maru_worker("prefill", tiny_model,
                           env_factory.build(cpu_thread=PREFILL_CORE, DYN_SYSTEM_PORT=str(prefill_port)),
-                          log_dir, pool_address=pool.address, pool_name=pool.name, mode="prefill")
+                          log_dir, pool_address=pool.address, pool_name=pool.pool_name, mode="prefill")
     procs.start(prefill)
     frontend, url = stack.dynamo_frontend(env_factory.build(), log_dir)
     procs.start(frontend)
@@ -194,10 +179,10 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     assert ref_proc.stop() is not None
     print("reference:", repr(text(ref_cold)), logprobs(ref_warm))
 
-    decode_port = system_port()
+    decode_port = free_system_port()
     decode_env = env_factory.build(cpu_thread=DECODE_CORE, DYN_SYSTEM_PORT=str(decode_port))
     decode = maru_worker("decode", tiny_model, decode_env, log_dir,
-                         pool_address=pool.address, pool_name=pool.name, mode="decode")
+                         pool_address=pool.address, pool_name=pool.pool_name, mode="decode")
     procs.start(decode)
     serve_when_ready(url, tiny_model, [prefill, decode], timeout=400)
 
@@ -247,7 +232,7 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     assert decode.stop() is not None
     missing = f"unix:///tmp/maru-absent-{uuid.uuid4().hex[:8]}.sock"
     decode2 = maru_worker("decode-nopool", tiny_model, decode_env, log_dir,
-                          pool_address=missing, pool_name=pool.name, mode="decode")
+                          pool_address=missing, pool_name=pool.pool_name, mode="decode")
     procs.start(decode2)
     serve_when_ready(url, tiny_model, [prefill, decode2])
     before = pool_stats(pool.address)

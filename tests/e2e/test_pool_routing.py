@@ -17,7 +17,7 @@ import pytest
 from maru_vllm.launch import ManagedProcess, ProcessGroup
 from maru_vllm.launch import stack
 from maru_vllm.pool import PoolClient
-from tests.e2e.conftest import PoolService, maru_worker, start_pool, token_prompt
+from tests.e2e.conftest import maru_worker, start_pool, token_prompt
 from tests.e2e.openai_client import cached_tokens, completion
 from tests.e2e.router_probe_client import RouterProbe, selected_lines
 
@@ -28,7 +28,7 @@ PROMPT_LEN = 3 * 256 + 1
 
 
 class Graph:
-    def __init__(self, group: ProcessGroup, env: stack.StackEnv, log_dir: Path, model: Path, pool: PoolService,
+    def __init__(self, group: ProcessGroup, env: stack.StackEnv, log_dir: Path, model: Path, pool: stack.PoolProcess,
                  nats: ManagedProcess, frontend: ManagedProcess, url: str, probe: RouterProbe) -> None:
         self.group, self.env, self.log_dir, self.model = group, env, log_dir, model
         self.pool, self.nats, self.frontend, self.url, self.probe = pool, nats, frontend, url, probe
@@ -66,7 +66,7 @@ def graph(module_procs: ProcessGroup, module_log_dir: Path, tmp_path_factory: py
           tiny_model: Path) -> Graph:
     tmp = tmp_path_factory.mktemp("routing")
     nats, nats_url = stack.nats_server(module_log_dir)
-    module_procs.start(nats).wait_for_log("Server is ready", timeout=30)
+    module_procs.start(nats).wait_for_log(stack.NATS_READY_PATTERN, timeout=30)
     pool = start_pool(module_procs, module_log_dir, f"rt{tmp.name[-6:]}", extra=["--nats", nats_url])
     env = stack.StackEnv(discovery_dir=tmp / "discovery", nats_url=nats_url)
     frontend, url = stack.dynamo_frontend(env.build(), module_log_dir,
@@ -130,7 +130,7 @@ def test_nats_outage_keeps_serving_and_the_router_view_converges_after(graph: Gr
     out = graph.ask(during)  # requests keep succeeding without NATS
     assert out["usage"]["completion_tokens"] == 6
     time.sleep(2)
-    graph.nats.restart().wait_for_log("Server is ready", timeout=30)
+    graph.nats.restart().wait_for_log(stack.NATS_READY_PATTERN, timeout=30)
     after = token_prompt(34, PROMPT_LEN)
     graph.ask(after)
     for prompt in (during, after):  # both converge: the relay resyncs from the pool snapshot

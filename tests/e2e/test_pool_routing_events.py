@@ -17,14 +17,9 @@ prompt), and a `router_probe` (a second KvRouter) that reports per-tier overlap 
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import random
-import re
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -36,6 +31,7 @@ from maru_vllm.events.vllm_format import external_hash
 from tests.e2e.router_probe_client import RouterProbe, selected_lines
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port
 from maru_vllm.launch import stack
+from maru_vllm.launch.argv import kv_events_args
 from maru_vllm.pool import PoolClient
 from tests.e2e.openai_client import completion
 
@@ -46,14 +42,14 @@ CHUNK_BLOCKS = 2
 PROMPT_BLOCKS = 4
 
 WORKER_BOOT = """
-import os, runpy, sys
+import os, sys
 from maru_vllm.text_only import install_text_only_stand_ins
 install_text_only_stand_ins()
 from maru_vllm.events import install_pool_event_relay
+from maru_vllm.launch.handoff import run_module_as_main
 install_pool_event_relay(pool_name=os.environ["MARU_TEST_POOL_NAME"],
                          pool_address=os.environ["MARU_TEST_POOL_ADDRESS"], probe_interval_s=2.0)
-sys.argv = ["dynamo.vllm", *sys.argv[1:]]
-runpy.run_module("dynamo.vllm", run_name="__main__", alter_sys=True)
+run_module_as_main("dynamo.vllm", sys.argv[1:])
 """
 
 
@@ -139,15 +135,10 @@ def test_router_credits_pool_blocks_at_host_tier(tiny_model: Path, procs: Proces
                                                  tmp_path: Path, nats, monkeypatch: pytest.MonkeyPatch) -> None:
     _, nats_url = nats
     pool_name = f"ev{uuid.uuid4().hex[:8]}"
-    sock = f"/tmp/maru-{pool_name}.sock"
-    pool_proc = ManagedProcess(
-        "pool", [sys.executable, "-m", "maru_vllm.pool", "serve", "--name", pool_name, "--size", "256M",
-                 "--listen", f"unix://{sock}", "--nats", nats_url],
-        log_path=log_dir / "pool.log",
-    )
-    procs.start(pool_proc)
-    pool_proc.wait_for_log(r"maru-pool serving on", timeout=60)
-    address = f"unix://{sock}"
+    pool_proc = stack.PoolProcess(pool_name, "256M", log_dir / "pool.log", listen=[f"unix:///tmp/maru-{pool_name}.sock"],
+                                  nats=nats_url)
+    procs.add(pool_proc)
+    address = pool_proc.serve().address
     pool = PoolClient.connect(address)
     namespace = f"kv:{tiny_model.name}:e2e-events"
 
@@ -169,8 +160,7 @@ def test_router_credits_pool_blocks_at_host_tier(tiny_model: Path, procs: Proces
     worker = ManagedProcess(
         "worker",
         [sys.executable, "-c", WORKER_BOOT, "--model", str(tiny_model), "--max-model-len", "4096",
-         "--enforce-eager", "--kv-events-config",
-         json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_port}"})],
+         "--enforce-eager", *kv_events_args(kv_port)],
         log_path=log_dir / "worker.log", env=worker_env,
     )
     frontend, url = stack.dynamo_frontend(env_factory.build(), log_dir)

@@ -28,10 +28,12 @@ def test_other_dynamo_versions_are_refused_with_a_clear_error(monkeypatch: pytes
 
 
 def test_hash_seed_check() -> None:
-    dynamo_hook.check_hash_seed({})
-    dynamo_hook.check_hash_seed({"PYTHONHASHSEED": "0"})
+    from maru_vllm.hash_seed import check_hash_seed
+
+    check_hash_seed({})
+    check_hash_seed({"PYTHONHASHSEED": "0"})
     with pytest.raises(RuntimeError, match="PYTHONHASHSEED='1'.*PYTHONHASHSEED=0"):
-        dynamo_hook.check_hash_seed({"PYTHONHASHSEED": "1"})
+        check_hash_seed({"PYTHONHASHSEED": "1"})
 
 
 def test_seam_exists_in_dynamo_1_6_1() -> None:

@@ -12,8 +12,9 @@ from maru_vllm.events.pool_view import NamespaceFilter, PoolView
 from maru_vllm.events.relay import RelayThread
 from maru_vllm.events.types import BlocksRemoved, BlocksStored
 from maru_vllm.launch import stack
-from maru_vllm.pool import events_subject
-from tests.events.conftest import wait_for
+from maru_vllm.pool import PoolClient, events_subject
+from tests.events.conftest import restart_pool
+from tests.waiting import wait_until
 from tests.events.helpers import BLOCK, block_hash, chunk_key, chunk_meta
 
 NS = "kv:m:1"
@@ -86,19 +87,19 @@ def follower_factory():
 
 @pytest.mark.parametrize("via_socket", [False, True], ids=["nats-snapshot", "socket-snapshot"])
 def test_late_start_then_live_events(pool_service, follower_factory, nats, via_socket: bool) -> None:
-    with pool_service.client() as c:
+    with PoolClient.connect(pool_service.address) as c:
         early = {put(c, 1, 0), put(c, 1, 1)}
         c.put(b"other", b"x", namespace="kv:other:1", meta=chunk_meta(7, 0))
-        f = follower_factory(nats_url=nats[1], pool_name=pool_service.name,
+        f = follower_factory(nats_url=nats[1], pool_name=pool_service.pool_name,
                              pool_address=pool_service.address if via_socket else None)
-        wait_for(lambda: f.keys() == early, what="snapshot applied")
+        wait_until(lambda: f.keys() == early, what="snapshot applied")
         assert f.snapshots == 1 and f.source.last_seq == c.stats()["event_seq"]
         # stored announcements came parent-first from the snapshot
         assert [a.block_hashes[0] for a in f.announced] == [block_hash(1, 0), block_hash(1, 2)]
         late = put(c, 2, 0)
-        wait_for(lambda: f.keys() == early | {late}, what="live stored event applied")
+        wait_until(lambda: f.keys() == early | {late}, what="live stored event applied")
         c.remove([chunk_key(1, 1)], namespace=NS)
-        wait_for(lambda: f.keys() == (early | {late}) - {chunk_key(1, 1).hex()},
+        wait_until(lambda: f.keys() == (early | {late}) - {chunk_key(1, 1).hex()},
                  what="live removed event applied")
         assert f.announced[-1] == BlocksRemoved((block_hash(1, 2), block_hash(1, 3)))
         assert f.snapshots == 1 and f.source.stats.gaps == 0
@@ -109,65 +110,63 @@ def test_gap_triggers_resync(pool_service, follower_factory, nats) -> None:
 
     import nats as nats_py
 
-    with pool_service.client() as c:
+    with PoolClient.connect(pool_service.address) as c:
         k = put(c, 1, 0)
-        f = follower_factory(nats_url=nats[1], pool_name=pool_service.name)
-        wait_for(lambda: f.keys() == {k}, what="synced")
+        f = follower_factory(nats_url=nats[1], pool_name=pool_service.pool_name)
+        wait_until(lambda: f.keys() == {k}, what="synced")
         st = c.stats()
         # an event from the future of this incarnation: events in between went missing
         fake = {"type": "stored", "seq": st["event_seq"] + 5, "incarnation": st["incarnation"],
-                "pool": pool_service.name, "namespace": NS, "key": "ff", "size": 1, "meta": chunk_meta(9, 0)}
+                "pool": pool_service.pool_name, "namespace": NS, "key": "ff", "size": 1, "meta": chunk_meta(9, 0)}
 
         async def publish():
             nc = await nats_py.connect(nats[1])
-            await nc.publish(events_subject(pool_service.name), json.dumps(fake).encode())
+            await nc.publish(events_subject(pool_service.pool_name), json.dumps(fake).encode())
             await nc.flush()
             await nc.close()
 
         asyncio.run(publish())
-        wait_for(lambda: f.source.stats.gaps == 1 and f.snapshots == 2, what="resync after the gap")
+        wait_until(lambda: f.source.stats.gaps == 1 and f.snapshots == 2, what="resync after the gap")
         assert f.keys() == {k}  # the fake object is not in the pool's snapshot, so never announced
         k2 = put(c, 2, 0)
-        wait_for(lambda: f.keys() == {k, k2}, what="events flow again")
+        wait_until(lambda: f.keys() == {k, k2}, what="events flow again")
 
 
 def test_pool_restart_is_noticed_from_the_next_event(pool_service, follower_factory, nats) -> None:
-    with pool_service.client() as c:
+    with PoolClient.connect(pool_service.address) as c:
         put(c, 1, 0)
         put(c, 1, 1)
-    f = follower_factory(nats_url=nats[1], pool_name=pool_service.name, probe_interval_s=60)
-    wait_for(lambda: len(f.keys()) == 2, what="synced")
+    f = follower_factory(nats_url=nats[1], pool_name=pool_service.pool_name, probe_interval_s=60)
+    wait_until(lambda: len(f.keys()) == 2, what="synced")
     old_blocks = f.blocks()
-    pool_service.restart()
-    pool_service.wait_nats()
-    with pool_service.client() as c:
+    restart_pool(pool_service)
+    with PoolClient.connect(pool_service.address) as c:
         k = put(c, 3, 0)
-    wait_for(lambda: f.keys() == {k}, what="resynced to the new incarnation")
+    wait_until(lambda: f.keys() == {k}, what="resynced to the new incarnation")
     assert f.source.stats.incarnation_changes >= 1
     removed = {h for a in f.announced if isinstance(a, BlocksRemoved) for h in a.block_hashes}
     assert old_blocks <= removed  # everything of the old incarnation was withdrawn
 
 
 def test_idle_pool_restart_is_noticed_by_the_probe(pool_service, follower_factory, nats) -> None:
-    with pool_service.client() as c:
+    with PoolClient.connect(pool_service.address) as c:
         put(c, 1, 0)
-    f = follower_factory(nats_url=nats[1], pool_name=pool_service.name, probe_interval_s=0.5)
-    wait_for(lambda: len(f.keys()) == 1, what="synced")
-    pool_service.restart()  # restarts empty and stays idle: no event will tell
-    pool_service.wait_nats()
-    wait_for(lambda: f.keys() == set(), timeout=30, what="probe noticed the new incarnation")
+    f = follower_factory(nats_url=nats[1], pool_name=pool_service.pool_name, probe_interval_s=0.5)
+    wait_until(lambda: len(f.keys()) == 1, what="synced")
+    restart_pool(pool_service)  # restarts empty and stays idle: no event will tell
+    wait_until(lambda: f.keys() == set(), timeout=30, what="probe noticed the new incarnation")
     assert f.source.stats.probes >= 1
 
 
 def test_nats_outage_pauses_and_resyncs(pool_service, follower_factory, nats, procs, log_dir) -> None:
     nats_proc, url = nats
     port = int(url.rsplit(":", 1)[1])
-    with pool_service.client() as c:
+    with PoolClient.connect(pool_service.address) as c:
         k1 = put(c, 1, 0)
-        f = follower_factory(nats_url=url, pool_name=pool_service.name, probe_interval_s=60)
-        wait_for(lambda: f.keys() == {k1}, what="synced")
+        f = follower_factory(nats_url=url, pool_name=pool_service.pool_name, probe_interval_s=60)
+        wait_until(lambda: f.keys() == {k1}, what="synced")
         nats_proc.stop()
-        wait_for(lambda: not f.source.connected, what="outage noticed")
+        wait_until(lambda: not f.source.connected, what="outage noticed")
         # the pool keeps working without NATS
         k2 = put(c, 2, 0)
         c.remove([chunk_key(1, 0)], namespace=NS)
@@ -175,10 +174,10 @@ def test_nats_outage_pauses_and_resyncs(pool_service, follower_factory, nats, pr
         assert f.keys() == {k1}  # paused: nothing changes while NATS is down
         again, _ = stack.nats_server(log_dir, port=port)
         procs.start(again)
-        again.wait_for_log(r"Server is ready", timeout=30)
-        wait_for(lambda: f.keys() == {k2}, timeout=60, what="caught up after NATS came back")
+        again.wait_for_log(stack.NATS_READY_PATTERN, timeout=30)
+        wait_until(lambda: f.keys() == {k2}, timeout=60, what="caught up after NATS came back")
         assert f.source.stats.reconnects >= 1
         k3 = put(c, 3, 0)
-        wait_for(lambda: f.keys() == {k2, k3}, what="live again")
+        wait_until(lambda: f.keys() == {k2, k3}, what="live again")
         stored = [a for a in f.announced if isinstance(a, BlocksStored)]
         assert stored[-1].block_hashes[0] == block_hash(3, 0)

@@ -13,7 +13,8 @@ from maru_vllm.events.nats_source import PoolSourceConfig
 from maru_vllm.events.pool_view import NamespaceFilter
 from maru_vllm.events.relay import KvEventRelay, RelayThread
 from maru_vllm.launch import free_port
-from tests.events.conftest import wait_for
+from maru_vllm.pool import PoolClient
+from tests.waiting import wait_until
 from tests.events.helpers import BLOCK, block_hash, chunk_key, chunk_meta
 
 NS = "kv:m:1"
@@ -44,7 +45,7 @@ class Downstream:
         def check():
             self.pump()
             return pred(self)
-        wait_for(check, timeout, what, interval=0)
+        wait_until(check, timeout, what, interval=0)
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -92,16 +93,16 @@ def gpu_batch(prefix: int, block: int):
 
 def test_merged_stream(pool_service, nats, vllm_pub, relay_factory) -> None:
     pub, upstream = vllm_pub
-    c = pool_service.client()
+    c = PoolClient.connect(pool_service.address)
     try:
         assert c.put(chunk_key(1, 0), b"x", namespace=NS, meta=chunk_meta(1, 0))  # before the relay: snapshot
         relay = relay_factory(
             upstream=upstream, medium="CPU_PINNED", data_parallel_rank=0, block_size=BLOCK,
             namespaces=NamespaceFilter(prefixes=("kv:m:",)),
-            pool=PoolSourceConfig(nats_url=nats[1], pool_name=pool_service.name, probe_interval_s=60),
+            pool=PoolSourceConfig(nats_url=nats[1], pool_name=pool_service.pool_name, probe_interval_s=60),
         )
         assert relay.endpoint and relay.endpoint.startswith("tcp://127.0.0.1:")
-        wait_for(lambda: relay.source is not None and relay.source.synced, what="relay synced with the pool")
+        wait_until(lambda: relay.source is not None and relay.source.synced, what="relay synced with the pool")
         assert relay.stats.sent == 0  # held until Dynamo subscribes
         down = Downstream(relay.endpoint)
         # the snapshot's blocks, held until the subscription, arrive first with seq 0
@@ -148,7 +149,7 @@ def test_vllm_payload_is_forwarded_unchanged(vllm_pub, relay_factory) -> None:
     pub, upstream = vllm_pub
     relay = relay_factory(upstream=upstream)  # no pool at all: a plain pass-through
     down = Downstream(relay.endpoint)
-    wait_for(lambda: relay.stats.subscribers_joined >= 1, what="subscription seen")
+    wait_until(lambda: relay.stats.subscribers_joined >= 1, what="subscription seen")
     time.sleep(0.3)
     for i in range(5):
         pub.publish(gpu_batch(9, i))
@@ -168,7 +169,7 @@ def test_unreachable_nats_only_pauses_pool_awareness(vllm_pub, relay_factory) ->
     dead = f"nats://127.0.0.1:{free_port()}"
     relay = relay_factory(upstream=upstream, pool=PoolSourceConfig(nats_url=dead, pool_name="nope"))
     down = Downstream(relay.endpoint)
-    wait_for(lambda: relay.stats.subscribers_joined >= 1, what="subscription seen")
+    wait_until(lambda: relay.stats.subscribers_joined >= 1, what="subscription seen")
     time.sleep(0.3)
     pub.publish(gpu_batch(3, 0))
     down.wait(lambda d: len(d.got) == 1, what="vLLM events still flow")
@@ -190,11 +191,11 @@ def test_blocks_are_announced_again_after_a_nats_outage(pool_service, nats, vllm
 
     nats_proc, url = nats
     _pub, upstream = vllm_pub
-    c = pool_service.client()
+    c = PoolClient.connect(pool_service.address)
     try:
         relay = relay_factory(
             upstream=upstream, block_size=BLOCK, namespaces=NamespaceFilter(prefixes=("kv:m:",)),
-            pool=PoolSourceConfig(nats_url=url, pool_name=pool_service.name, probe_interval_s=60),
+            pool=PoolSourceConfig(nats_url=url, pool_name=pool_service.pool_name, probe_interval_s=60),
             reannounce_after_s=(0.5,),
         )
         down = Downstream(relay.endpoint)
@@ -203,10 +204,10 @@ def test_blocks_are_announced_again_after_a_nats_outage(pool_service, nats, vllm
         down.pump(1.0)
         assert len(down.events()) == 1  # no repeats without a resync
         nats_proc.stop()
-        wait_for(lambda: not relay.source.connected, what="outage noticed")
+        wait_until(lambda: not relay.source.connected, what="outage noticed")
         assert c.put(chunk_key(8, 0), b"x", namespace=NS, meta=chunk_meta(8, 0))  # while NATS is down
         again, _ = stack.nats_server(log_dir, port=int(url.rsplit(":", 1)[1]))
-        procs.start(again).wait_for_log(r"Server is ready", timeout=30)
+        procs.start(again).wait_for_log(stack.NATS_READY_PATTERN, timeout=30)
 
         def stores_of(prefix: int) -> int:
             h = vf.external_hash(block_hash(prefix, 0))

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.components.frontend import build_argv
+from maru_vllm.hash_seed import GRAPH_HASH_SEED
 from maru_vllm.launch import stack
+from maru_vllm.pool.service import READY_LINE
 from maru_vllm.routing import POOL_TIER_WEIGHT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +94,7 @@ def test_dry_run_lists_every_process_on_loopback() -> None:
 
     for name in ("pool", "worker:worker-0", "worker:worker-1", "frontend"):
         env = env_of(procs[name])
-        assert env.get("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED")) == "0", name
+        assert env.get("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED")) == GRAPH_HASH_SEED, name
         assert env["DYN_EVENT_PLANE"] == "nats" and env["NATS_SERVER"] == f"nats://127.0.0.1:{nats_port}", name
         assert env["DYN_DISCOVERY_BACKEND"] == "file", name
         discovery.add(env["DYN_FILE_KV"])
@@ -156,7 +158,7 @@ def test_pool_component_serves_and_stops(tmp_path: Path) -> None:
     log.close()
     try:
         line = proc.stdout.readline()
-        assert line.strip() == f"maru-pool serving on unix://{sock}", (tmp_path / "pool.log").read_text()
+        assert line.strip() == READY_LINE.format(address=f"unix://{sock}"), (tmp_path / "pool.log").read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         assert not Path(region).exists() and not sock.exists()

@@ -25,6 +25,7 @@ import yaml
 from maru_dynamo.graphs import helm
 from maru_dynamo.graphs.render import RenderOptions, chart_values, render_yaml
 from maru_dynamo.graphs.spec import GraphSpecError, load_graph, parse_graph
+from maru_vllm.hash_seed import GRAPH_HASH_SEED
 from tests.graphs.k8s_schemas import ManifestError, validate_core, validate_dgd, validate_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,7 +151,7 @@ def test_pool_daemonset_and_workers_share_the_region_socket_and_user(rendered: d
             assert comp["sharedMemorySize"] == "0", name  # the node's /dev/shm, not a private tmpfs
             assert flag(main["args"], "--maru-pool-address") == address
         config = rendered[graph]["ConfigMap"]["data"]
-        assert config["MARU_POOL_ADDRESS"] == address and config["PYTHONHASHSEED"] == "0"
+        assert config["MARU_POOL_ADDRESS"] == address and config["PYTHONHASHSEED"] == GRAPH_HASH_SEED
         assert config["DYN_EVENT_PLANE"] == "nats" and config["NATS_SERVER"] == flag(pool["args"], "--nats")
         assert config["NATS_SERVER"] == "nats://dynamo-platform-nats:4222"  # the Dynamo platform chart's
 

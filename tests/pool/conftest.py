@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pool_helpers import NatsProc, PoolProc, free_port, stop_process
+from maru_vllm.launch import ProcessGroup
+from maru_vllm.launch.stack import PoolProcess
 
 
 @pytest.fixture
@@ -23,30 +24,22 @@ def sockdir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def pool_factory(sockdir: Path):
-    started: list[PoolProc] = []
+def pool_factory(sockdir: Path, procs: ProcessGroup):
+    started: list[PoolProcess] = []
 
-    def make(size: str = "64M", extra: list[str] | None = None, start: bool = True) -> PoolProc:
+    def make(size: str = "64M", extra: list[str] | None = None, start: bool = True) -> PoolProcess:
         name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        sock = str(sockdir / f"{name}.sock")
-        p = PoolProc(name, sock, ["--size", size, "--listen", f"unix://{sock}", *(extra or [])], sockdir / f"{name}.log")
-        started.append(p)
-        return p.start() if start else p
+        p = PoolProcess(name, size, sockdir / f"{name}.log", listen=[f"unix://{sockdir / name}.sock"],
+                        extra_args=extra or [])
+        started.append(procs.add(p))
+        return p.serve() if start else p
 
     yield make
+    procs.stop_all()
     for p in started:
-        if p.proc is not None:
-            stop_process(p.proc)
-        Path(p.region_path).unlink(missing_ok=True)
+        p.region_path.unlink(missing_ok=True)
 
 
 @pytest.fixture
-def pool(pool_factory) -> PoolProc:
+def pool(pool_factory) -> PoolProcess:
     return pool_factory()
-
-
-@pytest.fixture
-def nats_server() -> Iterator[NatsProc]:
-    n = NatsProc(free_port()).start()
-    yield n
-    n.stop()

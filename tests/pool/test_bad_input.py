@@ -12,7 +12,8 @@ import pytest
 
 from maru_vllm.pool import PoolClient, PoolProtocolError, PoolUnavailable
 from maru_vllm.pool.protocol import PROTOCOL_VERSION
-from pool_helpers import REPO, child_env, free_port
+from maru_vllm.launch import free_port
+from pool_helpers import REPO, child_env
 
 
 class Raw:
@@ -119,7 +120,7 @@ def test_tcp_requires_token(pool_factory, tmp_path):
     token.chmod(0o600)
     port = free_port()
     p = pool_factory(extra=["--listen", f"tcp://127.0.0.1:{port}", "--token-file", str(token)])
-    tcp = p.extra_addresses[0]
+    tcp = p.addresses[1]
     assert tcp == f"tcp://127.0.0.1:{port}"
     r = Raw(tcp)
     assert _err(r.call("hello", {}))[0] == "auth_required"

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 
-import nats
+import nats as nats_py
 import pytest
 
+from maru_vllm.launch import stack
 from maru_vllm.pool import PoolClient, events_subject, snapshot_subject
-from pool_helpers import wait_until
+from tests.waiting import wait_until
 
 
 async def _wait(pred, timeout=20.0, what="condition"):
@@ -22,26 +23,14 @@ async def _wait(pred, timeout=20.0, what="condition"):
     raise AssertionError(f"{what} not reached within {timeout}s")
 
 
-async def _subscribed(nats_url, pool_name):
-    """A NATS connection subscribed to the pool's events, and the list it appends them to (decoded)."""
-    nc = await nats.connect(nats_url)
-    events = []
-
-    async def collect(msg):
-        events.append(json.loads(msg.data))
-
-    await nc.subscribe(events_subject(pool_name), cb=collect)
-    await nc.flush()
-    return nc, events
-
-
 @pytest.mark.timeout(120)
-def test_events_gap_free_with_meta_and_snapshot_matches_live_set(pool_factory, nats_server):
-    p = pool_factory(size="4M", extra=["--nats", nats_server.url])
-    assert events_subject(p.name) == f"maru.{p.name}.events"
+def test_events_gap_free_with_meta_and_snapshot_matches_live_set(pool_factory, nats):
+    _, nats_url = nats
+    p = pool_factory(size="4M", extra=["--nats", nats_url])
+    assert events_subject(p.pool_name) == f"maru.{p.pool_name}.events"
 
     async def main():
-        nc, events = await _subscribed(nats_server.url, p.name)
+        nc, events = await _subscribe(nats_url, p.pool_name)
         c = PoolClient.connect(p.address)
         try:
             await _wait(lambda: c.stats()["nats_connected"], what="pool connected to NATS")
@@ -53,7 +42,7 @@ def test_events_gap_free_with_meta_and_snapshot_matches_live_set(pool_factory, n
             await _wait(lambda: len(events) >= st["event_seq"], what="all events delivered")
             assert [e["seq"] for e in events] == list(range(1, st["event_seq"] + 1))  # gap-free, in order
             assert {e["incarnation"] for e in events} == {st["incarnation"]}
-            assert {e["pool"] for e in events} == {p.name}
+            assert {e["pool"] for e in events} == {p.pool_name}
             stored = [e for e in events if e["type"] == "stored"]
             removed = [e for e in events if e["type"] == "removed"]
             assert len(stored) == 40 and len(removed) == st["evictions"] > 0
@@ -67,7 +56,7 @@ def test_events_gap_free_with_meta_and_snapshot_matches_live_set(pool_factory, n
             assert snap["seq"] == st["event_seq"]
             assert {(o["namespace"], o["key"]) for o in snap["objects"]} == live
             # the same snapshot over NATS request/reply
-            reply = await nc.request(snapshot_subject(p.name), b"", timeout=10)
+            reply = await nc.request(snapshot_subject(p.pool_name), b"", timeout=10)
             nsnap = json.loads(reply.data)
             assert nsnap["seq"] == st["event_seq"] and nsnap["incarnation"] == st["incarnation"]
             assert {(o["namespace"], o["key"]) for o in nsnap["objects"]} == live
@@ -78,23 +67,37 @@ def test_events_gap_free_with_meta_and_snapshot_matches_live_set(pool_factory, n
     asyncio.run(main())
 
 
+async def _subscribe(nats_url: str, pool_name: str):
+    """A nats-py connection subscribed to the pool's events, and the list they arrive in."""
+    nc = await nats_py.connect(nats_url)
+    events = []
+
+    async def collect(msg):
+        events.append(json.loads(msg.data))
+
+    await nc.subscribe(events_subject(pool_name), cb=collect)
+    await nc.flush()
+    return nc, events
+
+
 @pytest.mark.timeout(120)
-def test_ops_continue_while_nats_is_down_and_events_resume(pool_factory, nats_server):
-    p = pool_factory(size="16M", extra=["--nats", nats_server.url])
+def test_ops_continue_while_nats_is_down_and_events_resume(pool_factory, nats):
+    nats_proc, nats_url = nats
+    p = pool_factory(size="16M", extra=["--nats", nats_url])
     with PoolClient.connect(p.address) as c:
         wait_until(lambda: c.stats()["nats_connected"], what="pool connected to NATS")
         assert c.put(b"before", b"1")
-        nats_server.stop()
+        nats_proc.stop()
         for i in range(20):  # the pool keeps serving without NATS
             assert c.put(b"during%d" % i, b"x" * 1000)
         with c.get(b"during3") as v:
             assert bytes(v) == b"x" * 1000
         queued = c.stats()
         assert queued["event_seq"] == 21
-        nats_server.start()
+        nats_proc.restart().wait_for_log(stack.NATS_READY_PATTERN, timeout=30)
 
         async def main():
-            nc, events = await _subscribed(nats_server.url, p.name)
+            nc, events = await _subscribe(nats_url, p.pool_name)
             await _wait(lambda: c.stats()["nats_connected"], timeout=30, what="pool reconnected to NATS")
             await asyncio.to_thread(c.put, b"after", b"2")
             await _wait(lambda: any(e["type"] == "stored" and e["key"] == b"after".hex() for e in events),
@@ -102,7 +105,7 @@ def test_ops_continue_while_nats_is_down_and_events_resume(pool_factory, nats_se
             after = [e for e in events if e["key"] == b"after".hex()][0]
             assert after["seq"] == 22  # numbering continued across the outage
             # a subscriber that missed events resyncs from the snapshot and its seq
-            snap = json.loads((await nc.request(snapshot_subject(p.name), b"", timeout=10)).data)
+            snap = json.loads((await nc.request(snapshot_subject(p.pool_name), b"", timeout=10)).data)
             assert snap["seq"] >= 22 and len(snap["objects"]) == 22
             await nc.close()
 
@@ -110,11 +113,12 @@ def test_ops_continue_while_nats_is_down_and_events_resume(pool_factory, nats_se
 
 
 @pytest.mark.timeout(120)
-def test_remove_hides_objects_emits_removed_and_frees_space(pool_factory, nats_server):
-    p = pool_factory(size="4M", extra=["--nats", nats_server.url])
+def test_remove_hides_objects_emits_removed_and_frees_space(pool_factory, nats):
+    _, nats_url = nats
+    p = pool_factory(size="4M", extra=["--nats", nats_url])
 
     async def main():
-        nc, events = await _subscribed(nats_server.url, p.name)
+        nc, events = await _subscribe(nats_url, p.pool_name)
         c = PoolClient.connect(p.address)
         try:
             await _wait(lambda: c.stats()["nats_connected"], what="pool connected to NATS")

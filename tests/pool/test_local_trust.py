@@ -15,7 +15,7 @@ import pytest
 from maru_vllm.pool import PoolClient, PoolError, PoolUnavailable
 from maru_vllm.pool import address as address_mod
 from maru_vllm.pool import client as client_mod
-from pool_helpers import free_port
+from maru_vllm.launch import free_port
 from test_bad_input import _cli
 
 TOKEN = "k" * 32

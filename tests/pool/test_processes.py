@@ -10,7 +10,8 @@ import time
 import pytest
 
 from maru_vllm.pool import PoolClient, PoolUnavailable
-from pool_helpers import spawn_worker, stop_process, wait_until
+from pool_helpers import spawn_worker
+from tests.waiting import wait_until
 
 
 def _leak_free(st: dict) -> bool:
@@ -101,8 +102,8 @@ def test_silent_client_is_released_by_lease_expiry(pool_factory):
             assert c.stats()["sessions_expired"] == 1
             assert c.hello["session"] == my_session
         finally:
-            os.kill(proc.pid, signal.SIGCONT)
-            stop_process(proc, signal.SIGKILL)
+            proc.kill()
+            proc.wait(10)
 
 
 def test_service_restart_clients_recover_without_stale_reads(pool):
@@ -111,7 +112,7 @@ def test_service_restart_clients_recover_without_stale_reads(pool):
         assert c.put(b"old", b"from-incarnation-1")
         old_inc = c.incarnation
         held = c.acquire([b"old"])[0]
-        pool.restart()
+        pool.serve()
         # the next call either fails with PoolUnavailable or reconnects; it never returns old data
         def recovered():
             try:
@@ -128,7 +129,7 @@ def test_service_restart_clients_recover_without_stale_reads(pool):
             assert bytes(v) == b"from-incarnation-2"
         # reservations from before a restart can never be committed into the new region
         (r,) = c.reserve([(b"straddle", 100)])
-        pool.restart()
+        pool.serve()
         with pytest.raises(PoolUnavailable):
             c.commit([r])
         assert wait_until(lambda: _try(lambda: c.lookup([b"straddle"]))) == [False]

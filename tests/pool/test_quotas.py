@@ -110,7 +110,7 @@ def test_connector_always_writes_checksums(pool, checksum):
 def test_a_stale_writer_cannot_hand_a_checksum_reader_bad_bytes(pool_factory):
     """A writer paused past its lease writes into space the pool gave to a newer object."""
     from maru_vllm.connector.pool_access import PoolAccess
-    from pool_helpers import wait_until
+    from tests.waiting import wait_until
 
     p = pool_factory(size="2M", extra=["--lease-seconds", "0.5"])
     stale = PoolClient.connect(p.address, heartbeat=False)  # "paused": sends nothing

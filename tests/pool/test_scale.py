@@ -9,6 +9,7 @@ import sys
 import msgspec
 import pytest
 
+from maru_vllm.launch import stack
 from maru_vllm.pool import PoolClient, PoolProtocolError
 from maru_vllm.pool import protocol as P
 from maru_vllm.pool.allocator import Allocator
@@ -36,8 +37,8 @@ def _fill(c: PoolClient, n: int, ns: str = "default", batch: int = 500, start: i
 
 
 def test_snapshot_larger_than_a_frame_is_paged_and_the_connection_stays_usable(pool_factory) -> None:
-    """8,000 connector chunks are ~20 MiB of metadata: more than one 16 MiB frame (this used to
-    leave the client out of step: "reply frame of 2499877059 bytes")."""
+    """8,000 connector chunks are ~20 MiB of metadata: more than one 16 MiB frame, so the snapshot
+    comes in pages and the client stays in step with the connection (no "reply frame of N bytes")."""
     p = pool_factory(size="64M")
     with PoolClient.connect(p.address, heartbeat=False) as c:
         assert _fill(c, 4000, "a") + _fill(c, 4000, "b", start=4000) == 8000
@@ -206,7 +207,7 @@ def test_paged_snapshot_plus_later_events_is_exact_while_the_pool_changes() -> N
 def test_service_reports_budget_and_cap_in_stats_and_metrics(pool_factory) -> None:
     import urllib.request
 
-    from pool_helpers import free_port
+    from maru_vllm.launch import free_port
 
     port = free_port()
     p = pool_factory(size="16M", extra=["--max-objects", "100", "--metadata-budget", "1M", "--metrics-port", str(port)])
@@ -216,7 +217,7 @@ def test_service_reports_budget_and_cap_in_stats_and_metrics(pool_factory) -> No
     assert st["objects"] == 100 and st["max_objects"] == 100 and st["metadata_budget_bytes"] == 1 << 20
     assert 0 < st["metadata_bytes"] <= 1 << 20 and st["evictions"] == 200
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    assert f'maru_pool_max_objects{{pool="{p.name}"}} 100.0' in text
+    assert f'maru_pool_max_objects{{pool="{p.pool_name}"}} 100.0' in text
     assert "maru_pool_metadata_bytes{" in text and "maru_pool_metadata_budget_refusals_total{" in text
 
 
@@ -225,24 +226,25 @@ def test_service_reports_budget_and_cap_in_stats_and_metrics(pool_factory) -> No
     ("--metadata-budget", "12Q", "invalid size"),
 ])
 def test_bad_budget_flags_are_refused_in_one_line(flag: str, value: str, why: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "maru_vllm.pool", "serve", "--name", "x", "--size", "4M", flag, value],
+    out = subprocess.run(stack.pool_command("x", "4M", extra_args=[flag, value]),
                          capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=60)
     assert out.returncode == 2 and why in out.stderr and value in out.stderr
 
 
-def test_nats_snapshot_pages_fit_the_max_payload(pool_factory, nats_server) -> None:
-    import nats
+def test_nats_snapshot_pages_fit_the_max_payload(pool_factory, nats) -> None:
+    _, nats_url = nats
+    import nats as nats_py
 
-    p = pool_factory(size="64M", extra=["--nats", nats_server.url])
+    p = pool_factory(size="64M", extra=["--nats", nats_url])
     with PoolClient.connect(p.address, heartbeat=False) as c:
         assert _fill(c, 1500) == 1500  # ~3.7 MiB of metadata: above NATS's default 1 MiB payload
 
     async def main():
-        nc = await nats.connect(nats_server.url)
+        nc = await nats_py.connect(nats_url)
         try:
             keys, after, pages = set(), 0, 0
             while True:
-                reply = await nc.request(f"maru.{p.name}.snapshot", msgspec.json.encode({"after": after}), timeout=10)
+                reply = await nc.request(f"maru.{p.pool_name}.snapshot", msgspec.json.encode({"after": after}), timeout=10)
                 assert len(reply.data) <= nc.max_payload
                 page = decode_snapshot_page(reply.data)
                 keys |= {o.key for o in page.objects}
@@ -250,7 +252,7 @@ def test_nats_snapshot_pages_fit_the_max_payload(pool_factory, nats_server) -> N
                 if page.next is None:
                     break
                 after = page.next
-            bad = await nc.request(f"maru.{p.name}.snapshot", b'{"after": "x"}', timeout=10)
+            bad = await nc.request(f"maru.{p.pool_name}.snapshot", b'{"after": "x"}', timeout=10)
             with pytest.raises(ValueError, match="bad_request: invalid snapshot request: Expected `int`, got `str`"):
                 decode_snapshot_page(bad.data)
             return keys, pages

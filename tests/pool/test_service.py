@@ -11,7 +11,8 @@ import urllib.request
 
 import pytest
 
-from pool_helpers import REPO, child_env, free_port
+from maru_vllm.launch import free_port
+from pool_helpers import REPO, child_env
 from maru_vllm.pool import InvalidArgument, PoolClient, PoolError
 
 
@@ -142,17 +143,17 @@ def test_metrics_and_status_cli(pool_factory):
         c.put(b"m", b"1" * 1000)
         c.lookup([b"m", b"n"])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    assert f'maru_pool_objects{{pool="{p.name}"}} 1.0' in text
-    assert f'maru_pool_capacity_bytes{{pool="{p.name}"}}' in text
+    assert f'maru_pool_objects{{pool="{p.pool_name}"}} 1.0' in text
+    assert f'maru_pool_capacity_bytes{{pool="{p.pool_name}"}}' in text
     assert 'maru_pool_op_latency_seconds_count{op="lookup"' in text or 'op="lookup",pool=' in text
-    assert f'maru_pool_hits_total{{pool="{p.name}"}} 1.0' in text
+    assert f'maru_pool_hits_total{{pool="{p.pool_name}"}} 1.0' in text
     out = subprocess.run(
         [sys.executable, "-m", "maru_vllm.cli", "pool", "status", "--address", p.address, "--json"],
         capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=60,
     )
     assert out.returncode == 0, out.stderr
     st = json.loads(out.stdout)
-    assert st["pool"] == p.name and st["objects"] == 1
+    assert st["pool"] == p.pool_name and st["objects"] == 1
     out = subprocess.run(
         [sys.executable, "-m", "maru_vllm.cli", "pool", "status", "--address", p.address],
         capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=60,
@@ -171,10 +172,11 @@ def test_metrics_and_status_cli(pool_factory):
 
 def test_serve_cleans_up_region_and_socket_on_sigterm_and_keep_region(pool_factory):
     p = pool_factory()
-    assert os.path.exists(p.region_path) and os.path.exists(p.sock)
+    sock = p.address.removeprefix("unix://")
+    assert os.path.exists(p.region_path) and os.path.exists(sock)
     assert os.stat(p.region_path).st_mode & 0o777 == 0o600
     assert p.stop() == 0
-    assert not os.path.exists(p.region_path) and not os.path.exists(p.sock)
+    assert not os.path.exists(p.region_path) and not os.path.exists(sock)
     k = pool_factory(extra=["--keep-region"])
     assert k.stop() == 0
     assert os.path.exists(k.region_path)
