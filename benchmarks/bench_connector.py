@@ -49,8 +49,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 from maru_vllm.calibration import Calibration, write_calibration  # noqa: E402
-from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port  # noqa: E402
-from maru_vllm.launch import stack  # noqa: E402
+from maru_vllm.launch import (  # noqa: E402
+    ManagedProcess,
+    ProcessGroup,
+    free_port,
+    stack,
+)
 from maru_vllm.models import SPECS, ensure_model  # noqa: E402
 from profile_load import checksum_algorithms, print_profile, profile_load  # noqa: E402
 
@@ -170,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.sched_setaffinity(0, {CORE_B})
     main_len = max(x for x in lengths if x <= 4096) if any(x <= 4096 for x in lengths) else lengths[0]
     per_token = [ld["bytes_loaded"] / ld["tokens"] for ld in loads if ld.get("bytes_loaded")]
-    kv_bytes_per_token = int(round(per_token[0])) if per_token else 0
+    kv_bytes_per_token = round(per_token[0]) if per_token else 0
     prof = profile_load(main_len, args.profile_repeats)
     prof["checksum_GBps"] = checksum_algorithms()
     # The reference: a memcpy of one main-length prompt's KV bytes out of a pool region into a

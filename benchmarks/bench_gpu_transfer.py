@@ -51,8 +51,8 @@ def main() -> int:
         return SKIPPED
 
     from maru_vllm.connector import transfer
-    from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
     from maru_vllm.connector.chunks import placeholder_meta
+    from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
     from maru_vllm.connector.pool_access import PoolAccess
     from maru_vllm.connector.worker import MaruWorkerSide
     from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port

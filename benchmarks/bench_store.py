@@ -41,9 +41,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata  # noqa: E402
-
 from maru_vllm.connector.chunks import placeholder_meta  # noqa: E402
+from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata  # noqa: E402
 from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
 from maru_vllm.connector.worker import MaruWorkerSide  # noqa: E402
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port  # noqa: E402
@@ -265,7 +264,7 @@ def main() -> int:
 
         def sample(mode: str) -> Callable[[], float]:
             def run() -> float:
-                hold, busy, stored = store_once(rig, mode, args.chunks)
+                hold, busy, _stored = store_once(rig, mode, args.chunks)
                 holds[mode] = min(holds.get(mode, float("inf")), hold)
                 work_s[mode] = min(work_s.get(mode, float("inf")), busy)
                 return busy

@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from maru_vllm.connector import layouts  # noqa: E402
-from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata  # noqa: E402
 from maru_vllm.connector.chunks import placeholder_meta  # noqa: E402
+from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata  # noqa: E402
 from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
 from maru_vllm.connector.worker import MaruWorkerSide  # noqa: E402
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port  # noqa: E402
@@ -112,7 +112,7 @@ def profile_load(tokens: int = 4096, repeats: int = 15, *, chunk_tokens: int = 2
         client.release(pins)
         # memcpy reference: the same number of bytes out of the same shared region, into a
         # touched heap buffer (the engine's KV cache is zeroed at start, so touched too)
-        region = torch.frombuffer(client._region.view, dtype=torch.uint8)  # noqa: SLF001
+        region = torch.frombuffer(client._region.view, dtype=torch.uint8)
         ref_src = region[1 << 20:(1 << 20) + nbytes]
         ref_dst = torch.zeros(nbytes, dtype=torch.uint8)
 

@@ -101,13 +101,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from maru_vllm.launch import ManagedProcess, ProcessGroup  # noqa: E402
-from maru_vllm.launch import stack  # noqa: E402
+from maru_vllm.launch import (  # noqa: E402
+    ManagedProcess,
+    ProcessGroup,
+    stack,
+)
 from maru_vllm.launch.engine_metrics import EngineCounters, read_counters, running_requests  # noqa: E402
 from maru_vllm.workload import Workload, WorkloadSpec, build_workload  # noqa: E402
 
 try:
-    from maru_vllm.routing import POOL_TIER_WEIGHT  # noqa: E402
+    from maru_vllm.routing import POOL_TIER_WEIGHT
 except ImportError:  # older trees: Dynamo's own default
     POOL_TIER_WEIGHT = 0.75
 

@@ -35,7 +35,14 @@ from maru_vllm.routing import pool_tier_weight  # noqa: E402
 from maru_vllm.whatif import report  # noqa: E402
 from maru_vllm.whatif.runner import DYNAMO, MODEL, Row, WhatIf  # noqa: E402
 from maru_vllm.whatif.spec import (  # noqa: E402
-    CONFIGS, KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, parse_size, parse_workers,
+    CONFIGS,
+    KV_GPU,
+    KV_HOST,
+    KV_POOL,
+    ROUND_ROBIN,
+    ClusterSpec,
+    parse_size,
+    parse_workers,
 )
 from maru_vllm.whatif.trace import read_trace, unique_prefix_tokens  # noqa: E402
 

@@ -20,11 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from maru_vllm.whatif.runner import DYNAMO, MODEL, WhatIf  # noqa: E402
-from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN  # noqa: E402
-from maru_vllm.whatif.trace import unique_prefix_tokens  # noqa: E402
-from maru_vllm.whatif.validation import (  # noqa: E402
-    REAL_BLOCK_TOKENS, routing_comparison_trace, validation_itl_ms, validation_spec,
+from maru_vllm.whatif.runner import DYNAMO, MODEL, WhatIf
+from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN
+from maru_vllm.whatif.trace import unique_prefix_tokens
+from maru_vllm.whatif.validation import (
+    REAL_BLOCK_TOKENS,
+    routing_comparison_trace,
+    validation_itl_ms,
+    validation_spec,
 )
 
 # Measured on the real stack (README routing table, 2026-11-29), prefill tokens computed.

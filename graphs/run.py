@@ -30,8 +30,7 @@ from pathlib import Path
 from types import FrameType
 
 from maru_dynamo.graphs.spec import GraphSpec
-from maru_vllm.launch import ManagedProcess, ProcessFailed, ProcessGroup, free_port
-from maru_vllm.launch import stack
+from maru_vllm.launch import ManagedProcess, ProcessFailed, ProcessGroup, free_port, stack
 from maru_vllm.launch.argv import has_flag
 from maru_vllm.routing import pool_tier_weight
 

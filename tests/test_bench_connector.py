@@ -10,9 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import bench_connector  # noqa: E402
-
-from maru_vllm.calibration import read_calibration  # noqa: E402
+import bench_connector
+from maru_vllm.calibration import read_calibration
 
 
 def _row(tokens: int, sample: int, scale: float) -> dict:

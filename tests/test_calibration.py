@@ -40,7 +40,7 @@ def test_bad_files_are_one_line_errors(tmp_path, mutate, needle):
 
 
 def test_missing_and_garbage(tmp_path):
-    with pytest.raises(ValueError, match="calibration file .*missing"):
+    with pytest.raises(ValueError, match=r"calibration file .*missing"):
         read_calibration(tmp_path / "missing.json")
     g = tmp_path / "g.json"
     g.write_text("{not json")

@@ -135,8 +135,8 @@ def test_handlers_resolve_through_the_registry_and_need_an_envelope() -> None:
 
 
 def test_maru_worker_registers_before_running_dynamo(monkeypatch: pytest.MonkeyPatch, registry) -> None:
-    from maru_dynamo.components import maru_worker
     import maru_vllm.events as events
+    from maru_dynamo.components import maru_worker
 
     seen = {}
     monkeypatch.setenv("PYTHONHASHSEED", "0")

@@ -29,7 +29,7 @@ vllm:prompt_tokens_created{engine="0"} 1.7e9
 @pytest.fixture
 def metrics_url() -> Iterator[str]:
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_GET(self) -> None:  # http.server names its handlers so
             body = PAGE.encode()
             self.send_response(200)
             self.send_header("content-length", str(len(body)))

@@ -297,7 +297,7 @@ def test_every_readme_block_is_classified() -> None:
         elif b.kind == "skip" and not b.arg:
             problems.append(f"{where}: 'skip' needs a reason")
         elif b.kind == "covered-by":
-            refs = [w for w in b.arg.split() if w.startswith("tests/") or w.startswith(".ci/")]
+            refs = [w for w in b.arg.split() if w.startswith(("tests/", ".ci/"))]
             if not refs:
                 problems.append(f"{where}: 'covered-by' names no test")
             problems += [f"{where}: covered-by {r}: no such test" for r in refs if not _ref_exists(r)]

@@ -8,10 +8,11 @@ would otherwise silently fall back to a default).
 from __future__ import annotations
 
 import dataclasses
-from vllm.logger import init_logger
 import os
 from collections.abc import Mapping
 from typing import Any
+
+from vllm.logger import init_logger
 
 from maru_vllm.pool.auth import read_token_file
 from maru_vllm.pool.errors import InvalidArgument

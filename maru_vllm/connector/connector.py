@@ -18,7 +18,6 @@ fails closed on the load path: a failed load hook reports the step's planned blo
 from __future__ import annotations
 
 import functools
-from vllm.logger import init_logger
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -28,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.logger import init_logger
 
 from maru_vllm.connector.chunks import ChunkGeometry
 from maru_vllm.connector.config import parse_config
@@ -67,7 +67,7 @@ def _contained(default: Any, on_error: str | None = None) -> Callable[[Callable[
         def inner(self: MaruKVConnector, *args: Any, **kwargs: Any) -> T:
             try:
                 return fn(self, *args, **kwargs)
-            except Exception:  # noqa: BLE001 - containment boundary: the engine must keep serving
+            except Exception:  # containment boundary: the engine must keep serving
                 self.contained_errors += 1
                 logger.exception("MaruKVConnector.%s failed; continuing without the pool for this step", fn.__name__)
                 if on_error is not None:

@@ -18,6 +18,7 @@ thousands of modules, and these helpers are imported by light tools as well.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import warnings
@@ -346,7 +347,7 @@ class KVCacheSet:
         step = views[1].data_ptr() - v0.data_ptr()
         if step <= 0 or step % v0.element_size():
             return None
-        if any(b.data_ptr() - a.data_ptr() != step for a, b in zip(views, views[1:])):
+        if any(b.data_ptr() - a.data_ptr() != step for a, b in itertools.pairwise(views)):
             return None
         return torch.as_strided(
             v0, (len(views), *v0.shape), (step // v0.element_size(), *v0.stride()),

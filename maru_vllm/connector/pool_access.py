@@ -9,10 +9,11 @@ pool client.
 
 from __future__ import annotations
 
-from vllm.logger import init_logger
 import threading
 from collections.abc import Callable
 from typing import TypeVar
+
+from vllm.logger import init_logger
 
 from maru_vllm.pool import PoolClient, PoolError
 

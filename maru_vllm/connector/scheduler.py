@@ -28,8 +28,9 @@ sample from).
 from __future__ import annotations
 
 import dataclasses
-from vllm.logger import init_logger
 from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
 
 from maru_vllm.connector.chunks import ChunkGeometry, chunk_key, hash_bytes
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata

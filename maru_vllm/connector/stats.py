@@ -9,7 +9,7 @@ counters on vLLM's own `/metrics` endpoint.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -80,7 +80,7 @@ class MaruConnectorStats(KVConnectorStats):
 class MaruPromMetrics(KVConnectorPromMetrics):
     """`maru_connector_*` counters on vLLM's /metrics, one series per engine."""
 
-    _COUNTERS = {
+    _COUNTERS: ClassVar[dict[str, str]] = {
         "chunks_loaded": "KV chunks loaded from the Maru pool",
         "blocks_loaded": "KV blocks loaded from the Maru pool (a chunk shared in part adds its leading blocks)",
         "bytes_loaded": "bytes of KV loaded from the Maru pool",

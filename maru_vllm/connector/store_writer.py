@@ -165,7 +165,7 @@ class StoreWriter:
                 job = self._running = self._queue.popleft()
             try:
                 self._write(job)
-            except Exception:  # noqa: BLE001 - the writer thread must survive any one job
+            except Exception:  # the writer thread must survive any one job
                 logger.exception("Maru store job failed; its chunks are not stored")
                 with self._cv:
                     self._counters.store_failures += len(job.stores)

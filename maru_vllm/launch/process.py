@@ -72,7 +72,7 @@ class ManagedProcess:
             raise RuntimeError(f"{self.name} already started (pid {self.proc.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        log = open(self.log_path, "ab")
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed in `finally` once the child holds its copy
         try:
             self.proc = subprocess.Popen(
                 self.argv,

@@ -12,7 +12,7 @@ from typing import Any
 
 from maru_vllm.pool.address import parse_address
 from maru_vllm.pool.auth import read_token_file
-from maru_vllm.pool.errors import InvalidArgument, PoolError
+from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.index import DEFAULT_MAX_OBJECTS, DEFAULT_METADATA_BUDGET
 from maru_vllm.pool.region import BACKENDS, RegionError, parse_size, validate_pool_name
 

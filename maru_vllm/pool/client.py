@@ -33,7 +33,7 @@ import msgspec
 
 from maru_vllm.pool import messages as M
 from maru_vllm.pool import protocol as P
-from maru_vllm.pool.address import peer_credentials, parse_address
+from maru_vllm.pool.address import parse_address, peer_credentials
 from maru_vllm.pool.errors import InvalidArgument, PoolError, PoolProtocolError, PoolUnavailable
 from maru_vllm.pool.objects import (
     OBJ_HEADER_SIZE,
@@ -396,7 +396,7 @@ class PoolClient:
             result = self._roundtrip("reserve", {"items": clean, "ns": ns})
             view = self._region.view  # type: ignore[union-attr]
             out: list[Reservation | None] = []
-            for (key, size), r in zip(clean, result):
+            for (key, _size), r in zip(clean, result):
                 if r is None:
                     out.append(None)
                     continue

@@ -251,9 +251,8 @@ class PoolIndex:
         out: list[Obj | None] = []
         for k in keys:
             obj = self.objects.get((ns, k))
-            if obj is not None:
-                if not self._pin(s, obj):
-                    obj = None
+            if obj is not None and not self._pin(s, obj):
+                obj = None
             out.append(obj)
         self._count([o is not None for o in out])
         return out
@@ -348,7 +347,8 @@ class PoolIndex:
             obj.meta = meta
             obj.parts = tuple(parts[i][:MAX_PARTS]) if parts is not None and parts[i] else ()
             cost = obj.meta_cost
-            if not self._evict_until(lambda: self.metadata_bytes + cost <= self.metadata_budget):
+            # _evict_until calls the predicate before it returns, so it sees this iteration's `cost`.
+            if not self._evict_until(lambda: self.metadata_bytes + cost <= self.metadata_budget):  # noqa: B023
                 logger.debug("commit of %s/%s refused: metadata budget of %d bytes is full of pinned objects",
                              obj.ns, obj.key.hex(), self.metadata_budget)
                 self.counters["metadata_budget_refusals"] += 1

@@ -77,7 +77,7 @@ def replay(trace_path: str, spec: ClusterSpec, config: str, workers: int) -> Run
             trace_block_size=spec.trace_block_size,
             arrival_speedup_ratio=spec.arrival_speedup,
         )
-    except Exception as exc:  # noqa: BLE001 - Dynamo raises plain Exception/ValueError from Rust
+    except Exception as exc:  # Dynamo raises plain Exception/ValueError from Rust
         raise RuntimeError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     s = report.summary
     return RunResult(

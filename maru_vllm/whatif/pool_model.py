@@ -288,7 +288,7 @@ class PoolModel:
             host = self.host_index.overlaps(rq.local)
             if self.config == KV_POOL:
                 pooled = host.get(POOL_WORKER_ID, 0)
-                host = {w: pooled for w in range(self.n)}
+                host = dict.fromkeys(range(self.n), pooled)
         weight = self.spec.host_weight if self.config in (KV_HOST, KV_POOL) else 0.0
         best: list[int] = []
         best_dev: list[int] = []

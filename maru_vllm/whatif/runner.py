@@ -69,7 +69,7 @@ class WhatIf:
     """Replays one trace on one simulator; `run` and `sweep` return table rows."""
 
     def __init__(self, requests: Sequence[TraceRequest], spec: ClusterSpec, simulator: str = MODEL,
-                 repeats: int = 1, progress: TextIO | None | str = "stderr") -> None:
+                 repeats: int = 1, progress: TextIO | str | None = "stderr") -> None:
         if simulator not in SIMULATORS:
             raise ValueError(f"unknown simulator {simulator!r}: use {', '.join(SIMULATORS)}")
         if repeats < 1:
@@ -87,7 +87,7 @@ class WhatIf:
     def close(self) -> None:
         self._tmp.cleanup()
 
-    def __enter__(self) -> "WhatIf":
+    def __enter__(self) -> WhatIf:
         return self
 
     def __exit__(self, *exc: object) -> None:

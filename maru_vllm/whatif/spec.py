@@ -134,7 +134,7 @@ class ClusterSpec:
         """kv-host: the pool's capacity split evenly, one host tier per worker."""
         return max(1, self.pool_blocks // workers)
 
-    def with_weight(self, weight: float) -> "ClusterSpec":
+    def with_weight(self, weight: float) -> ClusterSpec:
         return dataclasses.replace(self, host_weight=weight)
 
 

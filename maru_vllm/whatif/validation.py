@@ -10,9 +10,9 @@ through the next two arrivals and ends before the third.
 
 from __future__ import annotations
 
-from maru_vllm.workload import Workload, WorkloadSpec, build_workload
 from maru_vllm.whatif.spec import ClusterSpec
 from maru_vllm.whatif.trace import TraceRequest
+from maru_vllm.workload import Workload, WorkloadSpec, build_workload
 
 # The routing comparison's defaults (benchmarks/routing_comparison.py DEFAULT_SPEC / DEFAULT_WINDOW).
 ROUTING_COMPARISON_SPEC = WorkloadSpec(systems=2, sessions=7, hot_sessions=4, turns=3, system_tokens=1024,

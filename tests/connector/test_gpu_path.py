@@ -26,8 +26,8 @@ from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier, make_copier
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.pool import PoolClient
-from tests.connector.sched_harness import PoolService
 from tests.connector.chunk_meta import chunk_meta
+from tests.connector.sched_harness import PoolService
 
 L, NB, H, BS, C = 4, 16, 2, 8, 64  # layers, blocks, kv heads, block size, 2 * head size
 BPC = 2

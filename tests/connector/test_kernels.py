@@ -55,7 +55,7 @@ def fake_lmcache(monkeypatch):
         module = importlib.util.module_from_spec(spec)
         monkeypatch.setitem(sys.modules, "lmcache", module)
         spec.loader.exec_module(module)
-        assert module.FAKE_NAME == name
+        assert name == module.FAKE_NAME
         return module
 
     yield install

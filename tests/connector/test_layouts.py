@@ -87,7 +87,7 @@ def _roundtrip(caches_a, caches_b, block_size, bd, group, **kw):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_roundtrip_every_layout(case):
-    name, _, _, bd, backend, group = case
+    _name, _, _, bd, backend, group = case
     a = _make(case, torch.bfloat16, seed=1)
     b = _make(case, torch.bfloat16, seed=2, zero=True)
     num_blocks = NB if group > 1 else None
@@ -126,7 +126,7 @@ if hasattr(torch, "float8_e4m3fn"):
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: c[0])
 def test_roundtrip_dtypes(case, dtype):
     _, _, _, bd, backend, group = case
-    codec, buf = _roundtrip(_make(case, dtype, 5), _make(case, dtype, 6, zero=True),
+    codec, _buf = _roundtrip(_make(case, dtype, 5), _make(case, dtype, 6, zero=True),
                             BS, bd, group, backend_name=backend)
     assert str(dtype).removeprefix("torch.") in codec.layout_signature()
 
@@ -170,7 +170,7 @@ def test_shared_storage_layers_copied_once():
     # Same tensor twice and a second view object over the same bytes.
     a = {"l0": shared_a, "l1": shared_a.view(shared_a.shape), "l2": other_a}
     b = {"l0": shared_b, "l1": shared_b.view(shared_b.shape), "l2": other_b}
-    codec, buf = _roundtrip(a, b, BS, 0, 1)
+    codec, _buf = _roundtrip(a, b, BS, 0, 1)
     page = H * BS * 2 * D * 2
     assert codec.bytes_per_block == 2 * page
     assert codec.unique_layers == ("l0", "l2")

@@ -11,8 +11,8 @@ import torch
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
-from tests.connector.sched_harness import PoolService
 from tests.connector.chunk_meta import chunk_meta
+from tests.connector.sched_harness import PoolService
 
 
 def test_stores_past_the_session_quota_are_skipped_and_the_rest_load() -> None:

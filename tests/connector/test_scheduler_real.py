@@ -76,7 +76,6 @@ def new_sim(tiny_model: Path, pool_service: PoolService, client: PoolClient):
 # ---- checks --------------------------------------------------------------------------------
 def check_step(sim: Sim, rec: StepRecord, client: PoolClient | None = None) -> None:
     """Loads and stores of one step against vLLM's real block tables and block hashes."""
-    sched = sim.sched
     meta = rec.meta
     # -- stores: complete prompt chunks, the request's real blocks, hashes = the key's prefix
     for s in meta.stores:
@@ -188,7 +187,7 @@ def test_concurrent_requests_store_every_chunk_once(new_sim, client, play_worker
         keys = {chunk_key(s.key, 0) for rec in sim.steps for s in rec.meta.stores}
         assert all(client.lookup(sorted(keys), sim.namespace))
     # One lookup per request (none of them waited twice or was preempted).
-    assert dict(sim.probe.lookups_by_req) == {rid: 1 for rid in sim.requests}
+    assert dict(sim.probe.lookups_by_req) == dict.fromkeys(sim.requests, 1)
 
 
 # ---- 2. pool hits --------------------------------------------------------------------------

@@ -12,17 +12,18 @@ import pytest
 import torch
 
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
+from maru_vllm.connector.pool_access import PoolAccess
+from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.pool.messages import ChunkMeta
+from tests.connector.chunk_meta import chunk_meta
+from tests.connector.sched_harness import PoolService
 
 
 def _meta(chunk: int) -> ChunkMeta:
     """Chunk metadata as the scheduler side builds it (two blocks of four tokens)."""
     return ChunkMeta(v=1, chunk=chunk, block_size=4, block_hashes=["aa" * 16, "bb" * 16], parent_block_hash=None,
                      token_ids=[[1, 2, 3, 4], [5, 6, 7, 8]])
-from maru_vllm.connector.pool_access import PoolAccess
-from maru_vllm.connector.worker import MaruWorkerSide
-from tests.connector.sched_harness import PoolService
-from tests.connector.chunk_meta import chunk_meta
+
 
 NS = "kv:test:worker"
 
@@ -59,7 +60,7 @@ def test_store_then_load_into_another_instance(pool: PoolService) -> None:
 
 
 def test_failed_load_blocks_are_reported_and_that_requests_stores_are_dropped(pool: PoolService) -> None:
-    w, kv = make_worker(pool.address, 3)
+    w, _kv = make_worker(pool.address, 3)
     step = MaruConnectorMetadata(
         loads=[ChunkLoad("r1", b"never-stored", [0, 1])],
         stores=[ChunkStore("r1", b"r1-chunk-1", [2, 3], _meta(1)),  # computed over missing KV

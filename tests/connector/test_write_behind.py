@@ -20,8 +20,8 @@ from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.pool import PoolClient
-from tests.connector.sched_harness import BLOCK_SIZE, PoolService, Sim, make_request, make_scheduler, pool_keys, tokens
 from tests.connector.chunk_meta import chunk_meta
+from tests.connector.sched_harness import BLOCK_SIZE, PoolService, Sim, make_request, make_scheduler, pool_keys, tokens
 
 NUM_BLOCKS = 64
 
@@ -80,7 +80,7 @@ def test_finished_request_keeps_its_blocks_until_its_copy_is_done_and_is_invisib
         tiny_model: Path, pool: PoolService, client: PoolClient) -> None:
     sched = make_scheduler(tiny_model, pool.address, num_blocks=NUM_BLOCKS, max_num_batched_tokens=1024,
                            extra={"maru_namespace": "wb-hold"})
-    worker, caches = make_worker(pool.address, sched.connector.namespace)
+    worker, _caches = make_worker(pool.address, sched.connector.namespace)
     gate = Gate(worker)
     sim = Sim(sched, worker=worker)
     req = make_request("r", tokens(7, 600), max_tokens=1)  # two full chunks, done after one step

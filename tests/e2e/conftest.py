@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port
-from maru_vllm.launch import stack
+from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port, stack
 
 
 @dataclasses.dataclass

@@ -121,7 +121,7 @@ def metric_total(text: str, name: str) -> float:
     """Sum of a Prometheus metric's samples (all label sets) in an exposition text."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             total += float(line.rsplit(" ", 1)[1])
     return total
 

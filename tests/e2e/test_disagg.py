@@ -38,8 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_vllm.launch import ManagedProcess, ProcessGroup
-from maru_vllm.launch import stack
+from maru_vllm.launch import ManagedProcess, ProcessGroup, stack
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import start_pool, token_prompt
 from tests.e2e.openai_client import cached_tokens, completion
@@ -84,7 +83,7 @@ def metrics(port: int) -> str:
 def metric_total(text: str, name: str) -> float:
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             total += float(line.rsplit(" ", 1)[1])
     return total
 

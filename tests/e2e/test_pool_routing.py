@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_vllm.launch import ManagedProcess, ProcessGroup
-from maru_vllm.launch import stack
+from maru_vllm.launch import ManagedProcess, ProcessGroup, stack
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import PoolService, maru_worker, start_pool, token_prompt
 from tests.e2e.openai_client import cached_tokens, completion

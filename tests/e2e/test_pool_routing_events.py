@@ -18,13 +18,8 @@ prompt), and a `router_probe` (a second KvRouter) that reports per-tier overlap 
 from __future__ import annotations
 
 import json
-import os
-import queue
 import random
-import re
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -33,11 +28,10 @@ from typing import Any
 import pytest
 
 from maru_vllm.events.vllm_format import external_hash
-from tests.e2e.router_probe_client import RouterProbe, selected_lines
-from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port
-from maru_vllm.launch import stack
+from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port, stack
 from maru_vllm.pool import PoolClient
 from tests.e2e.openai_client import completion
+from tests.e2e.router_probe_client import RouterProbe, selected_lines
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -157,7 +151,7 @@ def test_router_credits_pool_blocks_at_host_tier(tiny_model: Path, procs: Proces
     prompt_b = token_prompt(2, n * BLOCK + 40)
     hashes_a = vllm_block_hashes(long_a, monkeypatch)
     hashes_b = vllm_block_hashes(prompt_b, monkeypatch)
-    keys_a = put_prompt_chunks(pool, namespace, long_a, hashes_a, chunks=range(0, n // CHUNK_BLOCKS))
+    keys_a = put_prompt_chunks(pool, namespace, long_a, hashes_a, chunks=range(n // CHUNK_BLOCKS))
     pool.put(b"not-a-chunk", b"x", namespace=namespace, meta={"something": "else"})  # ignored
     pool.put(b"other-model", b"x", namespace="kv:other-model:abc",  # other namespace: ignored
              meta={"v": 1, "chunk": 0, "block_size": BLOCK, "block_hashes": ["ab" * 32, "cd" * 32],

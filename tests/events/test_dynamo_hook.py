@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import types
+from typing import ClassVar
 
 import pytest
 
@@ -30,7 +31,7 @@ def test_other_dynamo_versions_are_refused_with_a_clear_error(monkeypatch: pytes
 def test_hash_seed_check() -> None:
     dynamo_hook.check_hash_seed({})
     dynamo_hook.check_hash_seed({"PYTHONHASHSEED": "0"})
-    with pytest.raises(RuntimeError, match="PYTHONHASHSEED='1'.*PYTHONHASHSEED=0"):
+    with pytest.raises(RuntimeError, match=r"PYTHONHASHSEED='1'.*PYTHONHASHSEED=0"):
         dynamo_hook.check_hash_seed({"PYTHONHASHSEED": "1"})
 
 
@@ -50,7 +51,7 @@ def test_seam_exists_in_dynamo_1_6_1() -> None:
 
 
 class FakePublisher:
-    made: list[dict] = []
+    made: ClassVar[list[dict]] = []
 
     def __init__(self, **kwargs):
         FakePublisher.made.append(kwargs)

@@ -34,7 +34,7 @@ class Downstream:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.sock.poll(50):
-                topic, seq, payload = self.sock.recv_multipart()
+                _topic, seq, payload = self.sock.recv_multipart()
                 self.got.append((vf.decode_seq(seq), vf.decode_batch(payload), payload))
 
     def events(self) -> list:

@@ -46,7 +46,7 @@ def _close(schema: Any) -> Any:
     return schema
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dgd_validator(version: str = "v1beta1") -> jsonschema.protocols.Validator:
     if not DGD_CRD.is_file():
         raise FileNotFoundError(f"{DGD_CRD}: the upstream DynamoGraphDeployment CRD (shared/k8s-schemas) is missing")

@@ -24,7 +24,7 @@ import yaml
 
 from maru_dynamo.graphs import helm
 from maru_dynamo.graphs.render import RenderOptions, chart_values, render_yaml
-from maru_dynamo.graphs.spec import GraphSpecError, load_graph, parse_graph
+from maru_dynamo.graphs.spec import load_graph, parse_graph
 from tests.graphs.k8s_schemas import ManifestError, validate_core, validate_dgd, validate_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -317,7 +317,7 @@ def test_negative_values_outside_the_chart_schema_are_refused() -> None:
     taken = {"image": IMAGE, "workers": {"agg": [{"name": "frontend", "type": "worker", "replicas": 1}]}}
     with pytest.raises(helm.ChartError, match="taken by the Frontend component"):
         helm.template(taken, release="r", namespace="ns")
-    with pytest.raises(helm.ChartError, match="pool.deviceResource: missing"):
+    with pytest.raises(helm.ChartError, match=r"pool\.deviceResource: missing"):
         helm.template({"image": IMAGE, "pool": {"backend": "dax", "path": "/dev/dax0.0", "daxAccess": "devicePlugin"}},
                       release="r", namespace="ns")
 

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from pool_helpers import NatsProc, PoolProc, free_port, stop_process
 
 

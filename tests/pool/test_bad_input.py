@@ -9,10 +9,10 @@ import sys
 
 import msgspec
 import pytest
+from pool_helpers import REPO, child_env, free_port
 
 from maru_vllm.pool import PoolClient, PoolProtocolError, PoolUnavailable
 from maru_vllm.pool.protocol import PROTOCOL_VERSION
-from pool_helpers import REPO, child_env, free_port
 
 
 class Raw:
@@ -60,7 +60,7 @@ class Raw:
 
 def _err(reply):
     assert reply is not None, "connection closed instead of an error reply"
-    v, rid, ok, result, error = reply
+    _v, _rid, ok, _result, error = reply
     assert ok is False
     return error[0], error[1]
 

@@ -7,9 +7,9 @@ import json
 
 import nats
 import pytest
+from pool_helpers import wait_until
 
 from maru_vllm.pool import PoolClient, events_subject, snapshot_subject
-from pool_helpers import wait_until
 
 
 async def _wait(pred, timeout=20.0, what="condition"):
@@ -98,7 +98,7 @@ def test_ops_continue_while_nats_is_down_and_events_resume(pool_factory, nats_se
             await asyncio.to_thread(c.put, b"after", b"2")
             await _wait(lambda: any(e["type"] == "stored" and e["key"] == b"after".hex() for e in events),
                         what="event after reconnect")
-            after = [e for e in events if e["key"] == b"after".hex()][0]
+            after = next(e for e in events if e["key"] == b"after".hex())
             assert after["seq"] == 22  # numbering continued across the outage
             # a subscriber that missed events resyncs from the snapshot and its seq
             snap = json.loads((await nc.request(snapshot_subject(p.name), b"", timeout=10)).data)

@@ -13,11 +13,11 @@ import sys
 import time
 
 import pytest
+from pool_helpers import free_port, wait_until
+from test_bad_input import Raw, _err
 
 from maru_vllm.pool import PoolClient, PoolProtocolError, PoolUnavailable
 from maru_vllm.pool import protocol as P
-from pool_helpers import free_port, wait_until
-from test_bad_input import Raw, _err
 
 TOKEN = "t" * 24
 

@@ -11,12 +11,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from pool_helpers import free_port
+from test_bad_input import _cli
 
 from maru_vllm.pool import PoolClient, PoolError, PoolUnavailable
 from maru_vllm.pool import address as address_mod
 from maru_vllm.pool import client as client_mod
-from pool_helpers import free_port
-from test_bad_input import _cli
 
 TOKEN = "k" * 32
 

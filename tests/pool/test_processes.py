@@ -8,9 +8,9 @@ import signal
 import time
 
 import pytest
+from pool_helpers import spawn_worker, stop_process, wait_until
 
 from maru_vllm.pool import PoolClient, PoolUnavailable
-from pool_helpers import spawn_worker, stop_process, wait_until
 
 
 def _leak_free(st: dict) -> bool:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from maru_vllm.pool import PoolClient
-from maru_vllm.pool.allocator import Allocator
 from maru_vllm.pool import index as index_mod
+from maru_vllm.pool.allocator import Allocator
 
 K300 = 300_000
 
@@ -102,15 +102,15 @@ def test_connector_always_writes_checksums(pool, checksum):
         assert access.client.put(b"from-connector", b"c" * 4096)
     finally:
         access.close()
-    with PoolClient.connect(pool.address, checksum=True) as strict:
-        with strict.get(b"from-connector") as v:
-            assert v is not None and bytes(v) == b"c" * 4096
+    with PoolClient.connect(pool.address, checksum=True) as strict, strict.get(b"from-connector") as v:
+        assert v is not None and bytes(v) == b"c" * 4096
 
 
 def test_a_stale_writer_cannot_hand_a_checksum_reader_bad_bytes(pool_factory):
     """A writer paused past its lease writes into space the pool gave to a newer object."""
-    from maru_vllm.connector.pool_access import PoolAccess
     from pool_helpers import wait_until
+
+    from maru_vllm.connector.pool_access import PoolAccess
 
     p = pool_factory(size="2M", extra=["--lease-seconds", "0.5"])
     stale = PoolClient.connect(p.address, heartbeat=False)  # "paused": sends nothing
@@ -121,10 +121,9 @@ def test_a_stale_writer_cannot_hand_a_checksum_reader_bad_bytes(pool_factory):
         wait_until(lambda: watcher.stats()["sessions_expired"] >= 1, what="the stale writer's lease expired")
         assert writer.client.put(b"new", b"N" * 1_000_000)
         old.buffer[:] = b"S" * 1_000_000  # resumed: it still writes where its reservation was
-        with PoolClient.connect(p.address, checksum=True) as reader:
-            with reader.get(b"new") as v:
-                assert v is None or bytes(v) == b"N" * 1_000_000
-                assert v is None  # the overwrite is detected, not served
+        with PoolClient.connect(p.address, checksum=True) as reader, reader.get(b"new") as v:
+            assert v is None or bytes(v) == b"N" * 1_000_000
+            assert v is None  # the overwrite is detected, not served
     finally:
         stale.close()
         watcher.close()

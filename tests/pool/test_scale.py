@@ -8,13 +8,13 @@ import sys
 
 import msgspec
 import pytest
+from pool_helpers import REPO, child_env
 
 from maru_vllm.pool import PoolClient, PoolProtocolError
 from maru_vllm.pool import protocol as P
 from maru_vllm.pool.allocator import Allocator
 from maru_vllm.pool.index import PoolIndex
 from maru_vllm.pool.messages import ChunkMeta, decode_snapshot_page, encode_meta_json
-from pool_helpers import REPO, child_env
 
 BLOCK = 16
 

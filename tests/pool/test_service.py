@@ -10,8 +10,8 @@ import threading
 import urllib.request
 
 import pytest
-
 from pool_helpers import REPO, child_env, free_port
+
 from maru_vllm.pool import InvalidArgument, PoolClient, PoolError
 
 
@@ -218,7 +218,7 @@ def test_parts_lookup_and_acquire_through_the_service(pool):
         assert c.lookup_parts([b"h0", b"h1"], namespace="p") == [1, 0]
         # part keys count against the per-object metadata budget: a clear one-line refusal
         (res,) = c.reserve([(b"chunk-c", 10)], namespace="p")
-        with pytest.raises(PoolError, match="part keys of .* bytes exceed 16384 bytes per object"):
+        with pytest.raises(PoolError, match=r"part keys of .* bytes exceed 16384 bytes per object"):
             c.commit([res], None, [[b"k" * 200] * 100])
         with pytest.raises(InvalidArgument, match="at most 256"):
             c.commit([res], None, [[b"k"] * 300])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import uuid
 from pathlib import Path
@@ -90,7 +91,7 @@ def test_allocator_mixed_sizes_returns_empty_slabs_and_blocks_do_not_overlap():
                 assert x.capacity >= size
                 live[object()] = x
     spans = sorted((x.offset, x.offset + x.capacity) for x in live.values())
-    for (s1, e1), (s2, _) in zip(spans, spans[1:]):
+    for (_, e1), (s2, _) in itertools.pairwise(spans):
         assert e1 <= s2, "two live blocks overlap"
     assert spans[-1][1] <= a.capacity
     a.check()
@@ -158,7 +159,7 @@ def test_index_lru_evicts_oldest_unpinned_and_never_pinned():
 def test_index_session_close_releases_reservations_and_pins():
     idx = _index()
     s = idx.open_session()
-    (o,) = idx.reserve(s, "d", [(b"a", 5000)])
+    (_o,) = idx.reserve(s, "d", [(b"a", 5000)])
     w = idx.open_session()
     (c,) = idx.reserve(w, "d", [(b"b", 5000)])
     idx.commit(w, [c.oid], [None], _ok)
@@ -245,7 +246,7 @@ def test_protocol_validates_args():
         P.decode_args("frobnicate", msgspec.Raw(msgspec.msgpack.encode({})))
     assert e.value.code == "unknown_op"
     raw = msgspec.msgpack.encode({"keys": [b"x" * 257]})
-    with pytest.raises(P.FrameError, match="257|256"):
+    with pytest.raises(P.FrameError, match=r"257|256"):
         P.decode_args("lookup", msgspec.Raw(raw))
 
 

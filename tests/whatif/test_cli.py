@@ -76,8 +76,8 @@ def test_sweep_weight_reports_the_best_weight_per_worker_count(synthetic_trace: 
 
 
 def test_calibration_sets_pool_bandwidth_and_scales_the_mockers_prefill(synthetic_trace: Path, tmp_path: Path, capsys) -> None:
-    from maru_vllm.whatif.timing import mocker_prefill_tokens_per_s
     from maru_vllm.whatif.spec import ClusterSpec
+    from maru_vllm.whatif.timing import mocker_prefill_tokens_per_s
 
     base_tps = mocker_prefill_tokens_per_s(ClusterSpec(kv_bytes_per_token=131072))
     cal = tmp_path / "cal.json"
@@ -138,6 +138,6 @@ def test_model_config_gives_kv_bytes_per_token(tmp_path: Path) -> None:
         "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "hidden_size": 5120,
         "torch_dtype": "bfloat16"}))
     assert kv_bytes_per_token_of_model(str(tmp_path)) == DEFAULT_KV_BYTES_PER_TOKEN == 262144
+    (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="lacks"):
-        (tmp_path / "config.json").write_text("{}")
         kv_bytes_per_token_of_model(str(tmp_path))

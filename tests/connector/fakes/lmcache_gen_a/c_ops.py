@@ -1,5 +1,7 @@
 """FAKE gen_a kernel module for tests; the functions only return a tag."""
 
+import enum
+
 
 def _tagged(name):
     def kernel(*args, **kwargs):
@@ -11,8 +13,6 @@ def _tagged(name):
 
 for _name in ("multi_layer_kv_transfer", "single_layer_kv_transfer", "load_and_reshape_flash", "reshape_and_cache_back_flash"):
     globals()[_name] = _tagged(_name)
-
-import enum
 
 
 class EngineKVFormat(enum.IntEnum):
