@@ -324,9 +324,12 @@ def run_scale(args: argparse.Namespace, chunks: int) -> dict[str, Any]:
         time.sleep(2.0)
         out["router_rss_mib"] = rss(router.proc.pid) / MiB
         out["router_rss_per_block_b"] = (rss(router.proc.pid) - out["router_rss_empty_mib"] * MiB) / out["blocks"]
-        print(f"[{chunks}] resync: relay {out['resync_relay_s']:.1f} s, router credits all "
-              f"{out['resync_to_router_s']:.1f} s after relay start; router RSS {out['router_rss_empty_mib']:.0f} -> "
-              f"{out['router_rss_mib']:.0f} MiB; worker (relay+publisher) RSS {out['worker_rss_mib']:.0f} MiB", flush=True)
+        print(
+            f"[{chunks}] resync: relay {out['resync_relay_s']:.1f} s, router credits all "
+            f"{out['resync_to_router_s']:.1f} s after relay start; router RSS {out['router_rss_empty_mib']:.0f} -> "
+            f"{out['router_rss_mib']:.0f} MiB; worker (relay+publisher) RSS {out['worker_rss_mib']:.0f} MiB",
+            flush=True,
+        )
 
         # live events: new chunks from commit to router credit
         live_prompts = max(1, args.live_chunks // args.chunks_per_prompt)
@@ -338,8 +341,11 @@ def run_scale(args: argparse.Namespace, chunks: int) -> dict[str, Any]:
         out["commit_chunks_per_s"] = n / (t_committed - t0)
         out["event_chunks_per_s"] = n / (t_credit - t0)
         out["event_blocks_per_s"] = n * bpc / (t_credit - t0)
-        print(f"[{chunks}] events: {n} chunks committed at {out['commit_chunks_per_s']:.0f}/s, credited by the "
-              f"router at {out['event_chunks_per_s']:.0f} chunks/s ({out['event_blocks_per_s']:.0f} blocks/s)", flush=True)
+        print(
+            f"[{chunks}] events: {n} chunks committed at {out['commit_chunks_per_s']:.0f}/s, credited by the "
+            f"router at {out['event_chunks_per_s']:.0f} chunks/s ({out['event_blocks_per_s']:.0f} blocks/s)",
+            flush=True,
+        )
 
         # lookups
         rng = random.Random(7)

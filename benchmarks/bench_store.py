@@ -330,8 +330,10 @@ def report(args: argparse.Namespace, results: dict, eng: dict[str, float] | None
     mib = nbytes / 2**20
     print(f"bench-model KV, {args.chunks} chunks = {mib:.0f} MiB per prompt, one core ({args.core}), "
           f"min of {args.repeats}")
-    print(f"  store (writer: reserve + page copy + checksum + commit) {results['store_GBps']:6.2f} GB/s | "
-          f"memcpy of the same bytes {results['memcpy_GBps']:6.2f} GB/s | store/memcpy {results['store_over_memcpy']:.2f}")
+    print(
+        f"  store (writer: reserve + page copy + checksum + commit) {results['store_GBps']:6.2f} GB/s | "
+        f"memcpy of the same bytes {results['memcpy_GBps']:6.2f} GB/s | store/memcpy {results['store_over_memcpy']:.2f}"
+    )
     print(f"  store with maru_checksum=false {results['store_no_checksum_GBps']:6.2f} GB/s | "
           f"store/memcpy {results['store_no_checksum_over_memcpy']:.2f}")
     print("  parts: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in results["parts_GBps"].items()))

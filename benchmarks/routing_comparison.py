@@ -73,7 +73,8 @@ kv-gpu+pool 21/0, kv-pool 0/21; round-robin 10112 tokens, 10/11). A pool block (
 of a device block) never outweighs the device copy on the worker that computed it, so pool
 events change nothing there; they pay off when requests are in flight.
 
-Usage: python benchmarks/routing_comparison.py [--window 3] [--sessions 7 --hot-sessions 4 ...] [--configs kv-gpu,kv-pool] [--routes] [--json]
+Usage: python benchmarks/routing_comparison.py [--window 3] [--sessions 7 --hot-sessions 4 ...]
+                                               [--configs kv-gpu,kv-pool] [--routes] [--json]
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ def _model(spec: GraphSpec, opts: RenderOptions) -> str:
     if model in SPECS:
         raise GraphSpecError(
             f"{spec.source}: model {model!r} is an offline test fixture built on the local machine; a cluster needs "
-            "a model every pod can load: set kubernetes.model in the graph or pass --model (HF id or path in the image)")
+            "a model every pod can load: set kubernetes.model in the graph or pass --model (HF id or path in the image)"
+        )
     return model
 
 

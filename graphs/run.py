@@ -177,7 +177,9 @@ def _worker_instances(url: str) -> int:
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
         return 0
     instances = health.get("instances") if isinstance(health, dict) else None
-    return len({i.get("instance_id") for i in instances or [] if isinstance(i, dict) and i.get("endpoint") == "generate"})
+    return len(
+        {i.get("instance_id") for i in instances or [] if isinstance(i, dict) and i.get("endpoint") == "generate"}
+    )
 
 
 def _wait_ready(group: ProcessGroup, plan: Plan, timeout: float) -> None:

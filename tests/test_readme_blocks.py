@@ -6,12 +6,14 @@ line right before its opening fence, in one of three forms:
 
   <!-- readme-test: run [NAME] -->
       This test runs the block for real (tests marked e2e, under `make test`): one bash script in
-      the repository root (logs in a scratch directory), with the venv's bin/ first on PATH and no VLLM_*/DYN_*/NATS_* variable
-      or PYTHONHASHSEED inherited (a fresh user shell). Commands ending in `&`, and the long-running
+      the repository root (logs in a scratch directory), with the venv's bin/ first on PATH and no
+      VLLM_*/DYN_*/NATS_* variable or PYTHONHASHSEED inherited (a fresh user shell). Commands
+      ending in `&`, and the long-running
       servers of LONG_RUNNING typed "each in its own terminal", start in the background and must
       still be running at the end. Any other command must exit 0; once a server has been
       started, a command is retried for up to RETRY_S seconds (as a user waits for services to come
-      up) while every background command is still running. `curl -s` runs as `curl -sf`, so an HTTP error fails. SUBSTITUTIONS make the block
+      up) while every background command is still running. `curl -s` runs as `curl -sf`, so an
+      HTTP error fails. SUBSTITUTIONS make the block
       private to this run (ports, socket and discovery paths, pool name, region size, the MODEL
       placeholder -> the offline tiny model). NAME (optional) picks extra checks or omitted
       commands from RUNS below; without it the block's line number names it.
@@ -169,7 +171,8 @@ def script(cmds: list[str], env: Env) -> str:
                 f"  if (( SECONDS > deadline )); then echo 'readme-test: gave up on: {_quote(cmd)}'; "
                 f"cat {t}/out{k}.txt; exit 1; fi",
                 f"  for p in $(cat {t}/pids); do kill -0 $p 2>/dev/null || "
-                f"{{ echo 'readme-test: a background command exited while waiting for: {_quote(cmd)}'; exit 1; }}; done",
+                f"{{ echo 'readme-test: a background command exited while waiting for: {_quote(cmd)}'; "
+                "exit 1; }; done",
                 "  sleep 3",
                 "done",
             ]

@@ -89,7 +89,9 @@ class MaruKVConnector(KVConnectorBase_V1):
         from vllm.platforms import current_platform
 
         self.copy_format = copy_format(str(current_platform.device_type), self.config.use_lmcache_kernels)
-        salt = self.config.namespace if self.copy_format == FORMAT_PAGES else f"{self.config.namespace}|{self.copy_format}"
+        salt = (
+            self.config.namespace if self.copy_format == FORMAT_PAGES else f"{self.config.namespace}|{self.copy_format}"
+        )
         identity = identity_from_vllm(vllm_config, kv_cache_config, salt)
         self.namespace = identity.namespace()
         self.can_load = bool(transfer.is_kv_consumer)

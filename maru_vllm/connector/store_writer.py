@@ -5,9 +5,10 @@ a synchronous store holds the step for reserve + page copy + checksum + commit, 
 stored here (10 GB/s). A CPU prefill produces KV at ~0.03 GB/s, so that is <1% of a miss; a
 GPU prefill produces KV at ~1 GB/s (Qwen2.5-32B: 1.1 GB in 1.06 s), and a synchronous store
 added 13% to a miss at that rate. Handed to a thread, the step is held only for building the
-job (0.44 us per MiB; +0.2% at the GPU rate), and the copy overlaps the next forward (GPU: the copy engine beside the compute; CPU: the core the forward leaves idle
-while it waits, and after the request's last prefill step, time after the first token went
-out). Per-layer stores inside the forward (`save_kv_layer`) were not chosen: they would put
+job (0.44 us per MiB; +0.2% at the GPU rate), and the copy overlaps the next forward (GPU:
+the copy engine beside the compute; CPU: the core the forward leaves idle while it waits, and
+after the request's last prefill step, time after the first token went out). Per-layer stores
+inside the forward (`save_kv_layer`) were not chosen: they would put
 one pool round trip or Python call per layer into the forward, and on CPU they compete with
 the very forward they are meant to hide behind.
 

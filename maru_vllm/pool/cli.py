@@ -95,17 +95,26 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--name", required=True, type=_arg_type(_name, "pool name"), help="pool name")
     serve.add_argument("--size", required=True, type=_arg_type(parse_size, "size"), help="region size: bytes, 512M, 4G")
     serve.add_argument("--backend", choices=BACKENDS, default="shm", help="where the region lives (default shm)")
-    serve.add_argument("--path", help="region path: /dev/shm/<file> (shm), /dev/daxX.Y (dax), a file on a DAX or hugetlbfs mount (file)")
+    serve.add_argument(
+        "--path",
+        help="region path: /dev/shm/<file> (shm), /dev/daxX.Y (dax), a file on a DAX or hugetlbfs mount (file)",
+    )
     serve.add_argument("--listen", action="append", type=_arg_type(_address, "address"), default=[],
                        help="unix:///path.sock (default under $XDG_RUNTIME_DIR or /tmp) or tcp://host:port; repeatable")
-    serve.add_argument("--nats", type=_arg_type(_nats_url, "NATS URL"), help="publish stored/removed events to this NATS server")
+    serve.add_argument(
+        "--nats", type=_arg_type(_nats_url, "NATS URL"), help="publish stored/removed events to this NATS server"
+    )
     serve.add_argument("--metrics-port", type=_arg_type(_port, "port"), help="serve Prometheus metrics on this port")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="metrics bind address (default 127.0.0.1)")
-    serve.add_argument("--token-file", help="file holding the shared-secret token clients must present (required for tcp)")
+    serve.add_argument(
+        "--token-file", help="file holding the shared-secret token clients must present (required for tcp)"
+    )
     serve.add_argument("--keep-region", action="store_true", help="leave the region file in place at exit")
     serve.add_argument("--lease-seconds", type=_arg_type(_seconds, "seconds"), default=30.0,
                        help="release a silent client's reservations and pins after this long (default 30)")
-    serve.add_argument("--group", type=_arg_type(_group, "group"), help="make the region and socket group-accessible (0660)")
+    serve.add_argument(
+        "--group", type=_arg_type(_group, "group"), help="make the region and socket group-accessible (0660)"
+    )
     serve.add_argument("--max-objects", type=_arg_type(_positive_int, "object count"), default=DEFAULT_MAX_OBJECTS,
                        help="most objects the pool indexes; beyond it LRU objects are evicted, and a store is "
                             f"skipped when none can be (default {DEFAULT_MAX_OBJECTS})")
@@ -157,7 +166,9 @@ def _read_token(path: str | None) -> str | None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from maru_vllm.pool.service import ServiceConfig, serve
 
-    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         cfg = ServiceConfig(
             name=args.name, size=args.size, backend=args.backend, path=args.path, listen=args.listen,
@@ -223,23 +234,35 @@ def format_status(st: dict[str, Any]) -> str:
         ("region", f"{st.get('region_path')} ({st.get('backend')})"),
         ("capacity", _human(st.get("capacity_bytes", 0))),
         ("allocated", f"{_human(st.get('allocated_bytes', 0))} ({100 * st.get('allocated_bytes', 0) / cap:.1f}%)"),
-        ("objects", f"{st.get('objects', 0)} ({_human(st.get('object_bytes', 0))}), at most {st.get('max_objects', 0)}"),
+        (
+            "objects",
+            f"{st.get('objects', 0)} ({_human(st.get('object_bytes', 0))}), at most {st.get('max_objects', 0)}",
+        ),
         ("metadata", f"{_human(st.get('metadata_bytes', 0))} of {_human(st.get('metadata_budget_bytes', 0))}"),
         ("reserved", f"{st.get('reserved', 0)} ({_human(st.get('reserved_bytes', 0))})"),
         ("pinned", st.get("pinned", 0)),
         ("sessions", st.get("sessions", 0)),
-        ("connections", f"{st.get('connections', 0)} of at most {st.get('max_connections', '?')}"
-         f" ({st.get('connections_waiting_for_hello', 0)} waiting for hello)"),
+        (
+            "connections",
+            f"{st.get('connections', 0)} of at most {st.get('max_connections', '?')}"
+            f" ({st.get('connections_waiting_for_hello', 0)} waiting for hello)",
+        ),
         ("quota refusals", st.get("quota_refusals", 0)),
         ("failed logins", st.get("auth_failures", 0)),
-        ("hits / misses", f"{st.get('hits', 0)} / {st.get('misses', 0)}"
-         + (f" ({100 * st.get('hits', 0) / lookups:.1f}% hit)" if lookups else "")),
+        (
+            "hits / misses",
+            f"{st.get('hits', 0)} / {st.get('misses', 0)}"
+            + (f" ({100 * st.get('hits', 0) / lookups:.1f}% hit)" if lookups else ""),
+        ),
         ("stores", st.get("stores", 0)),
         ("evictions", st.get("evictions", 0)),
         ("duplicate commits", st.get("duplicate_commits", 0)),
         ("corrupt reads", st.get("corrupt_reads", 0)),
-        ("events", f"seq {st.get('event_seq', 0)}, nats {st.get('nats') or 'off'}"
-         + (" (connected)" if st.get("nats_connected") else "")),
+        (
+            "events",
+            f"seq {st.get('event_seq', 0)}, nats {st.get('nats') or 'off'}"
+            + (" (connected)" if st.get("nats_connected") else ""),
+        ),
         ("uptime", f"{st.get('uptime_s', 0):.0f} s"),
     ]
     width = max(len(k) for k, _ in rows)

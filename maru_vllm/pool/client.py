@@ -595,7 +595,9 @@ class PoolClient:
         assert first is not None
         return {"pool": first.pool, "incarnation": first.incarnation, "seq": first.seq, "objects": objects}
 
-    def snapshot_pages(self, namespace: str | None = None, page_size: int = P.MAX_SNAPSHOT_PAGE) -> Iterator[M.SnapshotPage]:
+    def snapshot_pages(
+        self, namespace: str | None = None, page_size: int = P.MAX_SNAPSHOT_PAGE
+    ) -> Iterator[M.SnapshotPage]:
         """The visible objects, one `messages.SnapshotPage` (a few MiB at most) at a time, in commit
         order. Apply the events after the FIRST page's `seq` on top of all pages to get the exact
         current set (why that is exact: `SnapshotPage`). Raises PoolUnavailable if the pool

@@ -66,7 +66,9 @@ def replay(trace_path: str, spec: ClusterSpec, config: str, workers: int) -> Run
     from dynamo.replay import run_trace_replay
 
     router_mode = "round_robin" if config == ROUND_ROBIN else "kv_router"
-    router_config = KvRouterConfig(host_cache_hit_weight=spec.host_weight) if config in (KV_GPU, KV_HOST, KV_POOL) else None
+    router_config = (
+        KvRouterConfig(host_cache_hit_weight=spec.host_weight) if config in (KV_GPU, KV_HOST, KV_POOL) else None
+    )
     try:
         report = run_trace_replay(
             trace_path,

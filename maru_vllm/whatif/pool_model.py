@@ -229,7 +229,9 @@ class _Worker:
 class PoolModel:
     """One replay of one configuration (see the module docstring for what is modelled)."""
 
-    def __init__(self, spec: ClusterSpec, config: str, workers: int, timing: MockerTiming, seed: int | None = None) -> None:
+    def __init__(
+        self, spec: ClusterSpec, config: str, workers: int, timing: MockerTiming, seed: int | None = None
+    ) -> None:
         self.spec = spec
         self.config = config
         self.n = workers

@@ -114,8 +114,10 @@ class WhatIf:
                 r = self.replay_once(spec, config, workers)
             except RuntimeError as exc:
                 errors.append(str(exc))
-                self._say(f"[whatif] {workers} workers {config} (weight {spec.host_weight:g}) run {run}/{self.repeats}: "
-                          f"FAILED in {time.monotonic() - t0:.1f}s: {exc}")
+                self._say(
+                    f"[whatif] {workers} workers {config} (weight {spec.host_weight:g}) run {run}/{self.repeats}: "
+                    f"FAILED in {time.monotonic() - t0:.1f}s: {exc}"
+                )
                 continue
             results.append(r)
             self._say(f"[whatif] {workers} workers {config} run {run}/{self.repeats}: prefill {r.prefill_tokens:,} of "

@@ -72,7 +72,9 @@ class MockerTiming:
 
 def _decode_contexts(gpu_blocks: int, block_size: int, probe_block: int) -> list[int]:
     capacity = gpu_blocks * block_size
-    return [max(probe_block, int(share * capacity / _DECODE_BATCH) // probe_block * probe_block) for share in _DECODE_SHARES]
+    return [
+        max(probe_block, int(share * capacity / _DECODE_BATCH) // probe_block * probe_block) for share in _DECODE_SHARES
+    ]
 
 
 def _probe_trace(path: Path, block: int, contexts: list[int]) -> None:
@@ -81,15 +83,23 @@ def _probe_trace(path: Path, block: int, contexts: list[int]) -> None:
     t = 0
     for n in _PREFILL_POINTS:
         nb = -(-n // block)
-        lines.append({"timestamp": t, "input_length": n, "output_length": 1, "hash_ids": list(range(next_id, next_id + nb))})
+        lines.append(
+            {"timestamp": t, "input_length": n, "output_length": 1, "hash_ids": list(range(next_id, next_id + nb))}
+        )
         next_id += nb
         t += _GAP_MS
     for context in contexts:
         nb = -(-context // block)
         for i in range(_DECODE_BATCH):
             # The others outlive the last one to start decoding: the batch stays whole while it is read.
-            lines.append({"timestamp": t + i, "input_length": context, "output_length": 400 if i == _DECODE_BATCH - 1 else 1000,
-                          "hash_ids": list(range(next_id, next_id + nb))})
+            lines.append(
+                {
+                    "timestamp": t + i,
+                    "input_length": context,
+                    "output_length": 400 if i == _DECODE_BATCH - 1 else 1000,
+                    "hash_ids": list(range(next_id, next_id + nb)),
+                }
+            )
             next_id += nb
         t += _GAP_MS
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))

@@ -16,7 +16,12 @@ POOL = {"maru_pool_address": "unix:///tmp/pool.sock"}
 
 def test_defaults() -> None:
     cfg = parse_config(POOL, block_size=128)
-    assert (cfg.chunk_tokens, cfg.blocks_per_chunk, cfg.use_lmcache_kernels, cfg.enable_fused_load) == (256, 2, True, False)
+    assert (cfg.chunk_tokens, cfg.blocks_per_chunk, cfg.use_lmcache_kernels, cfg.enable_fused_load) == (
+        256,
+        2,
+        True,
+        False,
+    )
     assert cfg.checksum is True and cfg.namespace == ""
 
 
@@ -31,7 +36,10 @@ def test_defaults() -> None:
         ({**POOL, "maru_namespace": 7}, "maru_namespace=7 must be a string"),
         ({**POOL, "maru_pool_timeout_s": -1}, "maru_pool_timeout_s=-1 must be > 0"),
         ({**POOL, "maru_chunk_tokens": 256}, "unknown key(s) ['maru_chunk_tokens']"),
-        ({**POOL, "maru_pool_token_file": "/nonexistent/token"}, "maru_pool_token_file='/nonexistent/token': cannot read token file"),
+        (
+            {**POOL, "maru_pool_token_file": "/nonexistent/token"},
+            "maru_pool_token_file='/nonexistent/token': cannot read token file",
+        ),
     ],
 )
 def test_bad_values_name_the_key_value_and_what_is_allowed(extra: dict, message: str) -> None:

@@ -128,7 +128,10 @@ def step_with_a_pool_hit(w: MaruWorkerSide) -> MaruConnectorMetadata:
     w.take_counters()
     return MaruConnectorMetadata(
         loads=[ChunkLoad("r1", b"fc-0", [4, 5]), ChunkLoad("r1", b"fc-1", [6, 7])],
-        stores=[ChunkStore("r1", b"fc-r1-2", [8, 9], chunk_meta(2)), ChunkStore("r2", b"fc-r2-0", [10, 11], chunk_meta(0))],
+        stores=[
+            ChunkStore("r1", b"fc-r1-2", [8, 9], chunk_meta(2)),
+            ChunkStore("r2", b"fc-r2-0", [10, 11], chunk_meta(0)),
+        ],
     )
 
 

@@ -223,7 +223,10 @@ def test_values_files_layer_over_the_graph() -> None:
     assert res.returncode == 0, res.stderr
     docs = by_kind(docs_of(res.stdout))
     assert docs["ServiceMonitor"]["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
-    assert docs["ServiceMonitor"]["spec"]["selector"]["matchLabels"].items() <= docs["Service"]["metadata"]["labels"].items()
+    assert (
+        docs["ServiceMonitor"]["spec"]["selector"]["matchLabels"].items()
+        <= docs["Service"]["metadata"]["labels"].items()
+    )
     assert docs["Service"]["spec"]["selector"] == docs["DaemonSet"]["spec"]["selector"]["matchLabels"]
     # The graph's own settings stay: its worker list, its name.
     assert set(components(docs["DynamoGraphDeployment"])) == {"Frontend", "prefill", "decode"}
@@ -231,9 +234,20 @@ def test_values_files_layer_over_the_graph() -> None:
 
 def test_numbers_become_whole_command_line_words() -> None:
     """Helm reads values' numbers as floats; 10000000 must still reach vLLM as '10000000', not '1e+07'."""
-    spec = parse_graph({"name": "g", "model": "m", "pool": {"size": "1536M", "chunk_tokens": 1000000},
-                        "workers": [{"name": "w", "args": ["--max-model-len", 10000000, "--gpu-memory-utilization", 0.9],
-                                     "env": {"BIG": 12345678}}]})
+    spec = parse_graph(
+        {
+            "name": "g",
+            "model": "m",
+            "pool": {"size": "1536M", "chunk_tokens": 1000000},
+            "workers": [
+                {
+                    "name": "w",
+                    "args": ["--max-model-len", 10000000, "--gpu-memory-utilization", 0.9],
+                    "env": {"BIG": 12345678},
+                }
+            ],
+        }
+    )
     docs = by_kind(docs_of(render_yaml(spec, RenderOptions(image=IMAGE, values=({"pool": {"size": 1 << 30}},)))))
     assert flag(docs["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]["args"], "--size") == "1073741824"
     main = main_container(components(docs["DynamoGraphDeployment"])["w"])
@@ -256,8 +270,22 @@ def test_dax_pool_mounts_the_device_privileged_or_by_device_plugin() -> None:
     assert "sharedMemorySize" not in worker  # the operator's tmpfs: the region is not in /dev/shm
     assert docs["ConfigMap"]["data"]["MARU_POOL_TIER_WEIGHT"] == "0.6"
 
-    plugin = by_kind(docs_of(render_yaml(spec, RenderOptions(image=IMAGE, values=(
-        {"pool": {"daxAccess": "devicePlugin", "deviceResource": "example.com/cxl-dax"}, "sharedMemorySize": "16Gi"},)))))
+    plugin = by_kind(
+        docs_of(
+            render_yaml(
+                spec,
+                RenderOptions(
+                    image=IMAGE,
+                    values=(
+                        {
+                            "pool": {"daxAccess": "devicePlugin", "deviceResource": "example.com/cxl-dax"},
+                            "sharedMemorySize": "16Gi",
+                        },
+                    ),
+                ),
+            )
+        )
+    )
     pool = plugin["DaemonSet"]["spec"]["template"]["spec"]
     assert [v["name"] for v in pool["volumes"]] == ["maru-socket"]
     assert pool["containers"][0]["resources"] == {"limits": {"example.com/cxl-dax": "1"}}
@@ -333,12 +361,16 @@ def test_negative_misspelled_dgd_keys_fail_the_crd_schema(rendered: dict[str, An
         return doc
 
     cases = {
-        "podTemplat": lambda d: d["spec"]["components"][1].__setitem__("podTemplat", d["spec"]["components"][1].pop("podTemplate")),
+        "podTemplat": lambda d: d["spec"]["components"][1].__setitem__(
+            "podTemplat", d["spec"]["components"][1].pop("podTemplate")
+        ),
         "componets": lambda d: d["spec"].__setitem__("componets", d["spec"].pop("components")),
         "volumeMount": lambda d: main_container(d["spec"]["components"][2]).__setitem__(
-            "volumeMount", main_container(d["spec"]["components"][2]).pop("volumeMounts")),
+            "volumeMount", main_container(d["spec"]["components"][2]).pop("volumeMounts")
+        ),
         "hostPth": lambda d: d["spec"]["components"][2]["podTemplate"]["spec"]["volumes"][0].__setitem__(
-            "hostPth", d["spec"]["components"][2]["podTemplate"]["spec"]["volumes"][0].pop("hostPath")),
+            "hostPth", d["spec"]["components"][2]["podTemplate"]["spec"]["volumes"][0].pop("hostPath")
+        ),
     }
     for key, edit in cases.items():
         with pytest.raises(ManifestError, match=f"'{key}' was unexpected"):
@@ -370,7 +402,9 @@ def test_negative_invalid_daemonset_fails_the_kubernetes_schema(rendered: dict[s
 def test_the_chart_ships_in_the_wheel_built_from_the_dockerfiles_inputs(tmp_path: Path) -> None:
     """The wheel built from exactly what deploy/Dockerfile copies holds the whole chart."""
     src = tmp_path / "src"
-    copies = re.findall(r"^COPY --chown=1000:0 (.+) /tmp/maru-src/(\S*)$", (ROOT / "deploy" / "Dockerfile").read_text(), re.M)
+    copies = re.findall(
+        r"^COPY --chown=1000:0 (.+) /tmp/maru-src/(\S*)$", (ROOT / "deploy" / "Dockerfile").read_text(), re.M
+    )
     assert copies
     for sources, dest in copies:
         for source in sources.split():

@@ -28,7 +28,9 @@ def pool_factory(sockdir: Path):
     def make(size: str = "64M", extra: list[str] | None = None, start: bool = True) -> PoolProc:
         name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
         sock = str(sockdir / f"{name}.sock")
-        p = PoolProc(name, sock, ["--size", size, "--listen", f"unix://{sock}", *(extra or [])], sockdir / f"{name}.log")
+        p = PoolProc(
+            name, sock, ["--size", size, "--listen", f"unix://{sock}", *(extra or [])], sockdir / f"{name}.log"
+        )
         started.append(p)
         return p.start() if start else p
 

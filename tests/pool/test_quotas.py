@@ -64,8 +64,12 @@ def test_pins_per_object_are_capped(pool_factory):
 
 
 def test_index_quota_accounting_returns_to_zero():
-    idx = index_mod.PoolIndex(Allocator(64 << 20), 4096, None, index_mod.SessionLimits(reserve_bytes=1 << 20, pin_bytes=1 << 20,
-                                                                       pins_per_object=2))
+    idx = index_mod.PoolIndex(
+        Allocator(64 << 20),
+        4096,
+        None,
+        index_mod.SessionLimits(reserve_bytes=1 << 20, pin_bytes=1 << 20, pins_per_object=2),
+    )
     s = idx.open_session()
     objs = idx.reserve(s, "ns", [(b"k%d" % i, 400_000) for i in range(4)])
     assert [o is not None for o in objs] == [True, True, False, False]

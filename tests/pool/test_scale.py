@@ -82,7 +82,9 @@ def test_a_frame_the_client_cannot_accept_drops_the_connection_and_the_next_call
         _fill(c, 50)
         session = c.hello["session"]
         monkeypatch.setattr(P, "MAX_FRAME", 1000)  # this client now refuses the page the pool sends
-        with pytest.raises(PoolProtocolError, match=r"reply frame of \d+ bytes to snapshot exceeds 1000; connection dropped"):
+        with pytest.raises(
+            PoolProtocolError, match=r"reply frame of \d+ bytes to snapshot exceeds 1000; connection dropped"
+        ):
             c.snapshot_full()
         assert not c.connected
         monkeypatch.setattr(P, "MAX_FRAME", 16 * 1024 * 1024)

@@ -39,7 +39,9 @@ def test_repeats_report_the_median_over_runs(synthetic_trace: Path, capsys) -> N
     assert rc == 0
     (row,) = json.loads(out)["results"]
     assert row["runs"] == 3 and row["failed_runs"] == 0
-    runs = [int(line.split("prefill ")[1].split(" of")[0].replace(",", "")) for line in err.splitlines() if "run " in line]
+    runs = [
+        int(line.split("prefill ")[1].split(" of")[0].replace(",", "")) for line in err.splitlines() if "run " in line
+    ]
     assert len(runs) == 3 and row["prefill_tokens"] == sorted(runs)[1]
 
 
@@ -75,7 +77,9 @@ def test_sweep_weight_reports_the_best_weight_per_worker_count(synthetic_trace: 
         assert min(r["ttft_p90_ms"] for r in rows) == next(r["ttft_p90_ms"] for r in rows if r["host_weight"] == weight)
 
 
-def test_calibration_sets_pool_bandwidth_and_scales_the_mockers_prefill(synthetic_trace: Path, tmp_path: Path, capsys) -> None:
+def test_calibration_sets_pool_bandwidth_and_scales_the_mockers_prefill(
+    synthetic_trace: Path, tmp_path: Path, capsys
+) -> None:
     from maru_vllm.whatif.spec import ClusterSpec
     from maru_vllm.whatif.timing import mocker_prefill_tokens_per_s
 
@@ -114,7 +118,9 @@ def test_bad_input_is_a_one_line_error(argv, message, synthetic_trace: Path, cap
 def test_a_malformed_trace_line_is_named_by_its_number(tmp_path: Path, capsys) -> None:
     trace = tmp_path / "t.jsonl"
     good = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]})
-    trace.write_text(good + "\n" + good + "\n" + '{"timestamp": 5, "input_length": 600, "output_length": 5, "hash_ids": [1]}\n')
+    trace.write_text(
+        good + "\n" + good + "\n" + '{"timestamp": 5, "input_length": 600, "output_length": 5, "hash_ids": [1]}\n'
+    )
     assert main(["whatif", str(trace)]) == 2
     err = capsys.readouterr()[1]
     assert f"trace {trace} line 3:" in err and "input_length is 600" in err

@@ -9,5 +9,10 @@ def _tagged(name):
     return kernel
 
 
-for _name in ("multi_layer_kv_transfer", "single_layer_kv_transfer", "load_and_reshape_flash", "reshape_and_cache_back_flash"):
+for _name in (
+    "multi_layer_kv_transfer",
+    "single_layer_kv_transfer",
+    "load_and_reshape_flash",
+    "reshape_and_cache_back_flash",
+):
     globals()[_name] = _tagged(_name)

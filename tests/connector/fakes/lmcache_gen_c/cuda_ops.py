@@ -9,5 +9,11 @@ def _tagged(name):
     return kernel
 
 
-for _name in ("multi_layer_kv_transfer", "single_layer_kv_transfer", "load_and_reshape_flash", "reshape_and_cache_back_flash", "multi_layer_block_kv_transfer"):
+for _name in (
+    "multi_layer_kv_transfer",
+    "single_layer_kv_transfer",
+    "load_and_reshape_flash",
+    "reshape_and_cache_back_flash",
+    "multi_layer_block_kv_transfer",
+):
     globals()[_name] = _tagged(_name)
