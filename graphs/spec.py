@@ -12,7 +12,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import yaml
 
@@ -112,7 +112,7 @@ class _Fields:
     def path(self, key: str) -> str:
         return f"{self.where}.{key}" if self.where else key
 
-    def fail(self, path: str, value: object, allowed: str) -> None:
+    def fail(self, path: str, value: object, allowed: str) -> NoReturn:
         raise GraphSpecError(f"{self.source}: {path or '<top level>'}: invalid value {value!r}: use {allowed}")
 
     def get(self, key: str, default: T, convert: Callable[[Any], T], allowed: str, required: bool = False) -> T:

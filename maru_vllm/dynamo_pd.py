@@ -102,7 +102,7 @@ def maru_pd_protocol_class() -> type:
         return _protocol_class
     base = _protocols_module().KvConnectorProtocol
 
-    class MaruPoolProtocol(base):  # type: ignore[misc, valid-type]
+    class MaruPoolProtocol(base):  # type: ignore[misc, valid-type]  # a base class found at run time
         """Cache-mediated PD through the Maru pool: no per-request params either way."""
 
         produces_kv_transfer_params = False

@@ -111,8 +111,8 @@ def _build_tokenizer(out: Path) -> None:
 
     alphabet = sorted(ByteLevel.alphabet())  # the 256 printable stand-ins for raw bytes
     vocab = {ch: i for i, ch in enumerate(alphabet)}
-    for tok in SPECIAL_TOKENS:
-        vocab[tok] = len(vocab)
+    for special in SPECIAL_TOKENS:
+        vocab[special] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

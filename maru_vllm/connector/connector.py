@@ -83,6 +83,7 @@ class MaruKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
+        assert transfer is not None  # vLLM builds a KV connector only from a kv_transfer_config
         block_size = int(vllm_config.cache_config.block_size)
         self.config = parse_config(transfer.kv_connector_extra_config, block_size)
         # Engines that copy in different object formats (transfer.py) must never share objects.

@@ -121,11 +121,12 @@ def _missing(module: ModuleType, names: tuple[str, ...]) -> list[str]:
 
 
 def _bundle(source: str, kmod: ModuleType, emod: ModuleType) -> LMCacheKernels:
+    optional: dict[str, Any] = {n: getattr(kmod, n, None) for n in _OPTIONAL_KERNELS}
     return LMCacheKernels(
         source=source,
         **{n: getattr(kmod, n) for n in REQUIRED_KERNELS},
         **{n: getattr(emod, n) for n in _ENUMS},
-        **{n: getattr(kmod, n, None) for n in _OPTIONAL_KERNELS},
+        **optional,
     )
 
 

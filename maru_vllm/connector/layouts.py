@@ -451,7 +451,7 @@ class KVCacheSet:
                     srcs.append(buf[skip_blocks + pos:skip_blocks + pos + ln])
             _copy_all(dsts, srcs)
             return
-        raw = memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
+        raw = flat.numpy().data if flat.numel() else memoryview(b"")  # ndarray.data: memoryview(ndarray)
         for lo, hi, tile_pairs in self._tiles(flat, n):
             dsts, srcs = [], []
             for buf, cache in tile_pairs:

@@ -194,7 +194,7 @@ class StoreWriter:
             stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with stream_ctx:
                 if job.source_ready is not None:
-                    self._stream.wait_event(job.source_ready)  # type: ignore[union-attr]
+                    self._stream.wait_event(job.source_ready)  # type: ignore[union-attr]  # set only with a stream
                 for store, res in zip(job.stores, reservations):
                     if res is None:
                         counters.stores_skipped += 1  # already in the pool, or no space
@@ -203,7 +203,8 @@ class StoreWriter:
                         self.pack(store.block_ids, res.buffer)
                     except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
                         logger.warning("Maru store of a chunk failed while copying (%s); skipped", exc)
-                        self.pool.call("abort", lambda c, r=res: c.abort([r]))
+                        # mypy cannot infer a lambda with a default argument (the default binds this iteration's res)
+                        self.pool.call("abort", lambda c, r=res: c.abort([r]))  # type: ignore[misc]
                         counters.store_failures += 1
                         continue
                     to_commit.append(res)

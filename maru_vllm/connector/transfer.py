@@ -170,6 +170,7 @@ class LMCacheBlockCopier:
     def _launch(self, objects: list[torch.Tensor], block_ids: list[int], *, store: bool, skip: int) -> None:
         native = self._native
         direction = native.TransferDirection.D2H if store else native.TransferDirection.H2D
+        args: tuple[Any, ...]
         if self._compiled:
             args = (self._ptrs, [o.data_ptr() for o in objects],
                     torch.tensor(block_ids, dtype=torch.int64, device=self.device))

@@ -47,7 +47,7 @@ class DynamoVersionError(RuntimeError):
 
 def check_dynamo_version() -> str:
     """Return the installed ai-dynamo version; raise `DynamoVersionError` unless it is 1.6.1."""
-    found = {}
+    found: dict[str, str | None] = {}
     for dist in ("ai-dynamo", "ai-dynamo-runtime"):
         try:
             found[dist] = importlib.metadata.version(dist)
@@ -61,7 +61,7 @@ def check_dynamo_version() -> str:
             f"installed: {', '.join(f'{d}=={v}' if v else f'{d} (missing)' for d, v in found.items())}. "
             f"Install the pinned versions (pip install 'maru-dynamo[dynamo]')."
         )
-    return found["ai-dynamo"]  # type: ignore[return-value]
+    return REQUIRED_DYNAMO_VERSION  # what found["ai-dynamo"] is once nothing is wrong
 
 
 def check_hash_seed(env: dict[str, str] | os._Environ[str] | None = None) -> None:
@@ -154,13 +154,14 @@ def install_pool_event_relay(
     def setup_kv_event_publisher(config: Any, generate_endpoint: Any, vllm_config: Any, *args: Any,
                                  **kwargs: Any) -> Any:
         real_cls = dm.KvEventPublisher
-        dm.KvEventPublisher = _publisher_factory(real_cls, inst, vllm_config)
+        # A factory stands in for the class while Dynamo sets up its publisher (undone below).
+        dm.KvEventPublisher = _publisher_factory(real_cls, inst, vllm_config)  # type: ignore[misc, assignment]
         try:
             return original(config, generate_endpoint, vllm_config, *args, **kwargs)
         finally:
-            dm.KvEventPublisher = real_cls
+            dm.KvEventPublisher = real_cls  # type: ignore[misc]  # the class back (mypy: assigning to a type)
 
-    setup_kv_event_publisher.__wrapped__ = original  # type: ignore[attr-defined]
+    setup_kv_event_publisher.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps sets it
     inst.wrapper = setup_kv_event_publisher
     dm.setup_kv_event_publisher = setup_kv_event_publisher
     if _installed is not None:

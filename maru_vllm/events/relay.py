@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import zmq
 import zmq.asyncio
@@ -283,9 +283,12 @@ class KvEventRelay:
     def _send(self, payload: bytes) -> None:
         assert self._pub is not None
         try:
-            fut = self._pub.send_multipart((self.topic, vf.encode_seq(self._seq), payload), flags=zmq.NOBLOCK)
-            if fut.done() and fut.exception() is not None:
-                raise fut.exception()  # type: ignore[misc]
+            # pyzmq types the result as Awaitable; on a zmq.asyncio socket it is an asyncio Future.
+            fut = cast("asyncio.Future[Any]", self._pub.send_multipart(
+                (self.topic, vf.encode_seq(self._seq), payload), flags=zmq.NOBLOCK))
+            error = fut.exception() if fut.done() else None
+            if error is not None:
+                raise error
         except Exception as exc:
             self.stats.send_errors += 1
             logger.warning("KV event batch %d not sent: %s", self._seq, exc)

@@ -18,7 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class ProcessGroup:
     def log_tails(self, lines: int = 40) -> str:
         return "\n\n".join(f"=== {p.name} ({p.log_path}) ===\n{p.log_tail(lines)}" for p in self.processes)
 
-    def __iter__(self) -> Iterable[ManagedProcess]:
+    def __iter__(self) -> Iterator[ManagedProcess]:
         return iter(self.processes)
 
     def __enter__(self) -> ProcessGroup:

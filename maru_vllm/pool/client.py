@@ -394,7 +394,7 @@ class PoolClient:
         with self._lock:
             self._ensure()
             result = self._roundtrip("reserve", {"items": clean, "ns": ns})
-            view = self._region.view  # type: ignore[union-attr]
+            view = self._region.view  # type: ignore[union-attr]  # _ensure() connected: the region is mapped
             out: list[Reservation | None] = []
             for (key, _size), r in zip(clean, result):
                 if r is None:
@@ -438,7 +438,8 @@ class PoolClient:
                              self.write_checksum)
                 send.append(r.oid)
                 send_metas.append(metas[i] if metas is not None else None)
-                send_parts.append(_keys(parts[i]) if parts is not None and parts[i] else None)
+                part_keys = parts[i] if parts is not None else None
+                send_parts.append(_keys(part_keys) if part_keys else None)
                 idx.append(i)
             if send:
                 args: dict[str, Any] = {"oids": send, "metas": send_metas}
@@ -472,7 +473,7 @@ class PoolClient:
         with self._lock:
             self._ensure()
             result = self._roundtrip("acquire", {"keys": keys, "ns": ns})
-            view = self._region.view  # type: ignore[union-attr]
+            view = self._region.view  # type: ignore[union-attr]  # _ensure() connected: the region is mapped
             out: list[ReadPin | None] = []
             bad: list[int] = []
             for key, r in zip(keys, result):
@@ -495,7 +496,7 @@ class PoolClient:
         with self._lock:
             self._ensure()
             result = self._roundtrip("acquire_parts", {"keys": keys, "ns": ns})
-            view = self._region.view  # type: ignore[union-attr]
+            view = self._region.view  # type: ignore[union-attr]  # _ensure() connected: the region is mapped
             out: list[PartPin | None] = []
             bad: list[int] = []
             for r in result:

@@ -168,9 +168,9 @@ class PoolIndex:
         npins = 0
         for oid, count in s.pins.items():
             npins += count
-            obj = self.live.get(oid)
-            if obj is not None:
-                self._unpin(obj, count)
+            pinned = self.live.get(oid)
+            if pinned is not None:
+                self._unpin(pinned, count)
         return (len(s.reservations), npins)
 
     def expired_sessions(self, lease_s: float) -> list[int]:
@@ -345,7 +345,8 @@ class PoolIndex:
                 out.append(False)
                 continue
             obj.meta = meta
-            obj.parts = tuple(parts[i][:MAX_PARTS]) if parts is not None and parts[i] else ()
+            part_keys = parts[i] if parts is not None else None
+            obj.parts = tuple(part_keys[:MAX_PARTS]) if part_keys else ()
             cost = obj.meta_cost
             # _evict_until calls the predicate before it returns, so it sees this iteration's `cost`.
             if not self._evict_until(lambda: self.metadata_bytes + cost <= self.metadata_budget):  # noqa: B023

@@ -280,7 +280,7 @@ def encode_chunk_meta(meta: ChunkMeta) -> bytes:
     return json_encoder.encode(meta)
 
 
-def decode_chunk_meta(raw: msgspec.Raw | bytes) -> ChunkMeta:
+def decode_chunk_meta(raw: msgspec.Raw | bytes | bytearray | memoryview) -> ChunkMeta:
     try:
         return _chunk_decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

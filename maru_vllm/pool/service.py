@@ -24,7 +24,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -283,7 +283,7 @@ class PoolService:
             if sid is None:
                 if req.op != "hello":
                     return P.error_reply(req.id, "auth_required", "the first request must be hello"), False, op
-                reply, keep = self._hello(req.id, args)  # type: ignore[arg-type]
+                reply, keep = self._hello(req.id, cast(P.HelloArgs, args))  # decode_args("hello") made it
                 return reply, keep, op
             if sid not in self.index.sessions:
                 return P.error_reply(req.id, "session_expired", "session lease expired; reconnect"), False, op
@@ -316,17 +316,23 @@ class PoolService:
         )), True
 
     # -- ops --------------------------------------------------------------------------------
+    @property
+    def _live_index(self) -> PoolIndex:
+        """The index; ops run only on connections, which start() accepts after it made the index."""
+        assert self.index is not None
+        return self.index
+
     def _op_ping(self, sid: int, args: P.EmptyArgs) -> str:
         return "pong"
 
     def _op_lookup(self, sid: int, args: P.KeysArgs) -> list[bool]:
-        return self.index.lookup(args.ns, args.keys)  # type: ignore[union-attr]
+        return self._live_index.lookup(args.ns, args.keys)
 
     def _op_lookup_prefix(self, sid: int, args: P.KeysArgs) -> int:
-        return self.index.lookup_prefix(args.ns, args.keys)  # type: ignore[union-attr]
+        return self._live_index.lookup_prefix(args.ns, args.keys)
 
     def _op_reserve(self, sid: int, args: P.ReserveArgs) -> list[M.Placement | None]:
-        objs = self.index.reserve(sid, args.ns, args.items)  # type: ignore[union-attr]
+        objs = self._live_index.reserve(sid, args.ns, args.items)
         return [None if o is None else M.Placement(o.oid, o.payload_offset, o.size) for o in objs]
 
     def _op_commit(self, sid: int, args: P.CommitArgs) -> list[bool]:
@@ -346,28 +352,28 @@ class PoolService:
                 raise P.FrameError("bad_request", f"meta (as JSON) and part keys of {size} bytes exceed "
                                                   f"{P.MAX_META_BYTES} bytes per object")
             encoded.append(e)
-        return self.index.commit(sid, args.oids, encoded, self._verify, parts)  # type: ignore[union-attr]
+        return self._live_index.commit(sid, args.oids, encoded, self._verify, parts)
 
     def _op_abort(self, sid: int, args: P.OidsArgs) -> int:
-        return self.index.abort(sid, args.oids)  # type: ignore[union-attr]
+        return self._live_index.abort(sid, args.oids)
 
     def _op_acquire(self, sid: int, args: P.KeysArgs) -> list[M.Placement | None]:
-        objs = self.index.acquire(sid, args.ns, args.keys)  # type: ignore[union-attr]
+        objs = self._live_index.acquire(sid, args.ns, args.keys)
         return [None if o is None else M.Placement(o.oid, o.payload_offset, o.size) for o in objs]
 
     def _op_lookup_parts(self, sid: int, args: P.KeysArgs) -> list[int]:
-        return self.index.lookup_parts(args.ns, args.keys)  # type: ignore[union-attr]
+        return self._live_index.lookup_parts(args.ns, args.keys)
 
     def _op_acquire_parts(self, sid: int, args: P.KeysArgs) -> list[M.PartPlacement | None]:
-        found = self.index.acquire_parts(sid, args.ns, args.keys)  # type: ignore[union-attr]
+        found = self._live_index.acquire_parts(sid, args.ns, args.keys)
         return [None if f is None else M.PartPlacement(f[0].oid, f[0].payload_offset, f[0].size, f[0].key, f[1])
                 for f in found]
 
     def _op_release(self, sid: int, args: P.OidsArgs) -> int:
-        return self.index.release(sid, args.oids, args.bad)  # type: ignore[union-attr]
+        return self._live_index.release(sid, args.oids, args.bad)
 
     def _op_remove(self, sid: int, args: P.RemoveArgs) -> int:
-        return self.index.remove(args.ns, args.keys)  # type: ignore[union-attr]
+        return self._live_index.remove(args.ns, args.keys)
 
     def _op_stats(self, sid: int, args: P.EmptyArgs) -> dict[str, Any]:
         return self._stats()
@@ -390,7 +396,7 @@ class PoolService:
         if self.publisher is None or self.region is None:
             return
         self.publisher.emit(M.encode_event(M.PoolEventMsg(
-            type=kind, seq=self.seq, incarnation=self.region.info.incarnation, pool=self.cfg.name,  # type: ignore[arg-type]
+            type=kind, seq=self.seq, incarnation=self.region.info.incarnation, pool=self.cfg.name,  # type: ignore[arg-type]  # PoolIndex emits only "stored"/"removed"
             namespace=obj.ns, key=obj.key.hex(), size=obj.size,
             meta=M.NULL if obj.meta is None else msgspec.Raw(obj.meta), ts=time.time(),
         )))

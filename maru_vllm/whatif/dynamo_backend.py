@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Literal
 
 from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
 
@@ -65,7 +65,7 @@ def replay(trace_path: str, spec: ClusterSpec, config: str, workers: int) -> Run
     from dynamo._core import KvRouterConfig
     from dynamo.replay import run_trace_replay
 
-    router_mode = "round_robin" if config == ROUND_ROBIN else "kv_router"
+    router_mode: Literal["round_robin", "kv_router"] = "round_robin" if config == ROUND_ROBIN else "kv_router"
     router_config = (
         KvRouterConfig(host_cache_hit_weight=spec.host_weight) if config in (KV_GPU, KV_HOST, KV_POOL) else None
     )

@@ -35,6 +35,7 @@ import json
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from maru_vllm.whatif.spec import KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
 from maru_vllm.whatif.timing import STEP_TOKENS, MockerTiming
@@ -97,7 +98,9 @@ class _Index:
             self._apply(worker, {"removed": {"block_hashes": seq_hashes}})
 
     def overlaps(self, local: list[int]) -> dict[int, int]:
-        return {w: n for (w, _dp), n in self.tree.find_matches(local).scores.items()}
+        # Dynamo's stub says the keys are worker ids; they are (worker_id, dp_rank) pairs.
+        scores: dict[Any, int] = self.tree.find_matches(local).scores
+        return {w: n for (w, _dp), n in scores.items()}
 
 
 class _BlockCache:

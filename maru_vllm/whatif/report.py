@@ -55,7 +55,8 @@ def plot(rows: Sequence[Row], path: str, title: str) -> None:
         xs = [w for w, _ in pts]
         axes[0].plot(xs, [r.ttft_p50_ms for _, r in pts], marker="o", label=config)
         axes[1].plot(xs, [r.ttft_p90_ms for _, r in pts], marker="o", label=config)
-        axes[2].plot(xs, [r.prefill_tokens / r.input_tokens for _, r in pts], marker="o", label=config)
+        # rows with runs have prefill_tokens
+        axes[2].plot(xs, [(r.prefill_tokens or 0) / r.input_tokens for _, r in pts], marker="o", label=config)
     for ax, label in zip(axes, ("TTFT p50 (ms)", "TTFT p90 (ms)", "prefill tokens computed / input tokens")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("workers")

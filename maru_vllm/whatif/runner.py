@@ -9,7 +9,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Literal, TextIO
 
 from maru_vllm.whatif import dynamo_backend, pool_model
 from maru_vllm.whatif.spec import KV_POOL, ClusterSpec, RunResult
@@ -69,7 +69,7 @@ class WhatIf:
     """Replays one trace on one simulator; `run` and `sweep` return table rows."""
 
     def __init__(self, requests: Sequence[TraceRequest], spec: ClusterSpec, simulator: str = MODEL,
-                 repeats: int = 1, progress: TextIO | str | None = "stderr") -> None:
+                 repeats: int = 1, progress: TextIO | Literal["stderr"] | None = "stderr") -> None:
         if simulator not in SIMULATORS:
             raise ValueError(f"unknown simulator {simulator!r}: use {', '.join(SIMULATORS)}")
         if repeats < 1:
@@ -100,7 +100,7 @@ class WhatIf:
 
     def _say(self, text: str) -> None:
         """A progress line: on stderr (looked up now, not at import) unless another stream or None was given."""
-        stream = sys.stderr if self.progress == "stderr" else self.progress
+        stream = sys.stderr if isinstance(self.progress, str) else self.progress  # str: "stderr"
         if stream is not None:
             print(text, file=stream, flush=True)
 
