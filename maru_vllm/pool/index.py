@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 
 from maru_vllm.pool.allocator import Allocation, Allocator
-from maru_vllm.pool.messages import NULL, ObjectInfo
+from maru_vllm.pool.messages import NULL, EventType, ObjectInfo
 from maru_vllm.pool.objects import OBJ_HEADER_SIZE
 from maru_vllm.pool.protocol import MAX_PARTS
 
@@ -107,7 +107,7 @@ class SessionLimits:
     pins_per_object: int | None = None
 
 
-EventSink = Callable[[str, Obj], None]
+EventSink = Callable[[EventType, Obj], None]
 
 
 class PoolIndex:
@@ -480,7 +480,7 @@ class PoolIndex:
             a = self.alloc.alloc(nbytes)
         return a
 
-    def _hide(self, obj: Obj, event: str) -> None:
+    def _hide(self, obj: Obj, event: EventType) -> None:
         """Make a committed object invisible; free it now if nobody pins it."""
         self.lru.pop(obj.oid, None)
         if self.objects.get((obj.ns, obj.key)) is obj:
@@ -534,6 +534,6 @@ class PoolIndex:
                 if not holders:
                     del self.parts[(obj.ns, pkey)]
 
-    def _emit(self, kind: str, obj: Obj) -> None:
+    def _emit(self, kind: EventType, obj: Obj) -> None:
         if self.on_event is not None:
             self.on_event(kind, obj)

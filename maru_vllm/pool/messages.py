@@ -172,11 +172,14 @@ class ErrorMsg(msgspec.Struct):
 
 
 # -- events -----------------------------------------------------------------------------------
+EventType = Literal["stored", "removed"]
+
+
 class PoolEventMsg(msgspec.Struct):
     """`{"type": "stored"|"removed", "seq", "incarnation", "pool", "namespace", "key", "size",
     "meta", "ts"}` on `maru.<pool>.events`; `seq` is gap-free per incarnation."""
 
-    type: Literal["stored", "removed"]
+    type: EventType
     seq: int
     incarnation: str
     pool: str

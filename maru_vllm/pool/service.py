@@ -391,12 +391,12 @@ class PoolService:
         payload = v[obj.payload_offset : obj.payload_offset + obj.size]
         return validate(hdr, payload, obj.oid, obj.size, key_digest(obj.ns, obj.key), check_crc=False)
 
-    def _on_event(self, kind: str, obj: Obj) -> None:
+    def _on_event(self, kind: M.EventType, obj: Obj) -> None:
         self.seq += 1
         if self.publisher is None or self.region is None:
             return
         self.publisher.emit(M.encode_event(M.PoolEventMsg(
-            type=kind, seq=self.seq, incarnation=self.region.info.incarnation, pool=self.cfg.name,  # type: ignore[arg-type]  # PoolIndex emits only "stored"/"removed"
+            type=kind, seq=self.seq, incarnation=self.region.info.incarnation, pool=self.cfg.name,
             namespace=obj.ns, key=obj.key.hex(), size=obj.size,
             meta=M.NULL if obj.meta is None else msgspec.Raw(obj.meta), ts=time.time(),
         )))
