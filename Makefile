@@ -4,19 +4,23 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench clean help
+.PHONY: setup lint test demo bench clean help
 
 help:
 	@echo "make setup   - create $(VENV) with vLLM (CPU or GPU), Dynamo 1.6.1, LMCache, nats-server"
-	@echo "make test    - run the whole test suite (real vLLM, Dynamo, nats-server; loopback only)"
+	@echo "make lint    - ruff (lint + format check) and mypy over the code (configured in pyproject.toml)"
+	@echo "make test    - make lint, then the whole test suite (real vLLM, Dynamo, nats-server; loopback only)"
 	@echo "make demo    - run the demo on the embedded defaults"
 	@echo "make bench   - run the benchmarks in benchmarks/"
 
 setup:
 	@VENV=$(VENV) GPU=$(or $(GPU),auto) bash scripts/setup.sh
 
-test:
+lint:
 	@test -x $(PY) || { echo "no $(VENV): run 'make setup' first"; exit 2; }
+	@VENV=$(VENV) bash scripts/lint.sh
+
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo:
@@ -28,4 +32,4 @@ bench:
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) .setup-logs .pytest_cache
+	rm -rf $(VENV) .setup-logs .pytest_cache .mypy_cache .ruff_cache build/typecheck

@@ -49,8 +49,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 from maru_vllm.calibration import Calibration, write_calibration  # noqa: E402
-from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port  # noqa: E402
-from maru_vllm.launch import stack  # noqa: E402
+from maru_vllm.launch import (  # noqa: E402
+    ManagedProcess,
+    ProcessGroup,
+    free_port,
+    stack,
+)
 from maru_vllm.models import SPECS, ensure_model  # noqa: E402
 from profile_load import checksum_algorithms, print_profile, profile_load  # noqa: E402
 
@@ -76,7 +80,7 @@ def metrics(url: str, prefix: str = "vllm:maru_connector_") -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(prefix) and "{" in line:
-            name = line.split("{", 1)[0][len(prefix):].removesuffix("_total")
+            name = line.split("{", 1)[0][len(prefix) :].removesuffix("_total")
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
@@ -89,33 +93,81 @@ class Engines:
         self.logs = work / "logs"
         self.urls: dict[str, str] = {}
         address = f"unix://{work}/pool.sock"
-        pool = stack.PoolProcess(f"bench{free_port()}", f"{pool_gb}G", self.logs / "maru-pool.log", listen=[address],
-                                 name="maru-pool", cpus=(CORE_A,))
+        pool = stack.PoolProcess(
+            f"bench{free_port()}",
+            f"{pool_gb}G",
+            self.logs / "maru-pool.log",
+            listen=[address],
+            name="maru-pool",
+            cpus=(CORE_A,),
+        )
         group.add(pool)
         pool.serve()
-        maru = {"kv_connector": "MaruKVConnector", "kv_connector_module_path": "maru_vllm.connector",
-                "kv_role": "kv_both", "kv_connector_extra_config": {"maru_pool_address": address}}
+        maru = {
+            "kv_connector": "MaruKVConnector",
+            "kv_connector_module_path": "maru_vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"maru_pool_address": address},
+        }
         configs: list[tuple[str, int, dict[str, Any] | None]] = [
-            ("plain", CORE_A, None), ("maru-A", CORE_A, maru), ("maru-B", CORE_B, maru)]
+            ("plain", CORE_A, None),
+            ("maru-A", CORE_A, maru),
+            ("maru-B", CORE_B, maru),
+        ]
         if lmcache:
             port, http_port = free_port(), free_port()
-            server = group.start(ManagedProcess(
-                "lmcache-server",
-                [sys.executable, "-m", "lmcache.v1.multiprocess.http_server", "--host", "127.0.0.1",
-                 "--port", str(port), "--http-host", "127.0.0.1", "--http-port", str(http_port),
-                 "--chunk-size", "256", "--l1-size-gb", str(pool_gb), "--max-workers", "1",
-                 "--eviction-policy", "LRU", "--disable-metrics", "--supported-transfer-mode", "engine_driven",
-                 "--shm-name", f"maru-bench-lmc-{port}"],
-                log_path=self.logs / "lmcache-server.log", cpus=(CORE_A,)))
+            server = group.start(
+                ManagedProcess(
+                    "lmcache-server",
+                    [
+                        sys.executable,
+                        "-m",
+                        "lmcache.v1.multiprocess.http_server",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--http-host",
+                        "127.0.0.1",
+                        "--http-port",
+                        str(http_port),
+                        "--chunk-size",
+                        "256",
+                        "--l1-size-gb",
+                        str(pool_gb),
+                        "--max-workers",
+                        "1",
+                        "--eviction-policy",
+                        "LRU",
+                        "--disable-metrics",
+                        "--supported-transfer-mode",
+                        "engine_driven",
+                        "--shm-name",
+                        f"maru-bench-lmc-{port}",
+                    ],
+                    log_path=self.logs / "lmcache-server.log",
+                    cpus=(CORE_A,),
+                )
+            )
             server.wait_for_http(f"http://127.0.0.1:{http_port}/", timeout=180)
-            lmc = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                   "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
+            lmc = {
+                "kv_connector": "LMCacheMPConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port},
+            }
             configs += [("lmc-A", CORE_A, lmc), ("lmc-B", CORE_B, lmc)]
         for name, core, kv in configs:
             env = stack.StackEnv(discovery_dir=work / "disc").build(cpu_thread=core)
-            proc, url = stack.vllm_openai_server(name, model, env, self.logs, max_model_len=MAX_MODEL_LEN,
-                                                 kv_transfer_config=kv, cpus=(core,),
-                                                 extra_args=["--max-num-batched-tokens", "2048"])
+            proc, url = stack.vllm_openai_server(
+                name,
+                model,
+                env,
+                self.logs,
+                max_model_len=MAX_MODEL_LEN,
+                kv_transfer_config=kv,
+                cpus=(core,),
+                extra_args=["--max-num-batched-tokens", "2048"],
+            )
             group.start(proc)
             self.urls[name] = url
         for name, url in self.urls.items():
@@ -162,14 +214,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         loads.append({k: after.get(k, 0.0) - before.get(k, 0.0) for k in after})
                         loads[-1]["tokens"] = length
                 rows.append(row)
-                print("[bench] " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                             for k, v in row.items()), file=sys.stderr)
+                print(
+                    "[bench] "
+                    + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                    file=sys.stderr,
+                )
         stored = metrics(eng.urls["maru-A"])
     # The hardware references, on the hit engines' core now that the engines are gone.
     os.sched_setaffinity(0, {CORE_B})
     main_len = max(x for x in lengths if x <= 4096) if any(x <= 4096 for x in lengths) else lengths[0]
     per_token = [ld["bytes_loaded"] / ld["tokens"] for ld in loads if ld.get("bytes_loaded")]
-    kv_bytes_per_token = int(round(per_token[0])) if per_token else 0
+    kv_bytes_per_token = round(per_token[0]) if per_token else 0
     prof = profile_load(main_len, args.profile_repeats)
     prof["checksum_GBps"] = checksum_algorithms()
     # The reference: a memcpy of one main-length prompt's KV bytes out of a pool region into a
@@ -178,8 +233,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return summarize(rows, loads, stored, memcpy, prof, kv_bytes_per_token, main_len, systems)
 
 
-def summarize(rows: list[dict[str, Any]], loads: list[dict[str, float]], stored: dict[str, float], memcpy: float,
-              prof: dict[str, Any], kv_bytes_per_token: int, main_len: int, systems: list[str]) -> dict[str, Any]:
+def summarize(
+    rows: list[dict[str, Any]],
+    loads: list[dict[str, float]],
+    stored: dict[str, float],
+    memcpy: float,
+    prof: dict[str, Any],
+    kv_bytes_per_token: int,
+    main_len: int,
+    systems: list[str],
+) -> dict[str, Any]:
     lengths = sorted({r["tokens"] for r in rows})
     table: dict[int, dict[str, float]] = {}
     for n in lengths:
@@ -202,19 +265,25 @@ def summarize(rows: list[dict[str, Any]], loads: list[dict[str, float]], stored:
     t = table[main_len]
     cold_plain = t["cold_plain"]
     return {
-        "model": "bench", "main_tokens": main_len, "samples": len(rows) // len(lengths),
+        "model": "bench",
+        "main_tokens": main_len,
+        "samples": len(rows) // len(lengths),
         "table": {str(n): v for n, v in table.items()},
         "kv_bytes_per_token": kv_bytes_per_token,
-        "load_GBps_in_engine": load_gbps, "store_GBps_in_engine": store_gbps, "memcpy_GBps": memcpy,
+        "load_GBps_in_engine": load_gbps,
+        "store_GBps_in_engine": store_gbps,
+        "memcpy_GBps": memcpy,
         "load_over_memcpy": load_gbps / memcpy if memcpy else None,
         "store_over_memcpy": store_gbps / memcpy if memcpy else None,
-        "load_ms_in_engine": best.get("load_seconds", 0.0) * 1e3, "load_parts_ms_in_engine": parts,
+        "load_ms_in_engine": best.get("load_seconds", 0.0) * 1e3,
+        "load_parts_ms_in_engine": parts,
         "profile_outside_engine": prof,
         "checksum_share_of_load": prof["checksum_share_of_load"],
         "prefill_tokens_per_s": main_len / cold_plain,
         # share of the recompute time a pool hit saves (the pool tier's router weight)
-        "pool_tier_weight": round(max(0.0, min(1.0, 1 - (t["hit_maru"] - t["local_maru"])
-                                                / (cold_plain - t["local_maru"]))), 3),
+        "pool_tier_weight": round(
+            max(0.0, min(1.0, 1 - (t["hit_maru"] - t["local_maru"]) / (cold_plain - t["local_maru"]))), 3
+        ),
     }
 
 
@@ -229,8 +298,10 @@ def report(res: dict[str, Any], systems: list[str]) -> None:
     for tokens, t in res["table"].items():
         line = f"{tokens:>7} {t['cold_plain']:>9.3f}s"
         for s in systems:
-            line += (f" | {'':>10}  {t[f'cold_{s}']:>6.3f}s {t[f'miss_tax_{s}']:>8.3f} {t[f'hit_{s}']:>7.3f}s"
-                     f" {t[f'local_{s}']:>6.3f}s {t[f'hit_over_local_{s}']:>9.2f}")
+            line += (
+                f" | {'':>10}  {t[f'cold_{s}']:>6.3f}s {t[f'miss_tax_{s}']:>8.3f} {t[f'hit_{s}']:>7.3f}s"
+                f" {t[f'local_{s}']:>6.3f}s {t[f'hit_over_local_{s}']:>9.2f}"
+            )
             if not t[f"hits_fully_cached_{s}"]:
                 line += " (!partial hit)"
             if not t[f"colds_uncached_{s}"]:
@@ -238,16 +309,24 @@ def report(res: dict[str, Any], systems: list[str]) -> None:
         print(line)
     t = res["table"][str(n)]
     if "lmc" in systems:
-        print(f"at {n} tokens: LMCache hit / Maru hit = {t['hit_lmc'] / t['hit_maru']:.2f}x, "
-              f"miss tax Maru {t['miss_tax_maru']:.3f} vs LMCache {t['miss_tax_lmc']:.3f}")
-    print(f"in-engine load of {n} tokens: {res['load_ms_in_engine']:.2f} ms = "
-          + ", ".join(f"{p} {v:.2f} ms" for p, v in res["load_parts_ms_in_engine"].items()))
-    print(f"load {res['load_GBps_in_engine']:.2f} GB/s, store {res['store_GBps_in_engine']:.2f} GB/s, memcpy of the "
-          f"same bytes {res['memcpy_GBps']:.2f} GB/s (load/memcpy {res['load_over_memcpy']:.2f}, "
-          f"store/memcpy {res['store_over_memcpy']:.2f})")
+        print(
+            f"at {n} tokens: LMCache hit / Maru hit = {t['hit_lmc'] / t['hit_maru']:.2f}x, "
+            f"miss tax Maru {t['miss_tax_maru']:.3f} vs LMCache {t['miss_tax_lmc']:.3f}"
+        )
+    print(
+        f"in-engine load of {n} tokens: {res['load_ms_in_engine']:.2f} ms = "
+        + ", ".join(f"{p} {v:.2f} ms" for p, v in res["load_parts_ms_in_engine"].items())
+    )
+    print(
+        f"load {res['load_GBps_in_engine']:.2f} GB/s, store {res['store_GBps_in_engine']:.2f} GB/s, memcpy of the "
+        f"same bytes {res['memcpy_GBps']:.2f} GB/s (load/memcpy {res['load_over_memcpy']:.2f}, "
+        f"store/memcpy {res['store_over_memcpy']:.2f})"
+    )
     print_profile(res["profile_outside_engine"])
-    print("checksum candidates over 64 MiB of shared memory, one thread: " + ", ".join(
-        f"{k} {v:.1f} GB/s" for k, v in res["profile_outside_engine"]["checksum_GBps"].items()))
+    print(
+        "checksum candidates over 64 MiB of shared memory, one thread: "
+        + ", ".join(f"{k} {v:.1f} GB/s" for k, v in res["profile_outside_engine"]["checksum_GBps"].items())
+    )
     print(f"pool-tier router weight (1 - load time / recompute time): {res['pool_tier_weight']}")
 
 
@@ -281,22 +360,31 @@ def plot(res: dict[str, Any], systems: list[str], path: Path) -> None:
 
 def calibration_of(res: dict[str, Any]) -> Calibration:
     """The measured numbers the what-if replay needs (`maru-dynamo whatif --calibration`)."""
-    return Calibration(model=SPECS["bench"].name, kv_bytes_per_token=res["kv_bytes_per_token"],
-                       load_gbps=res["load_GBps_in_engine"], store_gbps=res["store_GBps_in_engine"],
-                       prefill_tokens_per_s=res["prefill_tokens_per_s"], memcpy_gbps=res["memcpy_GBps"])
+    return Calibration(
+        model=SPECS["bench"].name,
+        kv_bytes_per_token=res["kv_bytes_per_token"],
+        load_gbps=res["load_GBps_in_engine"],
+        store_gbps=res["store_GBps_in_engine"],
+        prefill_tokens_per_s=res["prefill_tokens_per_s"],
+        memcpy_gbps=res["memcpy_GBps"],
+    )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", default="1024,2048,4096,7936",
-                    help="prompt lengths in loadable tokens, comma separated (each prompt is one token longer)")
+    ap.add_argument(
+        "--lengths",
+        default="1024,2048,4096,7936",
+        help="prompt lengths in loadable tokens, comma separated (each prompt is one token longer)",
+    )
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--pool-gb", type=int, default=1, help="Maru pool and LMCache L1 size, GiB")
     ap.add_argument("--no-lmcache", dest="lmcache", action="store_false", help="leave LMCache out")
     ap.add_argument("--profile-repeats", type=int, default=10)
     ap.add_argument("--plot", type=Path, help="write a PNG of TTFT vs prompt length")
-    ap.add_argument("--calibration-out", type=Path,
-                    help="write the measured numbers as a calibration file for `maru-dynamo whatif`")
+    ap.add_argument(
+        "--calibration-out", type=Path, help="write the measured numbers as a calibration file for `maru-dynamo whatif`"
+    )
     ap.add_argument("--json", action="store_true", help="print every figure as JSON instead of the table")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",") if x]
@@ -306,8 +394,10 @@ def main() -> int:
     if args.samples < 1:
         ap.error(f"--samples {args.samples}: must be >= 1")
     if len(os.sched_getaffinity(0)) < 2 or not {CORE_A, CORE_B} <= os.sched_getaffinity(0):
-        ap.error(f"this benchmark pins engines to cores {CORE_A} and {CORE_B}; this process may use "
-                 f"{sorted(os.sched_getaffinity(0))}")
+        ap.error(
+            f"this benchmark pins engines to cores {CORE_A} and {CORE_B}; this process may use "
+            f"{sorted(os.sched_getaffinity(0))}"
+        )
     systems = ["maru"] + (["lmc"] if args.lmcache else [])
     res = run(args)
     if args.json:

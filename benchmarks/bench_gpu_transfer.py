@@ -45,14 +45,16 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("bench_gpu_transfer: no CUDA device here (torch.cuda.is_available() is False); this benchmark "
-              "measures copies between a GPU's KV cache and the pool and needs an NVIDIA GPU. Skipped.",
-              file=sys.stderr)
+        print(
+            "bench_gpu_transfer: no CUDA device here (torch.cuda.is_available() is False); this benchmark "
+            "measures copies between a GPU's KV cache and the pool and needs an NVIDIA GPU. Skipped.",
+            file=sys.stderr,
+        )
         return SKIPPED
 
     from maru_vllm.connector import transfer
-    from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
     from maru_vllm.connector.chunks import placeholder_meta
+    from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
     from maru_vllm.connector.pool_access import PoolAccess
     from maru_vllm.connector.worker import MaruWorkerSide
     from maru_vllm.launch import ProcessGroup, free_port
@@ -61,8 +63,9 @@ def main() -> int:
 
     bpc = 256 // args.block_size
     num_blocks = args.chunks * bpc * 2
-    big = torch.randn(args.layers, num_blocks, args.kv_heads, args.block_size, 2 * args.head_size,
-                      dtype=torch.bfloat16, device="cuda")
+    big = torch.randn(
+        args.layers, num_blocks, args.kv_heads, args.block_size, 2 * args.head_size, dtype=torch.bfloat16, device="cuda"
+    )
     kv = {f"model.layers.{i}.self_attn.attn": big[i] for i in range(args.layers)}
     work = Path(tempfile.mkdtemp(prefix="maru-bgpu-"))
     address = f"unix://{work}/pool.sock"
@@ -79,11 +82,18 @@ def main() -> int:
         for name, kernels in configs:
             fmt = transfer.copy_format("cuda", kernels)
             for registered in (True, False):
-                side = MaruWorkerSide(namespace=f"bgpu-{name}", rank=0,
-                                      pool=PoolAccess(address, None, 30.0, True, "bench"),
-                                      block_size=args.block_size, num_blocks=num_blocks,
-                                      use_lmcache_kernels=kernels, enable_fused_load=kernels,
-                                      blocks_per_chunk=bpc, expected_format=fmt, write_behind=False)
+                side = MaruWorkerSide(
+                    namespace=f"bgpu-{name}",
+                    rank=0,
+                    pool=PoolAccess(address, None, 30.0, True, "bench"),
+                    block_size=args.block_size,
+                    num_blocks=num_blocks,
+                    use_lmcache_kernels=kernels,
+                    enable_fused_load=kernels,
+                    blocks_per_chunk=bpc,
+                    expected_format=fmt,
+                    write_behind=False,
+                )
                 side.register_kv_caches(kv, "FLASH_ATTN")
                 if not registered:
                     side.host_registry = side.writer.host_registry = None
@@ -91,21 +101,28 @@ def main() -> int:
                 total = chunk_bytes * args.chunks
                 src = torch.empty(total, dtype=torch.uint8, device="cuda")
                 host = torch.empty(total, dtype=torch.uint8).pin_memory()
-                best = {"store": float("inf"), "load": float("inf"), "memcpy D2H": float("inf"),
-                        "memcpy H2D": float("inf")}
+                best = {
+                    "store": float("inf"),
+                    "load": float("inf"),
+                    "memcpy D2H": float("inf"),
+                    "memcpy H2D": float("inf"),
+                }
                 for _ in range(args.repeats + 1):
                     n += 1
-                    stores = [ChunkStore("r", f"{n}-{c}".encode(), list(range(c * bpc, (c + 1) * bpc)),
-                                         placeholder_meta(c)) for c in range(args.chunks)]
+                    stores = [
+                        ChunkStore("r", f"{n}-{c}".encode(), list(range(c * bpc, (c + 1) * bpc)), placeholder_meta(c))
+                        for c in range(args.chunks)
+                    ]
                     side.take_counters()
                     side.store(MaruConnectorMetadata(stores=stores))
                     if side.writer is not None:  # write-behind: the copy finishes on the writer thread
                         side.writer.wait(timeout=60)
                     c = side.take_counters()
                     best["store"] = min(best["store"], c.store_seconds)
-                    loads = [ChunkLoad("r2", s.key, list(range(num_blocks // 2 + i * bpc,
-                                                               num_blocks // 2 + (i + 1) * bpc)))
-                             for i, s in enumerate(stores)]
+                    loads = [
+                        ChunkLoad("r2", s.key, list(range(num_blocks // 2 + i * bpc, num_blocks // 2 + (i + 1) * bpc)))
+                        for i, s in enumerate(stores)
+                    ]
                     t0 = time.perf_counter()
                     side.load(MaruConnectorMetadata(loads=loads))
                     torch.cuda.synchronize()
@@ -120,10 +137,13 @@ def main() -> int:
                     admin.remove(None, f"bgpu-{name}")
                 gb = lambda s: total / s / 1e9  # noqa: E731
                 rows[f"{name}{'' if registered else ' (region not registered)'}"] = {
-                    "store_GBps": gb(best["store"]), "load_GBps": gb(best["load"]),
-                    "memcpy_D2H_GBps": gb(best["memcpy D2H"]), "memcpy_H2D_GBps": gb(best["memcpy H2D"]),
+                    "store_GBps": gb(best["store"]),
+                    "load_GBps": gb(best["load"]),
+                    "memcpy_D2H_GBps": gb(best["memcpy D2H"]),
+                    "memcpy_H2D_GBps": gb(best["memcpy H2D"]),
                     "store_over_memcpy": best["memcpy D2H"] / best["store"],
-                    "load_over_memcpy": best["memcpy H2D"] / best["load"], "bytes": total,
+                    "load_over_memcpy": best["memcpy H2D"] / best["load"],
+                    "bytes": total,
                 }
                 side.shutdown()
                 if side.host_registry is not None:
@@ -135,12 +155,16 @@ def main() -> int:
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    print(f"{results['gpu']}: {args.chunks} chunks, {next(iter(rows.values()))['bytes'] / 2**30:.2f} GiB, "
-          f"min of {args.repeats}")
+    print(
+        f"{results['gpu']}: {args.chunks} chunks, {next(iter(rows.values()))['bytes'] / 2**30:.2f} GiB, "
+        f"min of {args.repeats}"
+    )
     for name, r in rows.items():
-        print(f"  {name:36s} store {r['store_GBps']:6.2f} GB/s ({r['store_over_memcpy']:.2f}x cudaMemcpy D2H "
-              f"{r['memcpy_D2H_GBps']:.1f}) | load {r['load_GBps']:6.2f} GB/s ({r['load_over_memcpy']:.2f}x "
-              f"cudaMemcpy H2D {r['memcpy_H2D_GBps']:.1f})")
+        print(
+            f"  {name:36s} store {r['store_GBps']:6.2f} GB/s ({r['store_over_memcpy']:.2f}x cudaMemcpy D2H "
+            f"{r['memcpy_D2H_GBps']:.1f}) | load {r['load_GBps']:6.2f} GB/s ({r['load_over_memcpy']:.2f}x "
+            f"cudaMemcpy H2D {r['memcpy_H2D_GBps']:.1f})"
+        )
     return 0
 
 

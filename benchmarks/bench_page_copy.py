@@ -22,9 +22,7 @@ import torch
 from maru_vllm.connector.layouts import KVCacheSet
 
 
-def _paired_median_s(
-    fn: Callable[[], object], ref: Callable[[], object], iters: int
-) -> tuple[float, float]:
+def _paired_median_s(fn: Callable[[], object], ref: Callable[[], object], iters: int) -> tuple[float, float]:
     """Medians of ``fn`` and ``ref`` sampled alternately, so both see the same noise."""
     for _ in range(max(3, iters // 10)):
         fn()
@@ -49,8 +47,7 @@ def _caches(kind: str, a: argparse.Namespace, num_blocks: int, dtype: torch.dtyp
     if kind == "per-layer [B,H,N,C]":
         return {f"l{i}": torch.randn(num_blocks, H, N, 2 * D).to(dtype) for i in range(L)}, None
     if kind == "legacy [2,B,N,H,D]":
-        return {f"l{i}": torch.randn(2, num_blocks, N, H, D).to(dtype) for i in range(L)}, \
-            "FLASH_ATTN"
+        return {f"l{i}": torch.randn(2, num_blocks, N, H, D).to(dtype) for i in range(L)}, "FLASH_ATTN"
     raise ValueError(kind)
 
 
@@ -64,18 +61,20 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     p.add_argument("--num-blocks", type=int, default=32, help="blocks in each cache")
     p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (on small VMs >1 thread stalls intermittently)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (on small VMs >1 thread stalls intermittently)"
+    )
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
 
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"{a.layers} layers x {a.blocks} blocks x {a.block_size} tokens x "
-          f"{a.kv_heads} kv heads x head {a.head_size} ({a.dtype})")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"{a.layers} layers x {a.blocks} blocks x {a.block_size} tokens x "
+        f"{a.kv_heads} kv heads x head {a.head_size} ({a.dtype})"
+    )
     # Consecutive ids (one run) and scattered ids (one run per block).
-    id_sets = {"consecutive": list(range(5, 5 + a.blocks)),
-               "scattered": [5 + 3 * i for i in range(a.blocks)]}
+    id_sets = {"consecutive": list(range(5, 5 + a.blocks)), "scattered": [5 + 3 * i for i in range(a.blocks)]}
     for kind in ("vllm-0.31 single alloc", "per-layer [B,H,N,C]", "legacy [2,B,N,H,D]"):
         src, backend = _caches(kind, a, a.num_blocks, dtype)
         dst, _ = _caches(kind, a, a.num_blocks, dtype)
@@ -89,16 +88,19 @@ def main() -> None:
         m_dst = torch.empty_like(m_src)
         memcpy = lambda: m_dst.copy_(m_src)  # noqa: E731
         gbs = lambda t: nbytes / t / 1e9  # noqa: E731
-        print(f"\n[{kind}] chunk {nbytes / 2**20:.2f} MiB, "
-              f"one strided copy per run across layers: {cs._stack is not None}")
+        print(
+            f"\n[{kind}] chunk {nbytes / 2**20:.2f} MiB, "
+            f"one strided copy per run across layers: {cs._stack is not None}"
+        )
         ro = view.toreadonly()
         for label, ids in id_sets.items():
-            for op, fn in (("pack", lambda: cs.pack(ids, view)),
-                           ("unpack", lambda: cd.unpack(ids, ro))):
+            for op, fn in (("pack", lambda: cs.pack(ids, view)), ("unpack", lambda: cd.unpack(ids, ro))):
                 t_op, t_mem = _paired_median_s(fn, memcpy, a.iters)
-                print(f"  {op:6s} {label:11s} {t_op * 1e3:7.3f} ms {gbs(t_op):6.2f} GB/s | "
-                      f"memcpy {t_mem * 1e3:7.3f} ms {gbs(t_mem):6.2f} GB/s | "
-                      f"{op}/memcpy bandwidth ratio {t_mem / t_op:4.2f}")
+                print(
+                    f"  {op:6s} {label:11s} {t_op * 1e3:7.3f} ms {gbs(t_op):6.2f} GB/s | "
+                    f"memcpy {t_mem * 1e3:7.3f} ms {gbs(t_mem):6.2f} GB/s | "
+                    f"{op}/memcpy bandwidth ratio {t_mem / t_op:4.2f}"
+                )
         ro.release()
         view.release()
         shm.close()

@@ -37,8 +37,13 @@ MiB = 1 << 20
 
 
 def start_service(size: str, work: Path) -> PoolProcess:
-    pool = PoolProcess(f"bench-{uuid.uuid4().hex[:8]}", size, work / "pool.log", listen=[f"unix://{work}/pool.sock"],
-                       extra_args=["--log-level", "WARNING"])
+    pool = PoolProcess(
+        f"bench-{uuid.uuid4().hex[:8]}",
+        size,
+        work / "pool.log",
+        listen=[f"unix://{work}/pool.sock"],
+        extra_args=["--log-level", "WARNING"],
+    )
     return pool.serve()
 
 
@@ -74,6 +79,7 @@ def latency(c: PoolClient, iters: int) -> dict[str, dict[str, float]]:
     def get(i):
         with c.get(b"lat-7") as v:
             sink[:] = v
+
     measure("get 4 KiB (acquire+copy+release)", get)
     return out
 
@@ -105,10 +111,16 @@ def bandwidth(c: PoolClient, sizes_mib: list[int], reps: int) -> list[dict[str, 
                 if v is None or bytes(v) != src:
                     raise SystemExit(f"{mib} MiB object read back differently")
         m, p, g = (statistics.median(x) for x in (memcpy_t, put_t, get_t))
-        rows.append({
-            "size_mib": mib, "memcpy_gbps": n / m / 1e9, "put_gbps": n / p / 1e9, "get_gbps": n / g / 1e9,
-            "put_ratio": m / p, "get_ratio": m / g,
-        })
+        rows.append(
+            {
+                "size_mib": mib,
+                "memcpy_gbps": n / m / 1e9,
+                "put_gbps": n / p / 1e9,
+                "get_gbps": n / g / 1e9,
+                "put_ratio": m / p,
+                "get_ratio": m / g,
+            }
+        )
     return rows
 
 
@@ -149,8 +161,10 @@ def main() -> int:
     print("\ndata path bandwidth (median of reps; ratio = pool / in-process memcpy of the same bytes)")
     print(f"  {'size':>6}{'memcpy GB/s':>13}{'put GB/s':>10}{'put ratio':>11}{'get GB/s':>10}{'get ratio':>11}")
     for r in bw:
-        print(f"  {r['size_mib']:>4}Mi{r['memcpy_gbps']:>13.2f}{r['put_gbps']:>10.2f}{r['put_ratio']:>11.2f}"
-              f"{r['get_gbps']:>10.2f}{r['get_ratio']:>11.2f}")
+        print(
+            f"  {r['size_mib']:>4}Mi{r['memcpy_gbps']:>13.2f}{r['put_gbps']:>10.2f}{r['put_ratio']:>11.2f}"
+            f"{r['get_gbps']:>10.2f}{r['get_ratio']:>11.2f}"
+        )
     print(f"\n(evictions during the run: {st['evictions']})")
     return 0
 

@@ -133,21 +133,42 @@ class Stack:
             nats_proc, self.nats_url = nats_server(self.dir)
             self.servers.start(nats_proc).wait_for_log(NATS_READY_PATTERN, timeout=30)
         size = max(64 * MiB, chunks * 160)  # 64 B header per empty object, slab slack
-        self.pool = PoolProcess(self.name, size, self.dir / "pool.log", listen=[f"unix://{self.dir / 'pool.sock'}"],
-                                nats=self.nats_url,
-                                extra_args=["--log-level", "WARNING", "--max-objects", str(2 * chunks + 100_000),
-                                            "--metadata-budget", "16G"],
-                                env=dict(os.environ, PYTHONPATH=str(code_root)), cwd=code_root)
+        self.pool = PoolProcess(
+            self.name,
+            size,
+            self.dir / "pool.log",
+            listen=[f"unix://{self.dir / 'pool.sock'}"],
+            nats=self.nats_url,
+            extra_args=[
+                "--log-level",
+                "WARNING",
+                "--max-objects",
+                str(2 * chunks + 100_000),
+                "--metadata-budget",
+                "16G",
+            ],
+            env=dict(os.environ, PYTHONPATH=str(code_root)),
+            cwd=code_root,
+        )
         self.servers.add(self.pool)
         self.address = self.pool.serve().address
         self.env = StackEnv(discovery_dir=self.dir / "discovery", nats_url=self.nats_url).build(
-            PYTHONPATH=str(REPO), DYN_LOG=os.environ.get("BENCH_DYN_LOG", "warn"))
+            PYTHONPATH=str(REPO), DYN_LOG=os.environ.get("BENCH_DYN_LOG", "warn")
+        )
 
-    def _spawn(self, cmd: list[str], log: str, env: dict[str, str] | None = None, cwd: Path = REPO,
-               stdin: bool = False) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.dir / log, "ab"), text=True,
-                             env=dict(os.environ, **(env or {})),
-                             cwd=cwd, stdin=subprocess.PIPE if stdin else None, start_new_session=True)
+    def _spawn(
+        self, cmd: list[str], log: str, env: dict[str, str] | None = None, cwd: Path = REPO, stdin: bool = False
+    ) -> subprocess.Popen:
+        p = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=open(self.dir / log, "ab"),
+            text=True,
+            env=dict(os.environ, **(env or {})),
+            cwd=cwd,
+            stdin=subprocess.PIPE if stdin else None,
+            start_new_session=True,
+        )
         self.procs.append(p)
         return p
 
@@ -174,9 +195,22 @@ class Router:
     """Dynamo's KvRouter in its own process (maru_vllm.events.router_probe)."""
 
     def __init__(self, stack: Stack, block_size: int) -> None:
-        self.proc = stack._spawn([sys.executable, "-m", "maru_vllm.events.router_probe", "--endpoint", ENDPOINT,
-                                  "--block-size", str(block_size), "--timeout", "300"],
-                                 log="router.log", env=stack.env, stdin=True)
+        self.proc = stack._spawn(
+            [
+                sys.executable,
+                "-m",
+                "maru_vllm.events.router_probe",
+                "--endpoint",
+                ENDPOINT,
+                "--block-size",
+                str(block_size),
+                "--timeout",
+                "300",
+            ],
+            log="router.log",
+            env=stack.env,
+            stdin=True,
+        )
         self.lines = StdoutLines(self.proc)
 
     def scores(self, tokens: list[int]) -> dict[str, Any]:
@@ -218,8 +252,16 @@ async def worker_main(args: argparse.Namespace) -> None:
 
     serving = asyncio.ensure_future(endpoint.serve_endpoint(generate))
     # A model card, as dynamo.vllm registers one: the router ignores KV events of a worker without
-    await register_model(ModelInput.Tokens, ModelType.Completions, endpoint, "maru-scale-bench", "maru-scale-bench",
-                         worker_type=WorkerType.Aggregated, kv_cache_block_size=args.block_size, skip_model_assets=True)
+    await register_model(
+        ModelInput.Tokens,
+        ModelType.Completions,
+        endpoint,
+        "maru-scale-bench",
+        "maru-scale-bench",
+        worker_type=WorkerType.Aggregated,
+        kv_cache_block_size=args.block_size,
+        skip_model_assets=True,
+    )
     print("serving", flush=True)
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -228,21 +270,25 @@ async def worker_main(args: argparse.Namespace) -> None:
     relay = KvEventRelay(
         upstream=f"tcp://127.0.0.1:{free_port()}",  # no engine: nothing publishes vLLM events here
         pool=PoolSourceConfig(args.nats, args.pool_name, pool_address=args.pool_address, request_timeout_s=120),
-        namespaces=NamespaceFilter.exactly(NS), block_size=args.block_size,
+        namespaces=NamespaceFilter.exactly(NS),
+        block_size=args.block_size,
     )
     relay_endpoint = await relay.start()
     publisher = KvEventPublisher(endpoint=endpoint, kv_block_size=args.block_size, zmq_endpoint=relay_endpoint)
     assert relay.source is not None
     await relay.source.wait_synced(args.timeout)
     t1 = time.time()
-    print(json.dumps({"relay_start": t0, "synced": t1, "objects": len(relay.view), "rss": rss(os.getpid())}),
-          flush=True)
+    print(
+        json.dumps({"relay_start": t0, "synced": t1, "objects": len(relay.view), "rss": rss(os.getpid())}), flush=True
+    )
     while True:  # report relay progress on request
         line = await reader.readline()
         if not line:
             break
-        print(json.dumps({"stats": relay.stats.__dict__, "source": relay.source.stats.__dict__,
-                          "rss": rss(os.getpid())}), flush=True)
+        print(
+            json.dumps({"stats": relay.stats.__dict__, "source": relay.source.stats.__dict__, "rss": rss(os.getpid())}),
+            flush=True,
+        )
     del publisher
     await relay.stop()
     serving.cancel()
@@ -254,8 +300,12 @@ def run_scale(args: argparse.Namespace, chunks: int) -> dict[str, Any]:
     work = Workload(args.block_size, args.chunk_tokens, args.chunks_per_prompt)
     prompts = chunks // args.chunks_per_prompt
     bpc = work.geometry.blocks_per_chunk
-    out: dict[str, Any] = {"chunks": prompts * args.chunks_per_prompt, "blocks": prompts * args.chunks_per_prompt * bpc,
-                           "block_size": args.block_size, "chunk_tokens": args.chunk_tokens}
+    out: dict[str, Any] = {
+        "chunks": prompts * args.chunks_per_prompt,
+        "blocks": prompts * args.chunks_per_prompt * bpc,
+        "block_size": args.block_size,
+        "chunk_tokens": args.chunk_tokens,
+    }
     stack = Stack(chunks)
     try:
         client = PoolClient.connect(stack.address, populate=False, timeout=120)
@@ -266,14 +316,34 @@ def run_scale(args: argparse.Namespace, chunks: int) -> dict[str, Any]:
         out["pool_rss_per_object_b"] = (rss(stack.pool.pid) - rss0) / stored
         out["pool_rss_mib"] = rss(stack.pool.pid) / MiB
         out["pool_metadata_mib"] = st["metadata_bytes"] / MiB
-        print(f"[{chunks}] pool filled: {stored} chunks at {out['fill_chunks_per_s']:.0f}/s, "
-              f"service RSS {out['pool_rss_mib']:.0f} MiB ({out['pool_rss_per_object_b']:.0f} B/object)", flush=True)
+        print(
+            f"[{chunks}] pool filled: {stored} chunks at {out['fill_chunks_per_s']:.0f}/s, "
+            f"service RSS {out['pool_rss_mib']:.0f} MiB ({out['pool_rss_per_object_b']:.0f} B/object)",
+            flush=True,
+        )
 
         router = Router(stack, args.block_size)
-        worker = stack._spawn([sys.executable, __file__, "--role", "worker", "--pool-address", stack.address,
-                               "--pool-name", stack.name, "--nats", stack.nats_url or "", "--block-size",
-                               str(args.block_size), "--timeout", str(args.timeout)],
-                              log="worker.log", env=stack.env, stdin=True)
+        worker = stack._spawn(
+            [
+                sys.executable,
+                __file__,
+                "--role",
+                "worker",
+                "--pool-address",
+                stack.address,
+                "--pool-name",
+                stack.name,
+                "--nats",
+                stack.nats_url or "",
+                "--block-size",
+                str(args.block_size),
+                "--timeout",
+                str(args.timeout),
+            ],
+            log="worker.log",
+            env=stack.env,
+            stdin=True,
+        )
         wlines = StdoutLines(worker)
         wlines.wait_for("serving", 120)
         router.lines.wait_for("ready", 300)
@@ -293,9 +363,12 @@ def run_scale(args: argparse.Namespace, chunks: int) -> dict[str, Any]:
         time.sleep(2.0)
         out["router_rss_mib"] = rss(router.proc.pid) / MiB
         out["router_rss_per_block_b"] = (rss(router.proc.pid) - out["router_rss_empty_mib"] * MiB) / out["blocks"]
-        print(f"[{chunks}] resync: relay {out['resync_relay_s']:.1f} s, router credits all "
-              f"{out['resync_to_router_s']:.1f} s after relay start; router RSS {out['router_rss_empty_mib']:.0f} -> "
-              f"{out['router_rss_mib']:.0f} MiB; worker (relay+publisher) RSS {out['worker_rss_mib']:.0f} MiB", flush=True)
+        print(
+            f"[{chunks}] resync: relay {out['resync_relay_s']:.1f} s, router credits all "
+            f"{out['resync_to_router_s']:.1f} s after relay start; router RSS {out['router_rss_empty_mib']:.0f} -> "
+            f"{out['router_rss_mib']:.0f} MiB; worker (relay+publisher) RSS {out['worker_rss_mib']:.0f} MiB",
+            flush=True,
+        )
 
         # live events: new chunks from commit to router credit
         live_prompts = max(1, args.live_chunks // args.chunks_per_prompt)
@@ -307,8 +380,11 @@ def run_scale(args: argparse.Namespace, chunks: int) -> dict[str, Any]:
         out["commit_chunks_per_s"] = n / (t_committed - t0)
         out["event_chunks_per_s"] = n / (t_credit - t0)
         out["event_blocks_per_s"] = n * bpc / (t_credit - t0)
-        print(f"[{chunks}] events: {n} chunks committed at {out['commit_chunks_per_s']:.0f}/s, credited by the "
-              f"router at {out['event_chunks_per_s']:.0f} chunks/s ({out['event_blocks_per_s']:.0f} blocks/s)", flush=True)
+        print(
+            f"[{chunks}] events: {n} chunks committed at {out['commit_chunks_per_s']:.0f}/s, credited by the "
+            f"router at {out['event_chunks_per_s']:.0f} chunks/s ({out['event_blocks_per_s']:.0f} blocks/s)",
+            flush=True,
+        )
 
         # lookups
         rng = random.Random(7)
@@ -323,9 +399,12 @@ def run_scale(args: argparse.Namespace, chunks: int) -> dict[str, Any]:
         out["lookup_p50_ms"] = 1000 * statistics.median(lat)
         out["lookup_p99_ms"] = 1000 * lat[int(0.99 * (len(lat) - 1))]
         out["lookups_not_fully_matched"] = wrong
-        print(f"[{chunks}] lookup ({work.geometry.blocks_per_chunk * args.chunks_per_prompt} blocks/prompt): "
-              f"p50 {out['lookup_p50_ms']:.3f} ms, p99 {out['lookup_p99_ms']:.3f} ms; "
-              f"{wrong}/{args.lookups} not fully matched", flush=True)
+        print(
+            f"[{chunks}] lookup ({work.geometry.blocks_per_chunk * args.chunks_per_prompt} blocks/prompt): "
+            f"p50 {out['lookup_p50_ms']:.3f} ms, p99 {out['lookup_p99_ms']:.3f} ms; "
+            f"{wrong}/{args.lookups} not fully matched",
+            flush=True,
+        )
         client.close()
         worker.stdin.close()
     except BaseException:
@@ -358,8 +437,11 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
                 out[f"{label}_objects"] = stored
                 out[f"{label}_rss_mib"] = rss(stack.pool.pid) / MiB
                 out[f"{label}_bytes_per_object"] = (rss(stack.pool.pid) - rss0) / stored
-            print(f"{label}: {stored} objects, service RSS {out[f'{label}_rss_mib']:.0f} MiB, "
-                  f"{out[f'{label}_bytes_per_object']:.0f} B/object", flush=True)
+            print(
+                f"{label}: {stored} objects, service RSS {out[f'{label}_rss_mib']:.0f} MiB, "
+                f"{out[f'{label}_bytes_per_object']:.0f} B/object",
+                flush=True,
+            )
         finally:
             stack.close()
     return out

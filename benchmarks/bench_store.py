@@ -42,15 +42,14 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata  # noqa: E402
-
 from maru_vllm.connector.chunks import placeholder_meta  # noqa: E402
+from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata  # noqa: E402
 from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
 from maru_vllm.connector.worker import MaruWorkerSide  # noqa: E402
 from maru_vllm.launch import ProcessGroup, free_port  # noqa: E402
 from maru_vllm.launch.stack import PoolProcess  # noqa: E402
-from maru_vllm.pool import PoolClient  # noqa: E402
 from maru_vllm.native import ENV_NATIVE_COPY, path_name  # noqa: E402
+from maru_vllm.pool import PoolClient  # noqa: E402
 from maru_vllm.pool.objects import payload_checksum  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD, BLOCK = 16, 4, 64, 128  # the `bench` fixture model
@@ -73,11 +72,21 @@ class Rig:
         group.add(PoolProcess(f"bstore{free_port()}", "2G", work / "pool.log", listen=[self.address])).serve()
         self.caches = kv_caches(num_blocks)
         self.sides = {}
-        for mode, behind, checksum in (("write-behind", True, True), ("inline", False, True),
-                                       ("no checksum", True, False)):
-            side = MaruWorkerSide(namespace=NS, rank=0, pool=PoolAccess(self.address, None, 10.0, checksum, mode),
-                                  block_size=BLOCK, num_blocks=num_blocks, use_lmcache_kernels=False,
-                                  enable_fused_load=False, write_behind=behind)
+        for mode, behind, checksum in (
+            ("write-behind", True, True),
+            ("inline", False, True),
+            ("no checksum", True, False),
+        ):
+            side = MaruWorkerSide(
+                namespace=NS,
+                rank=0,
+                pool=PoolAccess(self.address, None, 10.0, checksum, mode),
+                block_size=BLOCK,
+                num_blocks=num_blocks,
+                use_lmcache_kernels=False,
+                enable_fused_load=False,
+                write_behind=behind,
+            )
             side.register_kv_caches(self.caches, "CPU_ATTN")
             side.pool.client.ping()  # connect before the timed runs
             self.sides[mode] = side
@@ -88,9 +97,15 @@ class Rig:
     def stores(self, chunks: int, first_chunk: int = 0) -> list[ChunkStore]:
         """`chunks` new chunks (fresh keys) over consecutive blocks, as a fresh request has."""
         self._n += 1
-        return [ChunkStore(f"req{self._n}", f"k{self._n}-{c}".encode(),
-                           [BLOCKS_PER_CHUNK * c + b for b in range(BLOCKS_PER_CHUNK)], placeholder_meta(c))
-                for c in range(first_chunk, first_chunk + chunks)]
+        return [
+            ChunkStore(
+                f"req{self._n}",
+                f"k{self._n}-{c}".encode(),
+                [BLOCKS_PER_CHUNK * c + b for b in range(BLOCKS_PER_CHUNK)],
+                placeholder_meta(c),
+            )
+            for c in range(first_chunk, first_chunk + chunks)
+        ]
 
     def clear(self) -> None:
         for side in self.sides.values():
@@ -138,9 +153,13 @@ def parts_once(rig: Rig, chunks: int) -> dict[str, float]:
     rig.client.commit(res, [None] * len(res))  # hashes only what the copy did not (the pure path)
     t5 = time.perf_counter()
     rig.clear()
-    return {"reserve": t1 - t0, f"page copy as served ({path_name()})": t2 - t1,
-            "page copy, pure path (torch)": t3 - t2, "checksum as a separate pass (xxhash)": t4 - t3,
-            "commit": t5 - t4}
+    return {
+        "reserve": t1 - t0,
+        f"page copy as served ({path_name()})": t2 - t1,
+        "page copy, pure path (torch)": t3 - t2,
+        "checksum as a separate pass (xxhash)": t4 - t3,
+        "commit": t5 - t4,
+    }
 
 
 @contextlib.contextmanager
@@ -182,15 +201,14 @@ class CpuForward:
             self.a @ self.a
 
 
-def prefill_once(rig: Rig, mode: str | None, chunks: int, forward: Callable[[float], None],
-                 kv_rate: float) -> float:
+def prefill_once(rig: Rig, mode: str | None, chunks: int, forward: Callable[[float], None], kv_rate: float) -> float:
     """TTFT of one prompt of `chunks` chunks: steps of STEP_TOKENS, stores after each forward."""
     side = rig.sides[mode] if mode else None
     chunks_per_step = STEP_TOKENS // (BLOCK * BLOCKS_PER_CHUNK)
     all_stores = rig.stores(chunks)
     t0 = time.perf_counter()
     for first in range(0, chunks, chunks_per_step):
-        step = all_stores[first:first + chunks_per_step]
+        step = all_stores[first : first + chunks_per_step]
         meta = MaruConnectorMetadata(stores=step)
         if side is not None:
             side.handle_preemptions(meta)
@@ -230,13 +248,24 @@ def engine_miss_tax(args: argparse.Namespace) -> dict[str, float]:
     address = f"unix://{work}/pool.sock"
     with ProcessGroup() as group:
         group.add(PoolProcess(f"bse{free_port()}", "2G", work / "pool.log", listen=[address])).serve()
-        kv = {"kv_connector": "MaruKVConnector", "kv_connector_module_path": "maru_vllm.connector",
-              "kv_role": "kv_both", "kv_connector_extra_config": {"maru_pool_address": address}}
+        kv = {
+            "kv_connector": "MaruKVConnector",
+            "kv_connector_module_path": "maru_vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"maru_pool_address": address},
+        }
         urls = {}
         for name, cfg in (("with", kv), ("without", None)):
             env = stack.StackEnv(discovery_dir=work / "disc").build(cpu_thread=args.core, VLLM_CPU_KVCACHE_SPACE="1")
-            proc, url = stack.vllm_openai_server(name, model, env, work, max_model_len=8192, kv_transfer_config=cfg,
-                                                 extra_args=["--max-num-batched-tokens", str(STEP_TOKENS)])
+            proc, url = stack.vllm_openai_server(
+                name,
+                model,
+                env,
+                work,
+                max_model_len=8192,
+                kv_transfer_config=cfg,
+                extra_args=["--max-num-batched-tokens", str(STEP_TOKENS)],
+            )
             proc.cpus = frozenset({args.core})
             group.start(proc)
             urls[name] = url
@@ -258,9 +287,13 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=16, help="chunks per prompt (16 = 4096 tokens, 64 MiB)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--core", type=int, default=0, help="the one core everything runs on")
-    ap.add_argument("--cpu-kv-rate", type=float, default=64 * 2**20 / 2.5,
-                    help="bytes of KV a prefill of the bench model produces per second on this CPU "
-                         "(measured: a 4096-token cold prefill, 64 MiB of KV, takes ~2.5 s)")
+    ap.add_argument(
+        "--cpu-kv-rate",
+        type=float,
+        default=64 * 2**20 / 2.5,
+        help="bytes of KV a prefill of the bench model produces per second on this CPU "
+        "(measured: a 4096-token cold prefill, 64 MiB of KV, takes ~2.5 s)",
+    )
     ap.add_argument("--engines", action="store_true", help="also measure the miss tax with real vLLM engines")
     ap.add_argument("--engine-repeats", type=int, default=5)
     ap.add_argument("--engines-only", action="store_true", help="only part 4 (the one that needs the heavy lock)")
@@ -284,7 +317,7 @@ def main() -> int:
 
         def sample(mode: str) -> Callable[[], float]:
             def run() -> float:
-                hold, busy, stored = store_once(rig, mode, args.chunks)
+                hold, busy, _stored = store_once(rig, mode, args.chunks)
                 holds[mode] = min(holds.get(mode, float("inf")), hold)
                 work_s[mode] = min(work_s.get(mode, float("inf")), busy)
                 return busy
@@ -297,9 +330,13 @@ def main() -> int:
             work_s["pure path"] = min(work_s.get("pure path", float("inf")), busy)
             return busy
 
-        configs = {"write-behind": sample("write-behind"), "inline": sample("inline"),
-                   "no checksum": sample("no checksum"), "pure path": sample_pure,
-                   "memcpy": lambda: memcpy_once(nbytes, bufs)}
+        configs = {
+            "write-behind": sample("write-behind"),
+            "inline": sample("inline"),
+            "no checksum": sample("no checksum"),
+            "pure path": sample_pure,
+            "memcpy": lambda: memcpy_once(nbytes, bufs),
+        }
         alternate(configs, 2)  # warm-up
         holds.clear()
         work_s.clear()
@@ -334,8 +371,11 @@ def main() -> int:
 
             ttfts = alternate({m: (lambda m=m: one(m)) for m in (None, "inline", "write-behind")}, reps)
             base = ttfts[None]
-            taxes[label] = {"ttft_without_s": base, "kv_rate_GBps": rate / 1e9,
-                            **{f"tax_{m}": ttfts[m] / base - 1 for m in ("inline", "write-behind")}}
+            taxes[label] = {
+                "ttft_without_s": base,
+                "kv_rate_GBps": rate / 1e9,
+                **{f"tax_{m}": ttfts[m] / base - 1 for m in ("inline", "write-behind")},
+            }
         results["miss_tax_sim"] = taxes
         rig.close()
     return report(args, results, engine_miss_tax(args) if args.engines else None)
@@ -343,37 +383,54 @@ def main() -> int:
 
 def report(args: argparse.Namespace, results: dict, eng: dict[str, float] | None) -> int:
     if eng is not None:
-        results["engines"] = {"cold_with_s": eng["with"], "cold_without_s": eng["without"],
-                              "miss_tax": eng["with"] / eng["without"] - 1}
+        results["engines"] = {
+            "cold_with_s": eng["with"],
+            "cold_without_s": eng["without"],
+            "miss_tax": eng["with"] / eng["without"] - 1,
+        }
     if args.json:
         print(json.dumps(results, indent=2, default=str))
         return 0
     if args.engines:
         e = results["engines"]
-        print(f"vLLM engines (bench model, {args.chunks * 256 + 1}-token prompts), same core, cold TTFT min of "
-              f"{args.engine_repeats}: with connector {e['cold_with_s']:.3f} s, without "
-              f"{e['cold_without_s']:.3f} s, miss tax {e['miss_tax'] * 100:+.2f}%")
+        print(
+            f"vLLM engines (bench model, {args.chunks * 256 + 1}-token prompts), same core, cold TTFT min of "
+            f"{args.engine_repeats}: with connector {e['cold_with_s']:.3f} s, without "
+            f"{e['cold_without_s']:.3f} s, miss tax {e['miss_tax'] * 100:+.2f}%"
+        )
     if "store_GBps" not in results:
         return 0
     taxes = results["miss_tax_sim"]
     nbytes = results["bytes_per_prompt"]
     mib = nbytes / 2**20
-    print(f"bench-model KV, {args.chunks} chunks = {mib:.0f} MiB per prompt, one core ({args.core}), "
-          f"min of {args.repeats}; data path as served: {results['path']}")
-    print(f"  store (writer: reserve + page copy + checksum + commit) {results['store_GBps']:6.2f} GB/s | "
-          f"memcpy of the same bytes {results['memcpy_GBps']:6.2f} GB/s | store/memcpy {results['store_over_memcpy']:.2f}")
-    print(f"  store on the pure path (MARU_NATIVE_COPY=0) {results['store_pure_path_GBps']:6.2f} GB/s | "
-          f"store/memcpy {results['store_pure_path_over_memcpy']:.2f}")
-    print(f"  store with maru_checksum=false {results['store_no_checksum_GBps']:6.2f} GB/s | "
-          f"store/memcpy {results['store_no_checksum_over_memcpy']:.2f}")
+    print(
+        f"bench-model KV, {args.chunks} chunks = {mib:.0f} MiB per prompt, one core ({args.core}), "
+        f"min of {args.repeats}; data path as served: {results['path']}"
+    )
+    print(
+        f"  store (writer: reserve + page copy + checksum + commit) {results['store_GBps']:6.2f} GB/s | "
+        f"memcpy of the same bytes {results['memcpy_GBps']:6.2f} GB/s | store/memcpy {results['store_over_memcpy']:.2f}"
+    )
+    print(
+        f"  store on the pure path (MARU_NATIVE_COPY=0) {results['store_pure_path_GBps']:6.2f} GB/s | "
+        f"store/memcpy {results['store_pure_path_over_memcpy']:.2f}"
+    )
+    print(
+        f"  store with maru_checksum=false {results['store_no_checksum_GBps']:6.2f} GB/s | "
+        f"store/memcpy {results['store_no_checksum_over_memcpy']:.2f}"
+    )
     print("  parts: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in results["parts_GBps"].items()))
     for m, ns in results["hold_ns_per_MiB"].items():
-        print(f"  step held by the store ({m:12s}) {results['hold_s'][m] * 1e3:8.3f} ms per prompt "
-              f"= {ns / 1e3:8.2f} us per MiB stored")
+        print(
+            f"  step held by the store ({m:12s}) {results['hold_s'][m] * 1e3:8.3f} ms per prompt "
+            f"= {ns / 1e3:8.2f} us per MiB stored"
+        )
     for label, t in taxes.items():
-        print(f"  miss tax at {label.upper()} prefill rate ({t['kv_rate_GBps']:.3f} GB/s of KV, TTFT without "
-              f"{t['ttft_without_s'] * 1e3:.0f} ms): inline {t['tax_inline'] * 100:+.2f}%, "
-              f"write-behind {t['tax_write-behind'] * 100:+.2f}%")
+        print(
+            f"  miss tax at {label.upper()} prefill rate ({t['kv_rate_GBps']:.3f} GB/s of KV, TTFT without "
+            f"{t['ttft_without_s'] * 1e3:.0f} ms): inline {t['tax_inline'] * 100:+.2f}%, "
+            f"write-behind {t['tax_write-behind'] * 100:+.2f}%"
+        )
     return 0
 
 

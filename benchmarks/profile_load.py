@@ -37,8 +37,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from maru_vllm.connector import layouts  # noqa: E402
-from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata  # noqa: E402
 from maru_vllm.connector.chunks import placeholder_meta  # noqa: E402
+from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata  # noqa: E402
 from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
 from maru_vllm.connector.worker import MaruWorkerSide  # noqa: E402
 from maru_vllm.launch import ProcessGroup, free_port  # noqa: E402
@@ -58,8 +58,9 @@ PURE_FUSED = "  pure path: torch copies + tiled xxhash"
 SEPARATE = "  checksum as a separate pass"
 
 
-def bench_caches(layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int,
-                 seed: int) -> dict[str, torch.Tensor]:
+def bench_caches(
+    layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, seed: int
+) -> dict[str, torch.Tensor]:
     """vLLM 0.31 CPU: one zeroed allocation, layer-major (LBHNC), each layer a [B, H, N, 2D] view."""
     g = torch.Generator().manual_seed(seed)
     big = torch.zeros(layers, num_blocks, kv_heads, block_size, 2 * head_dim, dtype=torch.bfloat16)
@@ -67,8 +68,15 @@ def bench_caches(layers: int, num_blocks: int, kv_heads: int, block_size: int, h
     return {f"model.layers.{i}.self_attn.attn": big[i] for i in range(layers)}
 
 
-def profile_load(tokens: int = 4096, repeats: int = 15, *, chunk_tokens: int = 256, block_size: int = 128,
-                 num_blocks: int = 160, tiles: tuple[int, ...] = ()) -> dict[str, Any]:
+def profile_load(
+    tokens: int = 4096,
+    repeats: int = 15,
+    *,
+    chunk_tokens: int = 256,
+    block_size: int = 128,
+    num_blocks: int = 160,
+    tiles: tuple[int, ...] = (),
+) -> dict[str, Any]:
     """Min-of-`repeats` milliseconds of a load of `tokens` tokens of bench-model KV and its parts."""
     torch.set_num_threads(1)
     spec = SPECS["bench"]
@@ -86,21 +94,36 @@ def profile_load(tokens: int = 4096, repeats: int = 15, *, chunk_tokens: int = 2
         samples.setdefault(name, []).append(time.perf_counter() - t0)
 
     with ProcessGroup() as group:
-        group.add(PoolProcess(f"prof{free_port()}", "1G", work / "pool.log", listen=[address],
-                              cpus=tuple(os.sched_getaffinity(0)))).serve()
+        group.add(
+            PoolProcess(
+                f"prof{free_port()}", "1G", work / "pool.log", listen=[address], cpus=tuple(os.sched_getaffinity(0))
+            )
+        ).serve()
 
         def side(seed: int) -> MaruWorkerSide:
             kv = bench_caches(spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim, seed)
-            w = MaruWorkerSide(namespace=NS, rank=0, pool=PoolAccess(address, None, 5.0, True, "profile"),
-                               block_size=block_size, num_blocks=num_blocks,
-                               use_lmcache_kernels=False, enable_fused_load=False)
+            w = MaruWorkerSide(
+                namespace=NS,
+                rank=0,
+                pool=PoolAccess(address, None, 5.0, True, "profile"),
+                block_size=block_size,
+                num_blocks=num_blocks,
+                use_lmcache_kernels=False,
+                enable_fused_load=False,
+            )
             w.register_kv_caches(kv, "CPU_ATTN")
             return w
 
         writer = side(1)
         keys = [f"chunk-{c}".encode() for c in range(chunks)]
-        writer.store(MaruConnectorMetadata(stores=[
-            ChunkStore("w", keys[c], list(range(c * bpc, (c + 1) * bpc)), placeholder_meta(c)) for c in range(chunks)]))
+        writer.store(
+            MaruConnectorMetadata(
+                stores=[
+                    ChunkStore("w", keys[c], list(range(c * bpc, (c + 1) * bpc)), placeholder_meta(c))
+                    for c in range(chunks)
+                ]
+            )
+        )
         if writer.writer is not None:  # write-behind: wait until the writer thread committed them
             writer.writer.wait(timeout=60)
         if writer.take_counters().chunks_stored != chunks:
@@ -109,8 +132,9 @@ def profile_load(tokens: int = 4096, repeats: int = 15, *, chunk_tokens: int = 2
         codec = reader.codec
         assert codec is not None
         dest = list(range(chunks * bpc + 4, 2 * chunks * bpc + 4))
-        meta = MaruConnectorMetadata(loads=[
-            ChunkLoad("r", keys[c], dest[c * bpc:(c + 1) * bpc]) for c in range(chunks)])
+        meta = MaruConnectorMetadata(
+            loads=[ChunkLoad("r", keys[c], dest[c * bpc : (c + 1) * bpc]) for c in range(chunks)]
+        )
         nbytes = codec.chunk_nbytes(len(dest))
         client = reader.pool.client
         client.ping()  # connect and map the region now
@@ -119,8 +143,8 @@ def profile_load(tokens: int = 4096, repeats: int = 15, *, chunk_tokens: int = 2
         client.release(pins)
         # memcpy reference: the same number of bytes out of the same shared region, into a
         # touched heap buffer (the engine's KV cache is zeroed at start, so touched too)
-        region = torch.frombuffer(client._region.view, dtype=torch.uint8)  # noqa: SLF001
-        ref_src = region[1 << 20:(1 << 20) + nbytes]
+        region = torch.frombuffer(client._region.view, dtype=torch.uint8)
+        ref_src = region[1 << 20 : (1 << 20) + nbytes]
         ref_dst = torch.zeros(nbytes, dtype=torch.uint8)
 
         def unpack_all(pins: list[Any], hashed: bool) -> None:
@@ -141,6 +165,7 @@ def profile_load(tokens: int = 4096, repeats: int = 15, *, chunk_tokens: int = 2
                         del os.environ[ENV_NATIVE_COPY]
                     else:
                         os.environ[ENV_NATIVE_COPY] = saved
+
             return run
 
         for _ in range(repeats):
@@ -150,8 +175,10 @@ def profile_load(tokens: int = 4096, repeats: int = 15, *, chunk_tokens: int = 2
             if reader.take_failed_blocks():
                 raise RuntimeError("profile_load: a load failed")
             got: list[Any] = []
-            timed("  acquire round trip + header checks", lambda: got.extend(
-                client.acquire(full_keys, NS, verify_payload=False)))
+            timed(
+                "  acquire round trip + header checks",
+                lambda: got.extend(client.acquire(full_keys, NS, verify_payload=False)),
+            )
             timed(COPY_ONLY, lambda: unpack_all(got, False))
             timed(FUSED, lambda: unpack_all(got, True))
             timed(PURE_COPY_ONLY, pure(lambda: unpack_all(got, False)))
@@ -171,7 +198,12 @@ def profile_load(tokens: int = 4096, repeats: int = 15, *, chunk_tokens: int = 2
     # What verifying costs a load: copy + checksum minus the fastest copy without one, over the load.
     copy_floor = min(ms[COPY_ONLY], ms[PURE_COPY_ONLY])
     return {
-        "tokens": tokens, "chunks": chunks, "bytes": nbytes, "repeats": repeats, "path": path_name(), "ms": ms,
+        "tokens": tokens,
+        "chunks": chunks,
+        "bytes": nbytes,
+        "repeats": repeats,
+        "path": path_name(),
+        "ms": ms,
         "GBps": {k: nbytes / v / 1e6 for k, v in ms.items()},
         "load_over_memcpy": ms[MEMCPY] / ms[LOAD],
         "load_pure_over_memcpy": ms[MEMCPY] / ms[LOAD_PURE],
@@ -189,8 +221,11 @@ def checksum_algorithms(nbytes: int = 64 << 20, repeats: int = 10) -> dict[str, 
     import xxhash
 
     algos: dict[str, Callable[[memoryview], object]] = {
-        "xxh3_64": xxhash.xxh3_64_intdigest, "xxh3_128": xxhash.xxh3_128_intdigest,
-        "xxh64": xxhash.xxh64_intdigest, "xxh32": xxhash.xxh32_intdigest, "crc32 (zlib)": zlib.crc32,
+        "xxh3_64": xxhash.xxh3_64_intdigest,
+        "xxh3_128": xxhash.xxh3_128_intdigest,
+        "xxh64": xxhash.xxh64_intdigest,
+        "xxh32": xxhash.xxh32_intdigest,
+        "crc32 (zlib)": zlib.crc32,
     }
     kernel = copy_kernel()
     if kernel is not None:  # the same XXH3-64, computed by this project's compiled kernel
@@ -224,13 +259,17 @@ def checksum_algorithms(nbytes: int = 64 << 20, repeats: int = 10) -> dict[str, 
 
 
 def print_profile(rep: dict[str, Any]) -> None:
-    print(f"load of {rep['tokens']} tokens ({rep['chunks']} chunks, {rep['bytes'] / 2**20:.0f} MiB), "
-          f"outside an engine, min of {rep['repeats']}; data path as served: {rep['path']}")
+    print(
+        f"load of {rep['tokens']} tokens ({rep['chunks']} chunks, {rep['bytes'] / 2**20:.0f} MiB), "
+        f"outside an engine, min of {rep['repeats']}; data path as served: {rep['path']}"
+    )
     for k, v in rep["ms"].items():
         print(f"  {k:42s} {v:8.3f} ms  {rep['GBps'][k]:7.2f} GB/s")
-    print(f"  load / memcpy bandwidth {rep['load_over_memcpy']:.2f} (pure path {rep['load_pure_over_memcpy']:.2f}); "
-          f"checksum share of a load {rep['checksum_share_of_load']:.1%} (pure path "
-          f"{rep['checksum_share_of_load_pure']:.1%}; as a separate pass {rep['checksum_separate_pass_share']:.1%})")
+    print(
+        f"  load / memcpy bandwidth {rep['load_over_memcpy']:.2f} (pure path {rep['load_pure_over_memcpy']:.2f}); "
+        f"checksum share of a load {rep['checksum_share_of_load']:.1%} (pure path "
+        f"{rep['checksum_share_of_load_pure']:.1%}; as a separate pass {rep['checksum_separate_pass_share']:.1%})"
+    )
 
 
 def main() -> int:

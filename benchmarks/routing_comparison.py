@@ -73,7 +73,8 @@ kv-gpu+pool 21/0, kv-pool 0/21; round-robin 10112 tokens, 10/11). A pool block (
 of a device block) never outweighs the device copy on the worker that computed it, so pool
 events change nothing there; they pay off when requests are in flight.
 
-Usage: python benchmarks/routing_comparison.py [--window 3] [--sessions 7 --hot-sessions 4 ...] [--configs kv-gpu,kv-pool] [--routes] [--json]
+Usage: python benchmarks/routing_comparison.py [--window 3] [--sessions 7 --hot-sessions 4 ...]
+                                               [--configs kv-gpu,kv-pool] [--routes] [--json]
 """
 
 from __future__ import annotations
@@ -100,21 +101,24 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from maru_vllm.launch import ManagedProcess, ProcessGroup  # noqa: E402
-from maru_vllm.launch.ports import free_system_port  # noqa: E402
-from maru_vllm.launch import stack  # noqa: E402
+from maru_vllm.launch import (  # noqa: E402
+    ManagedProcess,
+    ProcessGroup,
+    stack,
+)
 from maru_vllm.launch.engine_metrics import EngineCounters, read_counters, running_requests  # noqa: E402
+from maru_vllm.launch.ports import free_system_port  # noqa: E402
 from maru_vllm.routing import POOL_TIER_WEIGHT  # noqa: E402
 from maru_vllm.workload import Workload, WorkloadSpec, build_workload  # noqa: E402
-
 
 CHUNK_TOKENS = 256
 MAX_MODEL_LEN = 8192  # the fixture models' position limit: room for long decodes (--window > 1)
 STREAM_INTERVAL = 256
 # The workload and window the e2e test runs (and the CLI's defaults): a popular system prompt shared by
 # six of seven sessions, one niche one, three turns each, two requests in flight at every decision.
-DEFAULT_SPEC = WorkloadSpec(systems=2, sessions=7, hot_sessions=4, turns=3, system_tokens=1024,
-                            user_tokens=256, assistant_tokens=128, seed=0)
+DEFAULT_SPEC = WorkloadSpec(
+    systems=2, sessions=7, hot_sessions=4, turns=3, system_tokens=1024, user_tokens=256, assistant_tokens=128, seed=0
+)
 DEFAULT_WINDOW = 3
 MAX_TOKENS = 4  # --window 1: each request finishes on its own right after its prefill
 STOP_GRACE_S = 10.0
@@ -138,8 +142,9 @@ class RoutingConfig:
 CONFIGS: tuple[RoutingConfig, ...] = (
     RoutingConfig("round-robin", "round-robin", True, True, "round-robin; Maru workers (pool loads, router unaware)"),
     RoutingConfig("kv-gpu", "kv", False, False, "KV router on device KV events; plain dynamo.vllm workers (no pool)"),
-    RoutingConfig("kv-gpu+pool", "kv", True, False,
-                  "KV router on device KV events; Maru workers (pool loads, pool not announced)"),
+    RoutingConfig(
+        "kv-gpu+pool", "kv", True, False, "KV router on device KV events; Maru workers (pool loads, pool not announced)"
+    ),
     RoutingConfig("kv-pool", "kv", True, True, "KV router with the pool's blocks at the host tier"),
 )
 
@@ -240,8 +245,9 @@ def _generate_instances(url: str) -> int:
     except ValueError:
         return 0
     instances = health.get("instances") if isinstance(health, dict) else None
-    return len({i.get("instance_id") for i in instances or []
-                if isinstance(i, dict) and i.get("endpoint") == "generate"})
+    return len(
+        {i.get("instance_id") for i in instances or [] if isinstance(i, dict) and i.get("endpoint") == "generate"}
+    )
 
 
 class WindowError(RuntimeError):
@@ -259,8 +265,9 @@ class _Stream:
     def __init__(self, base_url: str, payload: dict[str, object]) -> None:
         host, port = base_url.removeprefix("http://").split(":")
         self.conn = http.client.HTTPConnection(host, int(port), timeout=600)
-        self.conn.request("POST", "/v1/completions", body=json.dumps(payload),
-                          headers={"content-type": "application/json"})
+        self.conn.request(
+            "POST", "/v1/completions", body=json.dumps(payload), headers={"content-type": "application/json"}
+        )
         self.resp = self.conn.getresponse()
         if self.resp.status != 200:
             raise RuntimeError(f"completion failed: HTTP {self.resp.status}: {self.resp.read()[:500]!r}")
@@ -286,8 +293,10 @@ def _wait_running(metric_urls: Sequence[str], want: int, name: str, index: int, 
         if got == want:
             return
         if got < want:
-            raise WindowError(f"[{name}] {got} requests running before request {index}, expected {want}: an "
-                              f"earlier one finished decoding; raise --max-tokens")
+            raise WindowError(
+                f"[{name}] {got} requests running before request {index}, expected {want}: an "
+                f"earlier one finished decoding; raise --max-tokens"
+            )
         if time.monotonic() > deadline:
             return
         time.sleep(0.05)
@@ -339,8 +348,9 @@ def run_config(
     group = ProcessGroup()
     try:
         if config.pool:
-            pool = stack.PoolProcess(pool_name, "512M", logs / "pool.log", listen=[address], nats=nats_url,
-                                     path=region, env=env.build())
+            pool = stack.PoolProcess(
+                pool_name, "512M", logs / "pool.log", listen=[address], nats=nats_url, path=region, env=env.build()
+            )
             group.add(pool)
             pool.serve()
 
@@ -353,18 +363,33 @@ def run_config(
             core = stack.cpu_thread_for(i)
             wenv = env.build(cpu_thread=core, DYN_SYSTEM_PORT=str(metric_ports[i]))
             if config.pool:
-                argv = [py, "-m", "maru_dynamo.components.maru_worker", "--model", model,
-                        "--maru-pool-address", address, "--maru-pool-name", pool_name,
-                        "--maru-chunk-tokens", str(CHUNK_TOKENS),
-                        *([] if config.pool_events else ["--no-maru-pool-events"]),
-                        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", *stream_args]
+                argv = [
+                    py,
+                    "-m",
+                    "maru_dynamo.components.maru_worker",
+                    "--model",
+                    model,
+                    "--maru-pool-address",
+                    address,
+                    "--maru-pool-name",
+                    pool_name,
+                    "--maru-chunk-tokens",
+                    str(CHUNK_TOKENS),
+                    *([] if config.pool_events else ["--no-maru-pool-events"]),
+                    "--max-model-len",
+                    str(MAX_MODEL_LEN),
+                    "--enforce-eager",
+                    *stream_args,
+                ]
                 proc = ManagedProcess(f"worker{i}", argv, log_path=logs / f"worker{i}.log", env=wenv, cpus=[core])
             else:
-                proc = stack.dynamo_vllm_worker(f"worker{i}", model, wenv, logs, max_model_len=MAX_MODEL_LEN,
-                                                extra_args=stream_args, cpus=[core])
+                proc = stack.dynamo_vllm_worker(
+                    f"worker{i}", model, wenv, logs, max_model_len=MAX_MODEL_LEN, extra_args=stream_args, cpus=[core]
+                )
             worker_procs.append(group.start(proc))
-        frontend, url = stack.dynamo_frontend(env.build(), logs, router_mode=config.router_mode,
-                                              extra_args=config.frontend_args(host_weight))
+        frontend, url = stack.dynamo_frontend(
+            env.build(), logs, router_mode=config.router_mode, extra_args=config.frontend_args(host_weight)
+        )
         group.start(frontend)
 
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -394,8 +419,18 @@ def run_config(
             _wait_running(metric_urls, len(open_streams), config.name, req.index)
             # Window 1: a short completion. Window > 1: decode until cancelled (as long as the model allows).
             decode = max_tokens or (MAX_TOKENS if window == 1 else MAX_MODEL_LEN - len(req))
-            stream = _Stream(url, {"model": model, "prompt": list(req.prompt), "max_tokens": decode,
-                                   "min_tokens": decode, "ignore_eos": True, "temperature": 0, "stream": True})
+            stream = _Stream(
+                url,
+                {
+                    "model": model,
+                    "prompt": list(req.prompt),
+                    "max_tokens": decode,
+                    "min_tokens": decode,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "stream": True,
+                },
+            )
             open_streams.append(stream)
             # Its first token means its prefill is done; the worker counters then say where it ran and
             # how its prompt was served; `settle_s` lets its KV/pool events reach the router.
@@ -409,13 +444,23 @@ def run_config(
             delta = [a - b for a, b in zip(after, before)]
             grew = [i for i in range(workers) if delta[i].prompt_tokens]
             if len(grew) != 1 or delta[grew[0]].prompt_tokens != len(req):
-                raise RuntimeError(f"request {req.index}: prompt tokens counted per worker "
-                                   f"{[d.prompt_tokens for d in delta]}, sent {len(req)}")
+                raise RuntimeError(
+                    f"request {req.index}: prompt tokens counted per worker "
+                    f"{[d.prompt_tokens for d in delta]}, sent {len(req)}"
+                )
             d = delta[grew[0]]
             lines = _selected_lines(frontend)
-            records.append(RequestRecord(req.index, req.session, req.turn, len(req),
-                                         d.local_cache_hit + d.external_kv_transfer, grew[0],
-                                         lines[-1].strip() if len(lines) > n_lines else ""))
+            records.append(
+                RequestRecord(
+                    req.index,
+                    req.session,
+                    req.turn,
+                    len(req),
+                    d.local_cache_hit + d.external_kv_transfer,
+                    grew[0],
+                    lines[-1].strip() if len(lines) > n_lines else "",
+                )
+            )
             n_lines = len(lines)
             time.sleep(settle_s)
             before = after
@@ -455,9 +500,20 @@ def run_comparison(
         results = []
         for cfg in configs:
             t0 = time.monotonic()
-            results.append(run_config(cfg, workload, model=model, nats_url=nats_url, work_dir=work_dir,
-                                      host_weight=host_weight, settle_s=settle_s, window=window,
-                                      max_tokens=max_tokens, log=log))
+            results.append(
+                run_config(
+                    cfg,
+                    workload,
+                    model=model,
+                    nats_url=nats_url,
+                    work_dir=work_dir,
+                    host_weight=host_weight,
+                    settle_s=settle_s,
+                    window=window,
+                    max_tokens=max_tokens,
+                    log=log,
+                )
+            )
             log(f"[{cfg.name}] done in {time.monotonic() - t0:.0f}s")
         return results
     finally:
@@ -466,30 +522,40 @@ def run_comparison(
 
 # -- report ----------------------------------------------------------------------------------------
 def format_table(results: Sequence[ConfigResult], workload: Workload | None = None) -> str:
-    head = f"{'config':<12} {'prefill computed':>16} {'(by metrics)':>12} {'cached':>8} {'pool-loaded':>11} " \
-           f"{'req/worker':>11} {'spread':>6} {'cv':>6}"
+    head = (
+        f"{'config':<12} {'prefill computed':>16} {'(by metrics)':>12} {'cached':>8} {'pool-loaded':>11} "
+        f"{'req/worker':>11} {'spread':>6} {'cv':>6}"
+    )
     rows = [head, "-" * len(head)]
     for r in results:
-        rows.append(f"{r.config.name:<12} {r.prefill_computed:>16} {r.metrics_computed:>12} {r.cached_tokens:>8} "
-                     f"{r.pool_loaded_tokens:>11} {'/'.join(map(str, r.requests_per_worker)):>11} "
-                     f"{r.spread:>6} {r.cv:>6.3f}")
+        rows.append(
+            f"{r.config.name:<12} {r.prefill_computed:>16} {r.metrics_computed:>12} {r.cached_tokens:>8} "
+            f"{r.pool_loaded_tokens:>11} {'/'.join(map(str, r.requests_per_worker)):>11} "
+            f"{r.spread:>6} {r.cv:>6.3f}"
+        )
     by = {r.config.name: r for r in results}
     if "kv-pool" in by:
         for other in ("round-robin", "kv-gpu"):
             if other in by and by[other].prefill_computed:
-                rows.append(f"prefill computed kv-pool / {other}: "
-                            f"{by['kv-pool'].prefill_computed / by[other].prefill_computed:.3f}")
+                rows.append(
+                    f"prefill computed kv-pool / {other}: "
+                    f"{by['kv-pool'].prefill_computed / by[other].prefill_computed:.3f}"
+                )
     if workload is not None:
-        rows.append(f"workload: {len(workload)} requests, {workload.total_prompt_tokens} prompt tokens, "
-                    f"{workload.unique_prefix_tokens()} in its prefix tree (ideal-cache lower bound)")
+        rows.append(
+            f"workload: {len(workload)} requests, {workload.total_prompt_tokens} prompt tokens, "
+            f"{workload.unique_prefix_tokens()} in its prefix tree (ideal-cache lower bound)"
+        )
     return "\n".join(rows)
 
 
 def format_routes(result: ConfigResult) -> str:
     lines = [f"[{result.config.name}] request: session/turn -> worker (prompt, cached)"]
     for r in result.requests:
-        lines.append(f"  #{r.index:<3} s{r.session} t{r.turn} -> w{r.worker} ({r.prompt_tokens}, {r.cached_tokens})"
-                     + (f"  | {r.router_line[r.router_line.find('Selected worker'):]}" if r.router_line else ""))
+        lines.append(
+            f"  #{r.index:<3} s{r.session} t{r.turn} -> w{r.worker} ({r.prompt_tokens}, {r.cached_tokens})"
+            + (f"  | {r.router_line[r.router_line.find('Selected worker') :]}" if r.router_line else "")
+        )
     return "\n".join(lines)
 
 
@@ -499,15 +565,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     for field in dataclasses.fields(WorkloadSpec):
         ap.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=getattr(defaults, field.name))
     ap.add_argument("--model-size", default="tiny", help="fixture model (tiny, bench) or a model path")
-    ap.add_argument("--configs", default=",".join(c.name for c in CONFIGS),
-                    help="comma-separated subset of: " + ", ".join(c.name for c in CONFIGS))
-    ap.add_argument("--host-weight", type=float, default=POOL_TIER_WEIGHT,
-                    help="--router-host-cache-hit-weight for kv-pool (default maru_vllm.routing.POOL_TIER_WEIGHT)")
+    ap.add_argument(
+        "--configs",
+        default=",".join(c.name for c in CONFIGS),
+        help="comma-separated subset of: " + ", ".join(c.name for c in CONFIGS),
+    )
+    ap.add_argument(
+        "--host-weight",
+        type=float,
+        default=POOL_TIER_WEIGHT,
+        help="--router-host-cache-hit-weight for kv-pool (default maru_vllm.routing.POOL_TIER_WEIGHT)",
+    )
     ap.add_argument("--settle-s", type=float, default=1.0, help="pause after each request for its events")
-    ap.add_argument("--window", type=int, default=DEFAULT_WINDOW,
-                    help=f"requests in flight at each routing decision (default {DEFAULT_WINDOW}; 1: one at a time)")
-    ap.add_argument("--max-tokens", type=int, default=None,
-                    help=f"tokens generated per request (default {MAX_TOKENS}; with --window > 1, until cancelled)")
+    ap.add_argument(
+        "--window",
+        type=int,
+        default=DEFAULT_WINDOW,
+        help=f"requests in flight at each routing decision (default {DEFAULT_WINDOW}; 1: one at a time)",
+    )
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"tokens generated per request (default {MAX_TOKENS}; with --window > 1, until cancelled)",
+    )
     ap.add_argument("--keep-logs", action="store_true", help="keep the work dir with every process's log")
     ap.add_argument("--routes", action="store_true", help="also print where each request went")
     ap.add_argument("--json", action="store_true")
@@ -528,9 +609,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print
     tmp = tempfile.mkdtemp(prefix="maru-routing-")
     try:
-        results = run_comparison(spec, model=model, work_dir=Path(tmp), host_weight=args.host_weight,
-                                 settle_s=args.settle_s, window=args.window, max_tokens=args.max_tokens,
-                                 configs=[c for c in CONFIGS if c.name in wanted], log=log)
+        results = run_comparison(
+            spec,
+            model=model,
+            work_dir=Path(tmp),
+            host_weight=args.host_weight,
+            settle_s=args.settle_s,
+            window=args.window,
+            max_tokens=args.max_tokens,
+            configs=[c for c in CONFIGS if c.name in wanted],
+            log=log,
+        )
     finally:
         if args.keep_logs:
             log(f"logs kept in {tmp}")

@@ -41,8 +41,10 @@ def main() -> int:
         print(f"\n===== {script} =====", flush=True)
         t0 = time.monotonic()
         rc = subprocess.call([sys.executable, str(HERE / script), *(quick if args.quick else full)])
-        print(f"===== {script}: {'skipped' if rc == SKIPPED else f'exit {rc}'}, "
-              f"{time.monotonic() - t0:.0f}s =====", flush=True)
+        print(
+            f"===== {script}: {'skipped' if rc == SKIPPED else f'exit {rc}'}, {time.monotonic() - t0:.0f}s =====",
+            flush=True,
+        )
         if rc and rc != SKIPPED:
             failed.append(script)
     if failed:

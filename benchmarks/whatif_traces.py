@@ -35,7 +35,14 @@ from maru_vllm.routing import pool_tier_weight  # noqa: E402
 from maru_vllm.whatif import report  # noqa: E402
 from maru_vllm.whatif.runner import DYNAMO, MODEL, Row, WhatIf  # noqa: E402
 from maru_vllm.whatif.spec import (  # noqa: E402
-    CONFIGS, KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, parse_size, parse_workers,
+    CONFIGS,
+    KV_GPU,
+    KV_HOST,
+    KV_POOL,
+    ROUND_ROBIN,
+    ClusterSpec,
+    parse_size,
+    parse_workers,
 )
 from maru_vllm.whatif.trace import read_trace, unique_prefix_tokens  # noqa: E402
 
@@ -73,24 +80,26 @@ def run_trace(name: str, path: Path, args: argparse.Namespace) -> list[str]:
             for c in (ROUND_ROBIN, KV_GPU, KV_HOST):
                 rows[(DYNAMO, c, w)] = dyn.one(c, w)
     skipped = len(requests) - len(fits)
-    out = [f"### {name}: {len(fits):,} requests, {served:,} input tokens"
-           + (f" ({skipped} longer than a worker's KV cache left out)" if skipped else "")
-           + f"; an ideal shared cache computes {ideal / served:.3f} of them; {time.monotonic() - t0:.0f}s",
-           "",
-           f"Prefill tokens computed / input tokens (pool model; Dynamo's replay in brackets) and TTFT p50 / p90 ms "
-           f"(pool model); pool {args.pool_size}B, large pool {args.large_pool_size}B:",
-           "",
-           f"| workers | round-robin | kv-gpu | kv-host | **kv-pool** | kv-host {args.large_pool_size}B | "
-           f"**kv-pool {args.large_pool_size}B** | TTFT kv-gpu | TTFT kv-host | TTFT kv-pool | "
-           f"TTFT kv-pool {args.large_pool_size}B |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        f"### {name}: {len(fits):,} requests, {served:,} input tokens"
+        + (f" ({skipped} longer than a worker's KV cache left out)" if skipped else "")
+        + f"; an ideal shared cache computes {ideal / served:.3f} of them; {time.monotonic() - t0:.0f}s",
+        "",
+        f"Prefill tokens computed / input tokens (pool model; Dynamo's replay in brackets) and TTFT p50 / p90 ms "
+        f"(pool model); pool {args.pool_size}B, large pool {args.large_pool_size}B:",
+        "",
+        f"| workers | round-robin | kv-gpu | kv-host | **kv-pool** | kv-host {args.large_pool_size}B | "
+        f"**kv-pool {args.large_pool_size}B** | TTFT kv-gpu | TTFT kv-host | TTFT kv-pool | "
+        f"TTFT kv-pool {args.large_pool_size}B |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for w in workers:
         g = lambda sim, c: rows.get((sim, c, w))  # noqa: E731
         cells = [str(w)]
         for c in (ROUND_ROBIN, KV_GPU, KV_HOST):
             cells.append(f"{_share(g(MODEL, c))} ({_share(g(DYNAMO, c))})")
         cells.append(f"**{_share(g(MODEL, KV_POOL))}**")
-        cells.append(_share(g('large', KV_HOST)))
+        cells.append(_share(g("large", KV_HOST)))
         cells.append(f"**{_share(g('large', KV_POOL))}**")
         for sim, c in ((MODEL, KV_GPU), (MODEL, KV_HOST), (MODEL, KV_POOL), ("large", KV_POOL)):
             r = g(sim, c)
@@ -100,8 +109,11 @@ def run_trace(name: str, path: Path, args: argparse.Namespace) -> list[str]:
         Path(args.plot_dir).mkdir(parents=True, exist_ok=True)
         png = Path(args.plot_dir) / f"whatif-{name}.png"
         plotted = [r for (sim, _c, _w), r in rows.items() if sim == MODEL]
-        plotted += [dataclasses.replace(r, config=f"{r.config} {args.large_pool_size}B")
-                    for (sim, _c, _w), r in rows.items() if sim == "large"]
+        plotted += [
+            dataclasses.replace(r, config=f"{r.config} {args.large_pool_size}B")
+            for (sim, _c, _w), r in rows.items()
+            if sim == "large"
+        ]
         report.plot(plotted, str(png), f"Mooncake {name} trace: {len(requests):,} requests (pool model)")
         out += ["", f"plot: {png}"]
     return out

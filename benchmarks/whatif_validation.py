@@ -20,16 +20,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from maru_vllm.whatif.runner import DYNAMO, MODEL, WhatIf  # noqa: E402
-from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN  # noqa: E402
-from maru_vllm.whatif.trace import unique_prefix_tokens  # noqa: E402
-from maru_vllm.whatif.validation import (  # noqa: E402
-    REAL_BLOCK_TOKENS, routing_comparison_trace, validation_itl_ms, validation_spec,
+from maru_vllm.whatif.runner import DYNAMO, MODEL, WhatIf
+from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN
+from maru_vllm.whatif.trace import unique_prefix_tokens
+from maru_vllm.whatif.validation import (
+    REAL_BLOCK_TOKENS,
+    routing_comparison_trace,
+    validation_itl_ms,
+    validation_spec,
 )
 
 # Measured on the real stack (README routing table, 2026-11-29), prefill tokens computed.
-REAL = {ROUND_ROBIN: "10112 (round-robin over Maru workers: the pool under it)", KV_GPU: "11136",
-        "kv-gpu+pool": "9344", KV_HOST: "-", KV_POOL: "9216"}
+REAL = {
+    ROUND_ROBIN: "10112 (round-robin over Maru workers: the pool under it)",
+    KV_GPU: "11136",
+    "kv-gpu+pool": "9344",
+    KV_HOST: "-",
+    KV_POOL: "9216",
+}
 
 
 def main() -> int:
@@ -38,14 +46,21 @@ def main() -> int:
     args = ap.parse_args()
     spec = validation_spec().with_weight(0.97)
     requests = routing_comparison_trace(validation_itl_ms(spec))
-    print(f"{len(requests)} requests, {sum(r.input_length for r in requests)} prompt tokens, prefix tree "
-          f"{unique_prefix_tokens(requests, REAL_BLOCK_TOKENS)} tokens; prefill tokens computed (min / median / max "
-          f"of {args.repeats} runs)\n")
+    print(
+        f"{len(requests)} requests, {sum(r.input_length for r in requests)} prompt tokens, prefix tree "
+        f"{unique_prefix_tokens(requests, REAL_BLOCK_TOKENS)} tokens; prefill tokens computed (min / median / max "
+        f"of {args.repeats} runs)\n"
+    )
     print("| configuration | real stack | pool model | Dynamo replay |")
     print("|---|---:|---:|---:|")
     with WhatIf(requests, spec, MODEL, progress=None) as model, WhatIf(requests, spec, DYNAMO, progress=None) as dyn:
-        for name, config, weight in ((ROUND_ROBIN, ROUND_ROBIN, None), (KV_GPU, KV_GPU, None),
-                                     ("kv-gpu+pool", KV_POOL, 0.0), (KV_HOST, KV_HOST, None), (KV_POOL, KV_POOL, None)):
+        for name, config, weight in (
+            (ROUND_ROBIN, ROUND_ROBIN, None),
+            (KV_GPU, KV_GPU, None),
+            ("kv-gpu+pool", KV_POOL, 0.0),
+            (KV_HOST, KV_HOST, None),
+            (KV_POOL, KV_POOL, None),
+        ):
             s = spec if weight is None else spec.with_weight(weight)
             cells = []
             for sim in (model, dyn):

@@ -15,12 +15,14 @@ from typing import Any
 
 def register(subparsers: Any) -> None:
     frontend = subparsers.add_parser(
-        "frontend", add_help=False,
+        "frontend",
+        add_help=False,
         help="Dynamo's frontend with the KV router and the pool-tier weight (args go to dynamo.frontend)",
     )
     frontend.set_defaults(func=_run_frontend, accepts_extra=True)
     worker = subparsers.add_parser(
-        "worker", add_help=False,
+        "worker",
+        add_help=False,
         help="a dynamo.vllm worker on the Maru pool (--maru-* options, the rest go to dynamo.vllm)",
     )
     worker.set_defaults(func=_run_worker, accepts_extra=True)

@@ -51,13 +51,20 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     rest = list(rest)
     if not has_flag(rest, "--kv-transfer-config", "--kv_transfer_config"):
         mode = flag_value(rest, "--disaggregation-mode") or os.environ.get("DYN_VLLM_DISAGGREGATION_MODE")
-        rest += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "MaruKVConnector",
-            "kv_connector_module_path": "maru_vllm.connector",
-            "kv_role": KV_ROLES.get(mode or "", "kv_both"),
-            "kv_connector_extra_config": {"maru_pool_address": ours.maru_pool_address,
-                                          "maru_kv_chunk_tokens": ours.maru_chunk_tokens},
-        })]
+        rest += [
+            "--kv-transfer-config",
+            json.dumps(
+                {
+                    "kv_connector": "MaruKVConnector",
+                    "kv_connector_module_path": "maru_vllm.connector",
+                    "kv_role": KV_ROLES.get(mode or "", "kv_both"),
+                    "kv_connector_extra_config": {
+                        "maru_pool_address": ours.maru_pool_address,
+                        "maru_kv_chunk_tokens": ours.maru_chunk_tokens,
+                    },
+                }
+            ),
+        ]
     if not has_flag(rest, "--kv-events-config", "--kv_events_config"):
         rest += kv_events_args(free_port())
     return ours, rest
@@ -82,16 +89,24 @@ def resolve_pool_name(address: str, given: str | None, *, wait_s: float = 30.0) 
             break
         except (PoolError, OSError, ValueError) as exc:
             if given:
-                logger.warning("maru_worker: pool at %s not reachable (%s); using --maru-pool-name %s unchecked",
-                               address, exc, given)
+                logger.warning(
+                    "maru_worker: pool at %s not reachable (%s); using --maru-pool-name %s unchecked",
+                    address,
+                    exc,
+                    given,
+                )
                 return given
             if time.monotonic() >= deadline:
-                raise SystemExit(f"maru_worker: cannot ask the pool at {address} for its name ({exc}); "
-                                 "start the pool first, or pass --maru-pool-name NAME") from None
+                raise SystemExit(
+                    f"maru_worker: cannot ask the pool at {address} for its name ({exc}); "
+                    "start the pool first, or pass --maru-pool-name NAME"
+                ) from None
             time.sleep(0.5)
     if given and given != actual:
-        raise SystemExit(f"maru_worker: --maru-pool-name {given!r} does not match the pool at {address}, "
-                         f"which is named {actual!r}; pass --maru-pool-name {actual} or leave it out")
+        raise SystemExit(
+            f"maru_worker: --maru-pool-name {given!r} does not match the pool at {address}, "
+            f"which is named {actual!r}; pass --maru-pool-name {actual} or leave it out"
+        )
     return actual
 
 
@@ -118,8 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         from maru_vllm.events import install_pool_event_relay
 
         pool_name = resolve_pool_name(ours.maru_pool_address, ours.maru_pool_name)
-        install_pool_event_relay(pool_name=pool_name, pool_address=ours.maru_pool_address,
-                                 medium=ours.maru_event_medium)
+        install_pool_event_relay(
+            pool_name=pool_name, pool_address=ours.maru_pool_address, medium=ours.maru_event_medium
+        )
     from maru_vllm.dynamo_pd import DynamoPdApiError, register_maru_pd_protocol
 
     try:

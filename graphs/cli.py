@@ -33,13 +33,23 @@ def register(subparsers: Any) -> None:
     render = gsub.add_parser("render", help="print the Kubernetes manifests (Helm chart deploy/k8s, real Helm engine)")
     render.add_argument("graph", help="graph file (graphs/agg.yaml) or bundled graph name (agg, disagg)")
     render.add_argument("--image", required=True, help="container image built from deploy/Dockerfile")
-    render.add_argument("--namespace", default="default", help="namespace of every object (default: default, as "
-                                                               "`helm template`)")
+    render.add_argument(
+        "--namespace", default="default", help="namespace of every object (default: default, as `helm template`)"
+    )
     render.add_argument("--model", help="model for the workers (default: the graph's kubernetes.model)")
-    render.add_argument("--nats-url", help="NATS of the Dynamo platform (default: the graph's nats.url or "
-                                           "the chart's nats://dynamo-platform-nats:4222)")
-    render.add_argument("-f", "--values", action="append", default=[], metavar="FILE",
-                        help="chart values file layered over the graph's (deploy/k8s/README.md), repeatable")
+    render.add_argument(
+        "--nats-url",
+        help="NATS of the Dynamo platform (default: the graph's nats.url or "
+        "the chart's nats://dynamo-platform-nats:4222)",
+    )
+    render.add_argument(
+        "-f",
+        "--values",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="chart values file layered over the graph's (deploy/k8s/README.md), repeatable",
+    )
     render.set_defaults(func=cmd_render)
 
 
@@ -87,8 +97,12 @@ def cmd_render(args: argparse.Namespace) -> int:
     spec = _load(args.graph)
     extra = tuple(_values_file(p) for p in args.values)
     try:
-        text = render_yaml(spec, RenderOptions(image=args.image, namespace=args.namespace, model=args.model,
-                                               nats_url=args.nats_url, values=extra))
+        text = render_yaml(
+            spec,
+            RenderOptions(
+                image=args.image, namespace=args.namespace, model=args.model, nats_url=args.nats_url, values=extra
+            ),
+        )
     except (GraphSpecError, ChartError, HelmUnavailable) as exc:
         sys.exit(f"maru-dynamo graph render: error: {exc}")
     sys.stdout.write(text)

@@ -28,8 +28,10 @@ def _helm() -> Any:
     try:
         import helm_python
     except ImportError as exc:
-        raise HelmUnavailable("the Helm engine is not installed: pip install 'maru-dynamo[k8s]' "
-                              "(helm-python-sdk, Helm v4's SDK as a library)") from exc
+        raise HelmUnavailable(
+            "the Helm engine is not installed: pip install 'maru-dynamo[k8s]' "
+            "(helm-python-sdk, Helm v4's SDK as a library)"
+        ) from exc
     return helm_python
 
 
@@ -61,6 +63,9 @@ def lint(values: dict[str, Any] | None = None, *, chart: Path | None = None, str
     """`helm lint --strict`: the findings that are warnings or errors, as 'SEVERITY path: message'."""
     report = _helm().lint(str(chart or chart_dir()), values, strict=strict)
     names = {2: "WARNING", 3: "ERROR"}
-    found = [f"{names[m['severity']]} {m['path']}: {m['error']}" for m in report.get("messages", [])
-             if m.get("severity") in names]
+    found = [
+        f"{names[m['severity']]} {m['path']}: {m['error']}"
+        for m in report.get("messages", [])
+        if m.get("severity") in names
+    ]
     return found + [f"ERROR {e}" for e in report.get("errors", []) if not any(e in f for f in found)]

@@ -54,7 +54,8 @@ def _model(spec: GraphSpec, opts: RenderOptions) -> str:
     if model in SPECS:
         raise GraphSpecError(
             f"{spec.source}: model {model!r} is an offline test fixture built on the local machine; a cluster needs "
-            "a model every pod can load: set kubernetes.model in the graph or pass --model (HF id or path in the image)")
+            "a model every pod can load: set kubernetes.model in the graph or pass --model (HF id or path in the image)"
+        )
     return model
 
 
@@ -80,15 +81,35 @@ def chart_values(spec: GraphSpec, opts: RenderOptions) -> dict[str, Any]:
     values: dict[str, Any] = {
         "image": opts.image,
         "model": _model(spec, opts),
-        "pool": {"name": spec.pool.name, "size": size_text(k8s.pool_size or spec.pool.size), "backend": backend,
-                 "path": path or "", "socketDir": k8s.socket_dir, "chunkTokens": spec.pool.chunk_tokens},
-        "frontend": {"replicas": spec.frontend.replicas, "routerMode": spec.frontend.router_mode,
-                     "httpPort": k8s.http_port, "poolTierWeight": "" if weight is None else weight,
-                     "args": list(spec.frontend.args)},
+        "pool": {
+            "name": spec.pool.name,
+            "size": size_text(k8s.pool_size or spec.pool.size),
+            "backend": backend,
+            "path": path or "",
+            "socketDir": k8s.socket_dir,
+            "chunkTokens": spec.pool.chunk_tokens,
+        },
+        "frontend": {
+            "replicas": spec.frontend.replicas,
+            "routerMode": spec.frontend.router_mode,
+            "httpPort": k8s.http_port,
+            "poolTierWeight": "" if weight is None else weight,
+            "args": list(spec.frontend.args),
+        },
         "graph": spec.mode,
-        "workers": {spec.mode: [
-            {"name": w.name, "type": _WORKER_TYPE[w.role], "replicas": w.replicas, "gpus": k8s.gpus_per_worker,
-             "args": list(w.args), "env": dict(w.env)} for w in spec.workers]},
+        "workers": {
+            spec.mode: [
+                {
+                    "name": w.name,
+                    "type": _WORKER_TYPE[w.role],
+                    "replicas": w.replicas,
+                    "gpus": k8s.gpus_per_worker,
+                    "args": list(w.args),
+                    "env": dict(w.env),
+                }
+                for w in spec.workers
+            ]
+        },
     }
     nats_url = opts.nats_url or spec.nats.url
     if nats_url:
@@ -101,6 +122,8 @@ def chart_values(spec: GraphSpec, opts: RenderOptions) -> dict[str, Any]:
 def render_yaml(spec: GraphSpec, opts: RenderOptions) -> str:
     """The manifests of `spec`, as `helm template <graph name> deploy/k8s` prints them."""
     manifest = helm.template(chart_values(spec, opts), release=spec.name, namespace=opts.namespace)
-    header = (f"# Rendered by `maru-dynamo graph render` from {spec.source} with the chart deploy/k8s "
-              f"(Helm {helm.engine_version()}); apply in this order.\n")
+    header = (
+        f"# Rendered by `maru-dynamo graph render` from {spec.source} with the chart deploy/k8s "
+        f"(Helm {helm.engine_version()}); apply in this order.\n"
+    )
     return header + manifest.lstrip("\n")

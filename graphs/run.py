@@ -30,8 +30,7 @@ from pathlib import Path
 from types import FrameType
 
 from maru_dynamo.graphs.spec import GraphSpec
-from maru_vllm.launch import ManagedProcess, ProcessFailed, ProcessGroup, free_port
-from maru_vllm.launch import stack
+from maru_vllm.launch import ManagedProcess, ProcessFailed, ProcessGroup, free_port, stack
 from maru_vllm.launch.argv import has_flag
 from maru_vllm.routing import pool_tier_weight
 
@@ -95,8 +94,13 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
     http_port = http_port or free_port()
     processes: list[PlannedProcess] = []
 
-    def add(name: str, argv: list[str], env: dict[str, str], ready_log: str | None = None,
-            cpus: tuple[int, ...] | None = None) -> None:
+    def add(
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        ready_log: str | None = None,
+        cpus: tuple[int, ...] | None = None,
+    ) -> None:
         graph_env = {k: v for k, v in sorted(env.items()) if os.environ.get(k) != v}
         processes.append(PlannedProcess(name, tuple(argv), env, graph_env, ready_log, cpus))
 
@@ -115,19 +119,38 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
     if path is None and spec.pool.backend == "shm":
         # A region of its own per run: two graphs (or a graph and a test) never share one.
         path = f"/dev/shm/maru-{spec.pool.name}-{work_dir.name}"
-    pool_argv = stack.pool_command(spec.pool.name, spec.pool.size, backend=spec.pool.backend, listen=[pool_address],
-                                   nats=nats_url, extra_args=["--metrics-port", str(free_port())], path=path,
-                                   component=True)
+    pool_argv = stack.pool_command(
+        spec.pool.name,
+        spec.pool.size,
+        backend=spec.pool.backend,
+        listen=[pool_address],
+        nats=nats_url,
+        extra_args=["--metrics-port", str(free_port())],
+        path=path,
+        component=True,
+    )
     add("pool", pool_argv, env_for(), stack.POOL_READY_PATTERN)
 
     engine = 0
     engines = sum(worker.replicas for worker in spec.workers)
     for worker in spec.workers:
         for replica in range(worker.replicas):
-            argv = [py, "-m", "maru_dynamo.components.maru_worker", "--model", model,
-                    "--maru-pool-address", pool_address, "--maru-pool-name", spec.pool.name,
-                    "--maru-chunk-tokens", str(spec.pool.chunk_tokens),
-                    "--disaggregation-mode", worker.role, *_with_defaults(worker.args)]
+            argv = [
+                py,
+                "-m",
+                "maru_dynamo.components.maru_worker",
+                "--model",
+                model,
+                "--maru-pool-address",
+                pool_address,
+                "--maru-pool-name",
+                spec.pool.name,
+                "--maru-chunk-tokens",
+                str(spec.pool.chunk_tokens),
+                "--disaggregation-mode",
+                worker.role,
+                *_with_defaults(worker.args),
+            ]
             env = env_for(cpu_thread=stack.cpu_thread_for(engine), **worker.env)
             add(f"worker:{worker.name}-{replica}", argv, env, cpus=stack.worker_cpus(engine, engines))
             engine += 1
@@ -135,17 +158,32 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
     weight = spec.frontend.pool_tier_weight
     if weight is None:
         weight = pool_tier_weight()
-    fe_argv = [py, "-m", "maru_dynamo.components.frontend", "--http-host", stack.LOOPBACK,
-               "--http-port", str(http_port), "--router-mode", spec.frontend.router_mode,
-               "--router-host-cache-hit-weight", repr(weight), *spec.frontend.args]
+    fe_argv = [
+        py,
+        "-m",
+        "maru_dynamo.components.frontend",
+        "--http-host",
+        stack.LOOPBACK,
+        "--http-port",
+        str(http_port),
+        "--router-mode",
+        spec.frontend.router_mode,
+        "--router-host-cache-hit-weight",
+        repr(weight),
+        *spec.frontend.args,
+    ]
     add("frontend", fe_argv, env_for())
     return Plan(spec, model, f"http://{stack.LOOPBACK}:{http_port}", work_dir, tuple(processes))
 
 
 def format_plan(plan: Plan) -> str:
     """The `--dry-run` listing: every process with its command line and the env the graph sets."""
-    lines = [f"# graph {plan.spec.name} ({plan.spec.mode}) from {plan.spec.source}",
-             f"# model {plan.model}", f"# url {plan.url}", f"# work dir {plan.work_dir}"]
+    lines = [
+        f"# graph {plan.spec.name} ({plan.spec.mode}) from {plan.spec.source}",
+        f"# model {plan.model}",
+        f"# url {plan.url}",
+        f"# work dir {plan.work_dir}",
+    ]
     for p in plan.processes:
         lines.append(f"\n[{p.name}]")
         lines.append("command: " + shlex.join(p.argv))
@@ -177,7 +215,9 @@ def _worker_instances(url: str) -> int:
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
         return 0
     instances = health.get("instances") if isinstance(health, dict) else None
-    return len({i.get("instance_id") for i in instances or [] if isinstance(i, dict) and i.get("endpoint") == "generate"})
+    return len(
+        {i.get("instance_id") for i in instances or [] if isinstance(i, dict) and i.get("endpoint") == "generate"}
+    )
 
 
 def _wait_ready(group: ProcessGroup, plan: Plan, timeout: float) -> None:
@@ -189,13 +229,17 @@ def _wait_ready(group: ProcessGroup, plan: Plan, timeout: float) -> None:
         for proc in group:
             if not proc.alive():
                 code = proc.proc.returncode if proc.proc else None
-                raise ProcessFailed(f"{proc.name} exited with code {code} before the graph was ready"
-                                    f"\n--- last lines of {proc.log_path} ---\n{proc.log_tail()}")
+                raise ProcessFailed(
+                    f"{proc.name} exited with code {code} before the graph was ready"
+                    f"\n--- last lines of {proc.log_path} ---\n{proc.log_tail()}"
+                )
         if _model_listed(models_url, plan.model) and _worker_instances(plan.url) >= want:
             return
         if time.monotonic() > deadline:
-            raise ProcessFailed(f"graph not ready after {timeout:.0f}s (waiting for {plan.model} and {want} "
-                                f"workers at {models_url})\n{group.log_tails(20)}")
+            raise ProcessFailed(
+                f"graph not ready after {timeout:.0f}s (waiting for {plan.model} and {want} "
+                f"workers at {models_url})\n{group.log_tails(20)}"
+            )
         time.sleep(0.5)
 
 
@@ -230,8 +274,9 @@ def start_graph(plan: Plan, group: ProcessGroup, timeout: float = READY_TIMEOUT_
     """Start every process of `plan` in order into `group` and wait until the graph serves."""
     logs = plan.work_dir / "logs"
     for p in plan.processes:
-        proc = group.start(ManagedProcess(p.name, p.argv, log_path=logs / f"{p.name.replace(':', '-')}.log",
-                                          env=p.env, cpus=p.cpus))
+        proc = group.start(
+            ManagedProcess(p.name, p.argv, log_path=logs / f"{p.name.replace(':', '-')}.log", env=p.env, cpus=p.cpus)
+        )
         if p.ready_log:
             proc.wait_for_log(p.ready_log, timeout=60)
     _wait_ready(group, plan, timeout)
@@ -251,8 +296,10 @@ def run_plan(plan: Plan, *, keep_logs: bool = False, out: Callable[[str], None] 
         while True:
             for proc in group:
                 if not proc.alive():
-                    raise ProcessFailed(f"{proc.name} exited with code {proc.proc.returncode if proc.proc else None}"
-                                        f"\n--- last lines of {proc.log_path} ---\n{proc.log_tail()}")
+                    raise ProcessFailed(
+                        f"{proc.name} exited with code {proc.proc.returncode if proc.proc else None}"
+                        f"\n--- last lines of {proc.log_path} ---\n{proc.log_tail()}"
+                    )
             time.sleep(0.5)
     except _Stop as stop:
         out(f"[graph] {stop}: stopping")

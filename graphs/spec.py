@@ -12,7 +12,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import yaml
 
@@ -106,13 +106,14 @@ class _Fields:
         unknown = sorted(str(k) for k in data if k not in allowed)
         if unknown:
             raise GraphSpecError(
-                f"{source}: {self.path(unknown[0])}: unknown field; allowed fields: {', '.join(allowed)}")
+                f"{source}: {self.path(unknown[0])}: unknown field; allowed fields: {', '.join(allowed)}"
+            )
         self.data: dict[str, Any] = data
 
     def path(self, key: str) -> str:
         return f"{self.where}.{key}" if self.where else key
 
-    def fail(self, path: str, value: object, allowed: str) -> None:
+    def fail(self, path: str, value: object, allowed: str) -> NoReturn:
         raise GraphSpecError(f"{self.source}: {path or '<top level>'}: invalid value {value!r}: use {allowed}")
 
     def get(self, key: str, default: T, convert: Callable[[Any], T], allowed: str, required: bool = False) -> T:
@@ -169,15 +170,18 @@ def _size(value: Any) -> int:
 
 def _args(value: Any) -> tuple[str, ...]:
     """A list of command-line words; numbers are accepted (YAML reads `4096` as an int)."""
-    if not isinstance(value, list) or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool)
-                                              for a in value):
+    if not isinstance(value, list) or not all(
+        isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in value
+    ):
         raise ValueError
     return tuple(str(a) for a in value)
 
 
 def _env(value: Any) -> dict[str, str]:
-    if not isinstance(value, dict) or not all(isinstance(k, str) and re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k)
-                                              and isinstance(v, (str, int, float)) for k, v in value.items()):
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k) and isinstance(v, (str, int, float))
+        for k, v in value.items()
+    ):
         raise ValueError
     return {k: str(v) for k, v in value.items()}
 
@@ -205,8 +209,10 @@ def _worker(data: object, where: str, source: str) -> WorkerSpec:
     )
     for arg in w.args:
         if arg.split("=", 1)[0] in _RESERVED_WORKER_ARGS:
-            raise GraphSpecError(f"{source}: {where}.args: {arg!r} is set by the graph; use role (agg, prefill, "
-                                 "decode) and the pool section instead")
+            raise GraphSpecError(
+                f"{source}: {where}.args: {arg!r} is set by the graph; use role (agg, prefill, "
+                "decode) and the pool section instead"
+            )
     return w
 
 
@@ -216,8 +222,12 @@ def parse_graph(data: object, source: str = "<graph>") -> GraphSpec:
     nats = _Fields(top.data.get("nats"), "nats", source, ("url",))
     pool = _Fields(top.data.get("pool"), "pool", source, ("name", "size", "backend", "path", "chunk_tokens"))
     fe = _Fields(top.data.get("frontend"), "frontend", source, ("router_mode", "pool_tier_weight", "replicas", "args"))
-    k8s = _Fields(top.data.get("kubernetes"), "kubernetes", source,
-                  ("model", "pool_size", "pool_backend", "pool_path", "gpus_per_worker", "http_port", "socket_dir"))
+    k8s = _Fields(
+        top.data.get("kubernetes"),
+        "kubernetes",
+        source,
+        ("model", "pool_size", "pool_backend", "pool_path", "gpus_per_worker", "http_port", "socket_dir"),
+    )
     raw_workers = top.data.get("workers")
     if not isinstance(raw_workers, list) or not raw_workers:
         top.fail("workers", raw_workers, "a non-empty list of workers (name, role, replicas, args, env)")
@@ -230,7 +240,8 @@ def parse_graph(data: object, source: str = "<graph>") -> GraphSpec:
     if roles & {"prefill", "decode"} and roles != {"prefill", "decode"}:
         raise GraphSpecError(
             f"{source}: workers: roles {sorted(roles)} do not make a graph: use only 'agg' workers, or at least "
-            "one 'prefill' and one 'decode' worker (and no 'agg')")
+            "one 'prefill' and one 'decode' worker (and no 'agg')"
+        )
     weight_text = "a number from 0.0 to 1.0"
     spec = GraphSpec(
         name=top.get("name", "", _dns_label, "a lowercase DNS label (a-z, 0-9, '-'), e.g. maru-agg", required=True),
@@ -262,8 +273,10 @@ def parse_graph(data: object, source: str = "<graph>") -> GraphSpec:
         source=source,
     )
     if spec.pool.backend != "shm" and spec.pool.path is None:
-        raise GraphSpecError(f"{source}: pool.path: missing; backend {spec.pool.backend!r} needs a path "
-                             "(a /dev/daxX.Y device or a file on a DAX or hugetlbfs mount)")
+        raise GraphSpecError(
+            f"{source}: pool.path: missing; backend {spec.pool.backend!r} needs a path "
+            "(a /dev/daxX.Y device or a file on a DAX or hugetlbfs mount)"
+        )
     return spec
 
 

@@ -28,8 +28,12 @@ from maru_vllm.launch import ProcessGroup
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="run the main job (aggregated graph, cross-worker KV reuse) and stop")
     p.add_argument("--model", default="tiny", help="fixture size (tiny, bench) or a model directory (default tiny)")
-    p.add_argument("--prompt-tokens", type=int, default=3 * 256 + 1,
-                   help="length of the demo prompt in tokens (default 769: three 256-token pool chunks)")
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=3 * 256 + 1,
+        help="length of the demo prompt in tokens (default 769: three 256-token pool chunks)",
+    )
     p.add_argument("--keep-logs", action="store_true", help="keep the graph's logs")
     p.set_defaults(func=run_demo)
 
@@ -80,10 +84,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
         first, t_first = _post(f"{url}/v1/completions", body)
         worker_a = _selected_worker(frontend.log_text(), 0)
-        print(f"\n[demo] 1. router sent the {len(prompt)}-token prompt to worker {worker_a}: prefilled in "
-              f"{t_first:.2f}s, cached_tokens={_cached(first)}")
+        print(
+            f"\n[demo] 1. router sent the {len(prompt)}-token prompt to worker {worker_a}: prefilled in "
+            f"{t_first:.2f}s, cached_tokens={_cached(first)}"
+        )
 
-        pool_address = next(a for a in next(p for p in plan.processes if p.name == "pool").argv if a.startswith("unix://"))
+        pool_address = next(
+            a for a in next(p for p in plan.processes if p.name == "pool").argv if a.startswith("unix://")
+        )
         with PoolClient.connect(pool_address) as c:
             for _ in range(50):
                 if c.stats()["objects"] > 0:
@@ -97,8 +105,10 @@ def run_demo(args: argparse.Namespace) -> int:
         worker_b = next(i for i in ids if i != worker_a)
         second, t_second = _post(f"{url}/v1/completions", {**body, "nvext": {"backend_instance_id": worker_b}})
         same = second["choices"][0]["text"] == first["choices"][0]["text"]
-        print(f"[demo] 3. the same prompt on worker {worker_b}, which never saw it: cached_tokens={_cached(second)} "
-              f"(loaded from the pool), {t_second:.2f}s, same output: {same}")
+        print(
+            f"[demo] 3. the same prompt on worker {worker_b}, which never saw it: cached_tokens={_cached(second)} "
+            f"(loaded from the pool), {t_second:.2f}s, same output: {same}"
+        )
         print(f"[demo]    output: {second['choices'][0]['text']!r}")
         with PoolClient.connect(pool_address) as c:
             print("\n[demo] pool status:\n" + format_status(c.stats()))

@@ -77,8 +77,9 @@ def check_registry_api(mod: Any) -> None:
     else:
         abstract = set(getattr(base, "__abstractmethods__", ()))
         if abstract != _ABSTRACT_METHODS:
-            problems.append(f"KvConnectorProtocol's abstract methods are {sorted(abstract)}, "
-                            f"expected {sorted(_ABSTRACT_METHODS)}")
+            problems.append(
+                f"KvConnectorProtocol's abstract methods are {sorted(abstract)}, expected {sorted(_ABSTRACT_METHODS)}"
+            )
         if not isinstance(getattr(base, "produces_kv_transfer_params", None), bool):
             problems.append("KvConnectorProtocol has no bool produces_kv_transfer_params")
         params = list(inspect.signature(base.__init__).parameters)
@@ -102,7 +103,7 @@ def maru_pd_protocol_class() -> type:
         return _protocol_class
     base = _protocols_module().KvConnectorProtocol
 
-    class MaruPoolProtocol(base):  # type: ignore[misc, valid-type]
+    class MaruPoolProtocol(base):  # type: ignore[misc, valid-type]  # a base class found at run time
         """Cache-mediated PD through the Maru pool: no per-request params either way."""
 
         produces_kv_transfer_params = False
@@ -135,8 +136,9 @@ def register_maru_pd_protocol() -> type:
     if current is cls:
         return cls
     if current is not None:
-        logger.warning("replacing Dynamo's PD protocol %r for %s with Maru's cache-mediated one",
-                       current, CONNECTOR_NAME)
+        logger.warning(
+            "replacing Dynamo's PD protocol %r for %s with Maru's cache-mediated one", current, CONNECTOR_NAME
+        )
     mod.KV_CONNECTOR_PROTOCOLS[CONNECTOR_NAME] = cls
     logger.debug("registered %s in %s.KV_CONNECTOR_PROTOCOLS (cache-mediated)", CONNECTOR_NAME, PROTOCOLS_MODULE)
     return cls

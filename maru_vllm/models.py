@@ -46,10 +46,24 @@ class ModelSpec:
 # `tiny`: starts and prefills in seconds (tests). `bench`: ~100M parameters, so that prefill
 # clearly dominates a KV load from the pool (benchmarks).
 SPECS: dict[str, ModelSpec] = {
-    "tiny": ModelSpec("tiny", hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2,
-                      intermediate_size=256, max_position_embeddings=8192),
-    "bench": ModelSpec("bench", hidden_size=768, num_layers=16, num_heads=12, num_kv_heads=4,
-                       intermediate_size=2048, max_position_embeddings=8192),
+    "tiny": ModelSpec(
+        "tiny",
+        hidden_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=8192,
+    ),
+    "bench": ModelSpec(
+        "bench",
+        hidden_size=768,
+        num_layers=16,
+        num_heads=12,
+        num_kv_heads=4,
+        intermediate_size=2048,
+        max_position_embeddings=8192,
+    ),
 }
 
 # Byte-level tokenizer: 256 byte tokens + specials; every byte of text is one token, which makes
@@ -111,8 +125,8 @@ def _build_tokenizer(out: Path) -> None:
 
     alphabet = sorted(ByteLevel.alphabet())  # the 256 printable stand-ins for raw bytes
     vocab = {ch: i for i, ch in enumerate(alphabet)}
-    for tok in SPECIAL_TOKENS:
-        vocab[tok] = len(vocab)
+    for special in SPECIAL_TOKENS:
+        vocab[special] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -39,7 +39,7 @@ ENV_VAR = "MARU_POOL_TIER_WEIGHT"
 def validate_weight(value: object, source: str) -> float:
     """`value` as a router weight in [0, 1]; `source` names where it came from, for the error."""
     try:
-        weight = float(value)  # type: ignore[arg-type]
+        weight = float(value)  # type: ignore[arg-type]  # any input: float() raising is the check
     except (TypeError, ValueError):
         raise ValueError(f"{source}: invalid pool tier weight {value!r}: use a number from 0.0 to 1.0") from None
     if not math.isfinite(weight) or not 0.0 <= weight <= 1.0:

@@ -47,7 +47,7 @@ def install_text_only_stand_ins() -> bool:
             raise
     stand_in = types.ModuleType(QWEN2_VL_IMAGE_MODULE)
     stand_in.__doc__ = "maru-dynamo stand-in: torchvision is not installed (text-only)."
-    stand_in.smart_resize = _image_support_missing  # type: ignore[attr-defined]
+    stand_in.smart_resize = _image_support_missing  # type: ignore[attr-defined]  # a module made at run time
     sys.modules[QWEN2_VL_IMAGE_MODULE] = stand_in
     logger.info("torchvision is not installed: image preprocessing disabled (text-only worker)")
     return True

@@ -55,12 +55,14 @@ class WorkloadSpec:
         if self.assistant_tokens < 0:
             raise ValueError(f"WorkloadSpec.assistant_tokens must be >= 0, got {self.assistant_tokens}")
         if not 0 <= self.hot_sessions <= self.sessions:
-            raise ValueError(f"WorkloadSpec.hot_sessions must be between 0 and sessions ({self.sessions}), "
-                             f"got {self.hot_sessions}")
+            raise ValueError(
+                f"WorkloadSpec.hot_sessions must be between 0 and sessions ({self.sessions}), got {self.hot_sessions}"
+            )
         used = {self.system_of(s) for s in range(self.sessions)}
         if len(used) < self.systems:
-            raise ValueError(f"{self.sessions} sessions ({self.hot_sessions} of them hot) cannot cover "
-                             f"{self.systems} system prompts")
+            raise ValueError(
+                f"{self.sessions} sessions ({self.hot_sessions} of them hot) cannot cover {self.systems} system prompts"
+            )
 
     def system_of(self, session: int) -> int:
         """The system prompt session `session` is bound to."""

@@ -240,6 +240,14 @@ else
     false
 fi
 
+# `make lint` (run by `make test`) needs ruff and mypy, also from the test extra.
+if RUFF_VERSION="$("$VENV/bin/ruff" --version 2>/dev/null)" && MYPY_VERSION="$("$VENV/bin/mypy" --version 2>/dev/null)"; then
+    printf '[setup]       lint tools: %s, %s\n' "$RUFF_VERSION" "$MYPY_VERSION"
+else
+    echo "[setup] ruff and mypy (the test extra) do not run in $VENV; remove $VENV/.maru-pyproject.sha and rerun" >&2
+    false
+fi
+
 # A final consistency check: the pins must still hold after all steps.
 for pin in "torch $TORCH_VERSION" "$VLLM_DIST $VLLM_VERSION" "ai-dynamo $DYNAMO_VERSION" "ai-dynamo-runtime $DYNAMO_VERSION"; do
     set -- $pin

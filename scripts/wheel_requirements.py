@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     skips, cpu_runtime = read_pins(args.pins)
     key = canonicalize_name(args.dist)
-    reqs = cpu_runtime.get(key, []) if args.only_cpu_runtime else declared_requirements(args.dist, skips.get(key, set()))
+    reqs = (
+        cpu_runtime.get(key, []) if args.only_cpu_runtime else declared_requirements(args.dist, skips.get(key, set()))
+    )
     print("\n".join(reqs))
     return 0
 

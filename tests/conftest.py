@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_vllm.launch import ManagedProcess, ProcessGroup
-from maru_vllm.launch import stack
+from maru_vllm.launch import ManagedProcess, ProcessGroup, stack
 
 
 @pytest.fixture(scope="session")

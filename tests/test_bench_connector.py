@@ -10,25 +10,39 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import bench_connector  # noqa: E402
-
-from maru_vllm.calibration import read_calibration  # noqa: E402
+import bench_connector
+from maru_vllm.calibration import read_calibration
 
 
 def _row(tokens: int, sample: int, scale: float) -> dict:
-    return {"tokens": tokens, "sample": sample, "cold_plain": 2.0 * scale, "cold_maru": 2.02 * scale,
-            "cold_lmc": 2.2 * scale, "cold_lmc_cached": 0, "hit_maru": 0.06 * scale, "hit_maru_cached": tokens,
-            "local_maru": 0.05 * scale, "local_maru_cached": tokens, "hit_lmc": 0.12 * scale,
-            "hit_lmc_cached": tokens, "local_lmc": 0.05 * scale, "local_lmc_cached": tokens}
+    return {
+        "tokens": tokens,
+        "sample": sample,
+        "cold_plain": 2.0 * scale,
+        "cold_maru": 2.02 * scale,
+        "cold_lmc": 2.2 * scale,
+        "cold_lmc_cached": 0,
+        "hit_maru": 0.06 * scale,
+        "hit_maru_cached": tokens,
+        "local_maru": 0.05 * scale,
+        "local_maru_cached": tokens,
+        "hit_lmc": 0.12 * scale,
+        "hit_lmc_cached": tokens,
+        "local_lmc": 0.05 * scale,
+        "local_lmc_cached": tokens,
+    }
 
 
 def test_summary_takes_minimum_per_length_and_calibration_reads_back(tmp_path: Path) -> None:
     rows = [_row(1024, 0, 1.5), _row(1024, 1, 1.0), _row(4096, 0, 4.0), _row(4096, 1, 5.0)]
-    loads = [{"tokens": 4096, "bytes_loaded": 64 << 20, "load_seconds": 0.01, "load_acquire_seconds": 0.001},
-             {"tokens": 4096, "bytes_loaded": 64 << 20, "load_seconds": 0.02}]
+    loads = [
+        {"tokens": 4096, "bytes_loaded": 64 << 20, "load_seconds": 0.01, "load_acquire_seconds": 0.001},
+        {"tokens": 4096, "bytes_loaded": 64 << 20, "load_seconds": 0.02},
+    ]
     prof = {"checksum_share_of_load": 0.1}
-    res = bench_connector.summarize(rows, loads, {"bytes_stored": 1e9, "store_seconds": 0.5}, 20.0, prof,
-                                    16384, 4096, ["maru", "lmc"])
+    res = bench_connector.summarize(
+        rows, loads, {"bytes_stored": 1e9, "store_seconds": 0.5}, 20.0, prof, 16384, 4096, ["maru", "lmc"]
+    )
     t = res["table"]["1024"]
     assert t["cold_plain"] == 2.0 and t["hit_maru"] == 0.06  # min of the two samples
     assert t["miss_tax_maru"] == pytest.approx(1.01) and t["hit_over_local_lmc"] == pytest.approx(2.4)

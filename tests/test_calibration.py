@@ -6,8 +6,14 @@ from maru_vllm.calibration import Calibration, read_calibration, write_calibrati
 
 
 def _cal(**kw):
-    base = dict(model="bench", kv_bytes_per_token=4096, load_gbps=5.0, store_gbps=4.0,
-                prefill_tokens_per_s=1500.0, memcpy_gbps=11.0)
+    base = dict(
+        model="bench",
+        kv_bytes_per_token=4096,
+        load_gbps=5.0,
+        store_gbps=4.0,
+        prefill_tokens_per_s=1500.0,
+        memcpy_gbps=11.0,
+    )
     base.update(kw)
     return Calibration(**base)
 
@@ -40,7 +46,7 @@ def test_bad_files_are_one_line_errors(tmp_path, mutate, needle):
 
 
 def test_missing_and_garbage(tmp_path):
-    with pytest.raises(ValueError, match="calibration file .*missing"):
+    with pytest.raises(ValueError, match=r"calibration file .*missing"):
         read_calibration(tmp_path / "missing.json")
     g = tmp_path / "g.json"
     g.write_text("{not json")

@@ -23,14 +23,18 @@ PINNED = "1.6.1"
 def registry(monkeypatch: pytest.MonkeyPatch):
     """Dynamo's protocols module with a private copy of its registry (restored afterwards)."""
     mod = importlib.import_module("dynamo.vllm.kv_connector_protocols")
-    monkeypatch.setattr(mod, "KV_CONNECTOR_PROTOCOLS",
-                        {k: v for k, v in mod.KV_CONNECTOR_PROTOCOLS.items() if k != dynamo_pd.CONNECTOR_NAME})
+    monkeypatch.setattr(
+        mod,
+        "KV_CONNECTOR_PROTOCOLS",
+        {k: v for k, v in mod.KV_CONNECTOR_PROTOCOLS.items() if k != dynamo_pd.CONNECTOR_NAME},
+    )
     return mod
 
 
 def _vllm_config(kv_connector: str, **extra: object):
-    kv = types.SimpleNamespace(kv_connector=kv_connector, kv_role="kv_producer", engine_id="e0",
-                               kv_connector_extra_config={}, **extra)
+    kv = types.SimpleNamespace(
+        kv_connector=kv_connector, kv_role="kv_producer", engine_id="e0", kv_connector_extra_config={}, **extra
+    )
     return types.SimpleNamespace(kv_transfer_config=kv)
 
 
@@ -42,8 +46,7 @@ def test_installed_dynamo_is_the_pinned_version() -> None:
 def test_registry_api_is_the_one_we_wrote_against(registry) -> None:
     dynamo_pd.check_registry_api(registry)  # raises on any drift
     base = registry.KvConnectorProtocol
-    assert set(base.__abstractmethods__) == {"prefill_request_kv_transfer_params",
-                                             "decode_request_kv_transfer_params"}
+    assert set(base.__abstractmethods__) == {"prefill_request_kv_transfer_params", "decode_request_kv_transfer_params"}
     assert list(inspect.signature(base.decode_request_kv_transfer_params).parameters) == ["self", "prefill_response"]
     assert base.produces_kv_transfer_params is True
     assert isinstance(registry.KV_CONNECTOR_PROTOCOLS, dict)
@@ -96,7 +99,8 @@ def test_wrapper_connectors_prefer_a_transport_child_over_maru(registry) -> None
     cls = dynamo_pd.register_maru_pd_protocol()
     both = _vllm_config("MultiConnector")
     both.kv_transfer_config.kv_connector_extra_config = {
-        "connectors": [{"kv_connector": "MaruKVConnector"}, {"kv_connector": "NixlConnector"}]}
+        "connectors": [{"kv_connector": "MaruKVConnector"}, {"kv_connector": "NixlConnector"}]
+    }
     assert isinstance(registry.make_kv_connector_protocol(both), registry.NixlConnectorProtocol)
     alone = _vllm_config("MultiConnector")
     alone.kv_transfer_config.kv_connector_extra_config = {"connectors": [{"kv_connector": "MaruKVConnector"}]}
@@ -135,16 +139,29 @@ def test_handlers_resolve_through_the_registry_and_need_an_envelope() -> None:
 
 
 def test_maru_worker_registers_before_running_dynamo(monkeypatch: pytest.MonkeyPatch, registry) -> None:
-    from maru_dynamo.components import maru_worker
     import maru_vllm.events as events
+    from maru_dynamo.components import maru_worker
 
     seen = {}
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     monkeypatch.setattr(events, "install_pool_event_relay", lambda **kw: None, raising=False)
-    monkeypatch.setattr(maru_worker, "run_module_as_main",
-                        lambda name, argv: seen.update(name=name, registered=dict(registry.KV_CONNECTOR_PROTOCOLS)))
+    monkeypatch.setattr(
+        maru_worker,
+        "run_module_as_main",
+        lambda name, argv: seen.update(name=name, registered=dict(registry.KV_CONNECTOR_PROTOCOLS)),
+    )
     monkeypatch.setattr(sys, "argv", ["maru_worker"])
-    maru_worker.main(["--maru-pool-address", "unix:///tmp/x.sock", "--maru-pool-name", "kv",
-                      "--model", "m", "--disaggregation-mode", "prefill"])
+    maru_worker.main(
+        [
+            "--maru-pool-address",
+            "unix:///tmp/x.sock",
+            "--maru-pool-name",
+            "kv",
+            "--model",
+            "m",
+            "--disaggregation-mode",
+            "prefill",
+        ]
+    )
     assert seen["name"] == "dynamo.vllm"
     assert seen["registered"]["MaruKVConnector"] is dynamo_pd.maru_pd_protocol_class()

@@ -29,7 +29,7 @@ vllm:prompt_tokens_created{engine="0"} 1.7e9
 @pytest.fixture
 def metrics_url() -> Iterator[str]:
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_GET(self) -> None:  # http.server names its handlers so
             body = PAGE.encode()
             self.send_response(200)
             self.send_header("content-length", str(len(body)))
@@ -51,13 +51,21 @@ def metrics_url() -> Iterator[str]:
 
 def test_counters_are_summed_over_label_sets_and_split_by_source(metrics_url: str) -> None:
     c = read_counters(metrics_url)
-    assert c == EngineCounters(requests=3, prompt_tokens=1280, local_compute=256, local_cache_hit=512,
-                               external_kv_transfer=512, chunks_loaded=2, chunks_stored=0)
+    assert c == EngineCounters(
+        requests=3,
+        prompt_tokens=1280,
+        local_compute=256,
+        local_cache_hit=512,
+        external_kv_transfer=512,
+        chunks_loaded=2,
+        chunks_stored=0,
+    )
     assert running_requests(metrics_url) == 3
 
 
 def test_difference_of_two_readings_is_what_happened_in_between() -> None:
     before = EngineCounters(prompt_tokens=100, local_compute=100)
     after = EngineCounters(requests=1, prompt_tokens=900, local_compute=388, external_kv_transfer=512, chunks_loaded=2)
-    assert after - before == EngineCounters(requests=1, prompt_tokens=800, local_compute=288,
-                                            external_kv_transfer=512, chunks_loaded=2)
+    assert after - before == EngineCounters(
+        requests=1, prompt_tokens=800, local_compute=288, external_kv_transfer=512, chunks_loaded=2
+    )

@@ -19,8 +19,9 @@ REPORT_AFFINITY = (
 
 
 def _run(tmp_path: Path, cpus: list[int] | None) -> str:
-    proc = ManagedProcess("probe", [sys.executable, "-c", REPORT_AFFINITY], log_path=tmp_path / "probe.log",
-                          cpus=cpus).start()
+    proc = ManagedProcess(
+        "probe", [sys.executable, "-c", REPORT_AFFINITY], log_path=tmp_path / "probe.log", cpus=cpus
+    ).start()
     assert proc.proc is not None
     assert proc.proc.wait(timeout=60) == 0
     return proc.log_text()

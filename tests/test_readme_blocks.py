@@ -6,12 +6,14 @@ line right before its opening fence, in one of three forms:
 
   <!-- readme-test: run [NAME] -->
       This test runs the block for real (tests marked e2e, under `make test`): one bash script in
-      the repository root (logs in a scratch directory), with the venv's bin/ first on PATH and no VLLM_*/DYN_*/NATS_* variable
-      or PYTHONHASHSEED inherited (a fresh user shell). Commands ending in `&`, and the long-running
+      the repository root (logs in a scratch directory), with the venv's bin/ first on PATH and no
+      VLLM_*/DYN_*/NATS_* variable or PYTHONHASHSEED inherited (a fresh user shell). Commands
+      ending in `&`, and the long-running
       servers of LONG_RUNNING typed "each in its own terminal", start in the background and must
       still be running at the end. Any other command must exit 0; once a server has been
       started, a command is retried for up to RETRY_S seconds (as a user waits for services to come
-      up) while every background command is still running. `curl -s` runs as `curl -sf`, so an HTTP error fails. SUBSTITUTIONS make the block
+      up) while every background command is still running. `curl -s` runs as `curl -sf`, so an
+      HTTP error fails. SUBSTITUTIONS make the block
       private to this run (ports, socket and discovery paths, pool name, region size, the MODEL
       placeholder -> the offline tiny model). NAME (optional) picks extra checks or omitted
       commands from RUNS below; without it the block's line number names it.
@@ -84,8 +86,15 @@ def readme_blocks(text: str) -> list[Block]:
         prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         mk = MARKER.match(prev.strip())
         if lang in COMMAND_LANGS:
-            blocks.append(Block(start + 1, lang, "\n".join(lines[start + 1:end]),
-                                mk.group(1) if mk else None, mk.group(2).strip() if mk else ""))
+            blocks.append(
+                Block(
+                    start + 1,
+                    lang,
+                    "\n".join(lines[start + 1 : end]),
+                    mk.group(1) if mk else None,
+                    mk.group(2).strip() if mk else "",
+                )
+            )
         i = end + 1
     return blocks
 
@@ -109,7 +118,7 @@ def commands(body: str) -> list[str]:
 def _strip_comment(cmd: str) -> str:
     """`cmd` without a trailing `# comment` (a `#` inside quotes is kept)."""
     for m in re.finditer(r"(^|\s)#", cmd):
-        head = cmd[:m.start()]
+        head = cmd[: m.start()]
         if head.count("'") % 2 == 0 and head.count('"') % 2 == 0:
             return head
     return cmd
@@ -159,8 +168,11 @@ def script(cmds: list[str], env: Env) -> str:
         background = cmd.endswith("&") and not cmd.endswith("&&")
         if background or LONG_RUNNING.match(cmd):
             body = cmd[:-1].rstrip() if background else cmd
-            out += [f"( {body} ) > {t}/bg{k}.log 2>&1 &", f"echo $! >> {t}/pids",
-                    f"echo 'bg{k}: {_quote(body)}' >> {t}/bgs"]
+            out += [
+                f"( {body} ) > {t}/bg{k}.log 2>&1 &",
+                f"echo $! >> {t}/pids",
+                f"echo 'bg{k}: {_quote(body)}' >> {t}/bgs",
+            ]
             started = True
         elif started:
             out += [
@@ -169,13 +181,16 @@ def script(cmds: list[str], env: Env) -> str:
                 f"  if (( SECONDS > deadline )); then echo 'readme-test: gave up on: {_quote(cmd)}'; "
                 f"cat {t}/out{k}.txt; exit 1; fi",
                 f"  for p in $(cat {t}/pids); do kill -0 $p 2>/dev/null || "
-                f"{{ echo 'readme-test: a background command exited while waiting for: {_quote(cmd)}'; exit 1; }}; done",
+                f"{{ echo 'readme-test: a background command exited while waiting for: {_quote(cmd)}'; "
+                "exit 1; }; done",
                 "  sleep 3",
                 "done",
             ]
         else:
-            out += [f"{{ {cmd} ; }} > {t}/out{k}.txt 2>&1 || {{ echo 'readme-test: failed: {_quote(cmd)}'; "
-                    f"tail -50 {t}/out{k}.txt; exit 1; }}"]
+            out += [
+                f"{{ {cmd} ; }} > {t}/out{k}.txt 2>&1 || {{ echo 'readme-test: failed: {_quote(cmd)}'; "
+                f"tail -50 {t}/out{k}.txt; exit 1; }}"
+            ]
     return "\n".join(out) + "\n"
 
 
@@ -184,8 +199,11 @@ def _quote(s: str) -> str:
 
 
 def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("VLLM_", "DYN_", "NATS_")) and k not in ("PYTHONHASHSEED", "PYTHONPATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("VLLM_", "DYN_", "NATS_")) and k not in ("PYTHONHASHSEED", "PYTHONPATH")
+    }
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
 
@@ -197,8 +215,14 @@ class Run:
     def start(self, omit: dict[str, str]) -> subprocess.CompletedProcess:
         cmds = [c for c in commands(self.block.body) if c not in omit]
         (self.env.tmp / "run.sh").write_text(script(cmds, self.env))
-        return subprocess.run(["bash", str(self.env.tmp / "run.sh")], env=clean_env(), cwd=REPO, text=True,
-                              capture_output=True, timeout=BLOCK_TIMEOUT_S)
+        return subprocess.run(
+            ["bash", str(self.env.tmp / "run.sh")],
+            env=clean_env(),
+            cwd=REPO,
+            text=True,
+            capture_output=True,
+            timeout=BLOCK_TIMEOUT_S,
+        )
 
     def background(self) -> list[tuple[int, str]]:
         pids = (self.env.tmp / "pids").read_text().split() if (self.env.tmp / "pids").exists() else []
@@ -250,7 +274,8 @@ def check_graph_serves_and_fills_the_pool(run: Run) -> None:
     req = urllib.request.Request(
         f"http://127.0.0.1:{run.env.http_port}/v1/completions",
         data=json.dumps({"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}).encode(),
-        headers={"content-type": "application/json"})
+        headers={"content-type": "application/json"},
+    )
     json.loads(urllib.request.urlopen(req, timeout=120).read())
     with PoolClient.connect(run.env.pool_address, heartbeat=False, populate=False) as c:
         for _ in range(100):
@@ -271,8 +296,13 @@ def _no_check(run: Run) -> None:
 
 
 RUNS: dict[str, RunSpec] = {
-    "quick-start": RunSpec(omit={"make setup": "CI's first step (.ci/run), which this test runs in",
-                                 "make test": "CI's second step, which runs this test"}, check=_no_check),
+    "quick-start": RunSpec(
+        omit={
+            "make setup": "CI's first step (.ci/run), which this test runs in",
+            "make test": "CI's second step, which runs this test",
+        },
+        check=_no_check,
+    ),
     "aggregated-by-hand": RunSpec(check=check_graph_serves_and_fills_the_pool),
     "disaggregated-by-hand": RunSpec(check=check_graph_serves_and_fills_the_pool),
 }
@@ -292,12 +322,14 @@ def test_every_readme_block_is_classified() -> None:
     for b in blocks:
         where = f"README.md:{b.line}"
         if b.kind is None:
-            problems.append(f"{where}: unmarked block; put <!-- readme-test: run|covered-by|skip ... --> right "
-                            "before it (see tests/test_readme_blocks.py)")
+            problems.append(
+                f"{where}: unmarked block; put <!-- readme-test: run|covered-by|skip ... --> right "
+                "before it (see tests/test_readme_blocks.py)"
+            )
         elif b.kind == "skip" and not b.arg:
             problems.append(f"{where}: 'skip' needs a reason")
         elif b.kind == "covered-by":
-            refs = [w for w in b.arg.split() if w.startswith("tests/") or w.startswith(".ci/")]
+            refs = [w for w in b.arg.split() if w.startswith(("tests/", ".ci/"))]
             if not refs:
                 problems.append(f"{where}: 'covered-by' names no test")
             problems += [f"{where}: covered-by {r}: no such test" for r in refs if not _ref_exists(r)]
@@ -313,11 +345,15 @@ def test_every_readme_block_is_classified() -> None:
 
 def test_substitutions_make_a_block_private() -> None:
     env = Env(Path("/t"), "p1", 4000, 9000, "/m")
-    cmd = ("nats-server -a 127.0.0.1 -p 4222 && maru-dynamo pool serve --name kv --size 8G "
-           "--listen unix:///tmp/maru-kv.sock --maru-pool-name kv MODEL $MODEL MODEL=x curl -s localhost:8000")
-    assert substitute(cmd, env) == ("nats-server -a 127.0.0.1 -p 4000 && maru-dynamo pool serve --name p1 "
-                                    "--size 512M --listen unix:///t/kv.sock --maru-pool-name p1 /m $MODEL MODEL=x "
-                                    "curl -sf localhost:9000")
+    cmd = (
+        "nats-server -a 127.0.0.1 -p 4222 && maru-dynamo pool serve --name kv --size 8G "
+        "--listen unix:///tmp/maru-kv.sock --maru-pool-name kv MODEL $MODEL MODEL=x curl -s localhost:8000"
+    )
+    assert substitute(cmd, env) == (
+        "nats-server -a 127.0.0.1 -p 4000 && maru-dynamo pool serve --name p1 "
+        "--size 512M --listen unix:///t/kv.sock --maru-pool-name p1 /m $MODEL MODEL=x "
+        "curl -sf localhost:9000"
+    )
     assert commands("a \\\n  b\n# c\n\nd &  # e\nf '#g' # h\n") == ["a b", "d &", "f '#g'"]
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 from importlib import util
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,16 +70,19 @@ def test_components_and_graphs_are_namespaced() -> None:
 
 def test_every_subpackage_is_listed_in_pyproject() -> None:
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    on_disk = {
-        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "maru_vllm").rglob("__init__.py")
-    }
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "maru_vllm").rglob("__init__.py")}
     missing = on_disk - listed
     assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages in pyproject.toml"
 
 
 def test_cli_help_and_version() -> None:
-    res = subprocess.run(["maru-dynamo", "--help"], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    res = subprocess.run(
+        ["maru-dynamo", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
+    )
     assert res.returncode == 0 and "version" in res.stdout
     res = subprocess.run([sys.executable, "-m", "maru_vllm.cli", "version"], capture_output=True, text=True)
     assert res.returncode == 0

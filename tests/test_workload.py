@@ -17,7 +17,13 @@ def test_same_spec_same_requests_and_seed_changes_them() -> None:
 def test_order_is_turn_by_turn_across_sessions() -> None:
     w = build_workload(WorkloadSpec(systems=2, sessions=3, turns=2))
     assert [(r.index, r.session, r.turn) for r in w] == [
-        (0, 0, 0), (1, 1, 0), (2, 2, 0), (3, 0, 1), (4, 1, 1), (5, 2, 1)]
+        (0, 0, 0),
+        (1, 1, 0),
+        (2, 2, 0),
+        (3, 0, 1),
+        (4, 1, 1),
+        (5, 2, 1),
+    ]
     assert [r.system for r in w] == [0, 1, 0, 0, 1, 0]
 
 
@@ -38,7 +44,7 @@ def test_prompts_share_system_prompt_and_extend_the_session() -> None:
         assert r.prompt[:128] == w.system_prompts[r.session % 2]
         if r.turn:
             prev = by[(r.session, r.turn - 1)].prompt
-            assert r.prompt[:len(prev)] == prev  # previous prompt, then reply and new user turn
+            assert r.prompt[: len(prev)] == prev  # previous prompt, then reply and new user turn
     # Sessions on different system prompts share nothing; on the same one, exactly the system prompt.
     assert w.system_prompts[0] != w.system_prompts[1]
     a, b = by[(0, 1)].prompt, by[(2, 1)].prompt
@@ -74,15 +80,18 @@ def test_hot_sessions_share_the_popular_system_prompt() -> None:
     assert [WorkloadSpec(systems=2, sessions=4).system_of(s) for s in range(4)] == [0, 1, 0, 1]
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(systems=0), "systems must be >= 1, got 0"),
-    (dict(turns=0), "turns must be >= 1, got 0"),
-    (dict(sessions=1, systems=2), "cannot cover 2 system prompts"),
-    (dict(assistant_tokens=-1), "assistant_tokens must be >= 0, got -1"),
-    (dict(user_tokens=0), "user_tokens must be >= 1, got 0"),
-    (dict(sessions=3, hot_sessions=4), "hot_sessions must be between 0 and sessions (3), got 4"),
-    (dict(sessions=3, systems=3, hot_sessions=2), "3 sessions (2 of them hot) cannot cover 3 system prompts"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(systems=0), "systems must be >= 1, got 0"),
+        (dict(turns=0), "turns must be >= 1, got 0"),
+        (dict(sessions=1, systems=2), "cannot cover 2 system prompts"),
+        (dict(assistant_tokens=-1), "assistant_tokens must be >= 0, got -1"),
+        (dict(user_tokens=0), "user_tokens must be >= 1, got 0"),
+        (dict(sessions=3, hot_sessions=4), "hot_sessions must be between 0 and sessions (3), got 4"),
+        (dict(sessions=3, systems=3, hot_sessions=2), "3 sessions (2 of them hot) cannot cover 3 system prompts"),
+    ],
+)
 def test_invalid_specs_are_rejected(bad: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError) as err:
         WorkloadSpec(**bad)

@@ -9,8 +9,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_until(predicate: Callable[[], T], timeout: float = 20.0, what: str = "condition",
-               interval: float = 0.05) -> T:
+def wait_until(predicate: Callable[[], T], timeout: float = 20.0, what: str = "condition", interval: float = 0.05) -> T:
     """Poll `predicate` until it returns something truthy, and return that."""
     deadline = time.monotonic() + timeout
     last = None

@@ -66,9 +66,7 @@ class ChunkGeometry:
 
     def keys_all_ranks(self, block_hashes: Sequence[Any], num_chunks: int) -> list[bytes]:
         """Keys of chunks 0..num_chunks-1, every TP rank of a chunk next to each other."""
-        return [
-            chunk_key(self.chunk_hash(block_hashes, c), r) for c in range(num_chunks) for r in range(self.ranks)
-        ]
+        return [chunk_key(self.chunk_hash(block_hashes, c), r) for c in range(num_chunks) for r in range(self.ranks)]
 
     def chunk_meta(
         self,
@@ -88,7 +86,7 @@ class ChunkGeometry:
             block_size=bs,
             block_hashes=[hash_bytes(block_hashes[b]).hex() for b in blocks],
             parent_block_hash=hash_bytes(block_hashes[first - 1]).hex() if first > 0 else None,
-            token_ids=[list(token_ids[b * bs:(b + 1) * bs]) for b in blocks],
+            token_ids=[list(token_ids[b * bs : (b + 1) * bs]) for b in blocks],
             lora_name=lora_name,
         )
 
@@ -103,7 +101,9 @@ def placeholder_meta(chunk_index: int, blocks_per_chunk: int = 2, block_size: in
     block hashes and token ids, chained like a real prompt's."""
     first = chunk_index * blocks_per_chunk
     return ChunkMeta(
-        v=META_VERSION, chunk=chunk_index, block_size=block_size,
+        v=META_VERSION,
+        chunk=chunk_index,
+        block_size=block_size,
         block_hashes=[f"{first + b:032x}" for b in range(blocks_per_chunk)],
         parent_block_hash=f"{first - 1:032x}" if chunk_index else None,
         token_ids=[[(first + b) * block_size + t for t in range(block_size)] for b in range(blocks_per_chunk)],

@@ -8,10 +8,11 @@ would otherwise silently fall back to a default).
 from __future__ import annotations
 
 import dataclasses
-from vllm.logger import init_logger
 import os
 from collections.abc import Mapping
 from typing import Any
+
+from vllm.logger import init_logger
 
 from maru_vllm.pool.auth import read_token_file
 from maru_vllm.pool.errors import InvalidArgument
@@ -44,16 +45,21 @@ class MaruConnectorConfig:
 
 # key -> (default, description); the README's "The connector" section has the same table.
 KEYS: dict[str, tuple[Any, str]] = {
-    "maru_pool_address": (None, "pool service address: unix:///path.sock or tcp://host:port "
-                                f"(default: ${DEFAULT_POOL_ADDRESS_ENV})"),
+    "maru_pool_address": (
+        None,
+        f"pool service address: unix:///path.sock or tcp://host:port (default: ${DEFAULT_POOL_ADDRESS_ENV})",
+    ),
     "maru_pool_token_file": (None, "file holding the shared-secret token for a TCP pool"),
     "maru_kv_chunk_tokens": (256, "tokens per pool object; a multiple of the KV block size"),
     "maru_use_lmcache_kernels": (True, "use LMCache's compiled copy kernels when they resolve"),
     "maru_enable_fused_load": (False, "fused multi-layer load (needs the LMCache kernels)"),
     "maru_namespace": ("", "extra isolation salt mixed into every key's namespace"),
     "maru_pool_timeout_s": (5.0, "timeout of one pool round trip, seconds"),
-    "maru_checksum": (True, "require and verify an XXH3 checksum on every load (a mismatch or a missing checksum "
-                            "is a miss); stores always carry one"),
+    "maru_checksum": (
+        True,
+        "require and verify an XXH3 checksum on every load (a mismatch or a missing checksum "
+        "is a miss); stores always carry one",
+    ),
 }
 
 

@@ -18,7 +18,6 @@ fails closed on the load path: a failed load hook reports the step's planned blo
 from __future__ import annotations
 
 import functools
-from vllm.logger import init_logger
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -28,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.logger import init_logger
 
 from maru_vllm.connector.chunks import ChunkGeometry
 from maru_vllm.connector.config import parse_config
@@ -67,7 +67,7 @@ def _contained(default: Any, on_error: str | None = None) -> Callable[[Callable[
         def inner(self: MaruKVConnector, *args: Any, **kwargs: Any) -> T:
             try:
                 return fn(self, *args, **kwargs)
-            except Exception:  # noqa: BLE001 - containment boundary: the engine must keep serving
+            except Exception:  # containment boundary: the engine must keep serving
                 self.contained_errors += 1
                 logger.exception("MaruKVConnector.%s failed; continuing without the pool for this step", fn.__name__)
                 if on_error is not None:
@@ -83,13 +83,16 @@ class MaruKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
+        assert transfer is not None  # vLLM builds a KV connector only from a kv_transfer_config
         block_size = int(vllm_config.cache_config.block_size)
         self.config = parse_config(transfer.kv_connector_extra_config, block_size)
         # Engines that copy in different object formats (transfer.py) must never share objects.
         from vllm.platforms import current_platform
 
         self.copy_format = copy_format(str(current_platform.device_type), self.config.use_lmcache_kernels)
-        salt = self.config.namespace if self.copy_format == FORMAT_PAGES else f"{self.config.namespace}|{self.copy_format}"
+        salt = (
+            self.config.namespace if self.copy_format == FORMAT_PAGES else f"{self.config.namespace}|{self.copy_format}"
+        )
         identity = identity_from_vllm(vllm_config, kv_cache_config, salt)
         self.namespace = identity.namespace()
         self.can_load = bool(transfer.is_kv_consumer)
@@ -97,15 +100,17 @@ class MaruKVConnector(KVConnectorBase_V1):
         self.contained_errors = 0
         if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
             # A pool miss discovered at load time must mean "recompute", never a failed request.
-            logger.warning("MaruKVConnector sets kv_load_failure_policy=recompute (was %r)",
-                           transfer.kv_load_failure_policy)
+            logger.warning(
+                "MaruKVConnector sets kv_load_failure_policy=recompute (was %r)", transfer.kv_load_failure_policy
+            )
             transfer.kv_load_failure_policy = "recompute"
         parallel = vllm_config.parallel_config
         ranks = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
         geometry = ChunkGeometry(block_size, self.config.blocks_per_chunk, ranks)
         who = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        self.pool = PoolAccess(self.config.pool_address, self.config.pool_token, self.config.pool_timeout_s,
-                               self.config.checksum, who)
+        self.pool = PoolAccess(
+            self.config.pool_address, self.config.pool_token, self.config.pool_timeout_s, self.config.checksum, who
+        )
         self.scheduler_side: MaruSchedulerSide | None = None
         self.worker_side: MaruWorkerSide | None = None
         self.load_guard = SchedulerLoadGuard(block_size)
@@ -117,8 +122,17 @@ class MaruKVConnector(KVConnectorBase_V1):
             # Stores get their own pool connection (loads never wait behind them) and run
             # write-behind, except on a producer-only engine (disaggregated prefill), whose
             # response sends the decode engine to the pool: its chunks must be there first.
-            store_pool = PoolAccess(self.config.pool_address, self.config.pool_token, self.config.pool_timeout_s,
-                                    self.config.checksum, "worker-store") if self.can_store else None
+            store_pool = (
+                PoolAccess(
+                    self.config.pool_address,
+                    self.config.pool_token,
+                    self.config.pool_timeout_s,
+                    self.config.checksum,
+                    "worker-store",
+                )
+                if self.can_store
+                else None
+            )
             self.worker_side = MaruWorkerSide(
                 namespace=self.namespace,
                 rank=_worker_rank(),
@@ -134,7 +148,12 @@ class MaruKVConnector(KVConnectorBase_V1):
             )
         logger.info(
             "MaruKVConnector (%s): pool %s, namespace %s, chunk %d tokens, load=%s store=%s",
-            who, self.config.pool_address, self.namespace, self.config.chunk_tokens, self.can_load, self.can_store,
+            who,
+            self.config.pool_address,
+            self.namespace,
+            self.config.chunk_tokens,
+            self.can_load,
+            self.can_store,
         )
 
     # ==== worker side ==========================================================================
@@ -157,8 +176,9 @@ class MaruKVConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish in start_load_kv, before the forward starts."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         """Whole pages of every layer are stored after the forward (see store_writer.py for why)."""
 
     @_contained(None)
@@ -180,7 +200,8 @@ class MaruKVConnector(KVConnectorBase_V1):
             return None, None
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         done = self.worker_side.finished_stores(
-            finished_req_ids, meta if isinstance(meta, MaruConnectorMetadata) else None)
+            finished_req_ids, meta if isinstance(meta, MaruConnectorMetadata) else None
+        )
         return (done or None), None
 
     @_contained(set, on_error="_all_planned_blocks")
@@ -265,8 +286,13 @@ class MaruKVConnector(KVConnectorBase_V1):
         return MaruConnectorStats(data) if data is not None else MaruConnectorStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> MaruPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> MaruPromMetrics:
         return MaruPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 

@@ -67,8 +67,12 @@ class HostRegistry:
             rc = int(self.cudart.cudaHostRegister(base, size, HOST_REGISTER_FLAGS))
             if rc != 0:
                 self.failed.add(base)
-                logger.warning("cudaHostRegister of the pool region (%d bytes) failed with CUDA error %d; "
-                               "GPU copies to and from the pool are staged, not DMA", size, rc)
+                logger.warning(
+                    "cudaHostRegister of the pool region (%d bytes) failed with CUDA error %d; "
+                    "GPU copies to and from the pool are staged, not DMA",
+                    size,
+                    rc,
+                )
                 return False
             self._ranges[base] = size
             logger.info("Pool region registered with CUDA (%d bytes at %#x): copies are DMA", size, base)

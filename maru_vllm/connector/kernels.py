@@ -133,11 +133,12 @@ def _module_with(name: str, names: tuple[str, ...], what: str, problems: list[st
 
 
 def _bundle(source: str, kmod: ModuleType, emod: ModuleType) -> LMCacheKernels:
+    optional: dict[str, Any] = {n: getattr(kmod, n, None) for n in _OPTIONAL_KERNELS}
     return LMCacheKernels(
         source=source,
         **{n: getattr(kmod, n) for n in REQUIRED_KERNELS},
         **{n: getattr(emod, n) for n in _ENUMS},
-        **{n: getattr(kmod, n, None) for n in _OPTIONAL_KERNELS},
+        **optional,
     )
 
 
@@ -205,8 +206,7 @@ def resolve_fused_load(enable_fused_load: bool, kernels: LMCacheKernels | None) 
     if kernels is None:
         _log_once(
             logging.WARNING,
-            "Fused load requested but LMCache kernels are unavailable; "
-            "loading with the torch path instead",
+            "Fused load requested but LMCache kernels are unavailable; loading with the torch path instead",
         )
         return False
     return True

@@ -18,6 +18,7 @@ thousands of modules, and these helpers are imported by light tools as well.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import warnings
@@ -34,8 +35,14 @@ from maru_vllm.pool.objects import PayloadHasher, checksum_from_digest
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "LayoutError", "AmbiguousLayout", "LayoutMismatch", "PageLayout", "KVCacheSet",
-    "resolve_layer_kv", "layout_for_backend", "block_runs",
+    "LayoutError",
+    "AmbiguousLayout",
+    "LayoutMismatch",
+    "PageLayout",
+    "KVCacheSet",
+    "resolve_layer_kv",
+    "layout_for_backend",
+    "block_runs",
 ]
 
 _SIGNATURE_VERSION = "maru-pages/v1"
@@ -49,13 +56,19 @@ _SUPPORTED = (
 
 # Backends whose older 5-D cache put K/V first: [2, num_blocks, ...].
 _KV_FIRST_BACKENDS = frozenset(
-    {"FLASH_ATTN", "FLASH_ATTN_DIFFKV", "ROCM_ATTN", "ROCM_AITER_FA", "CPU_ATTN",
-     "TORCH_SDPA", "XFORMERS", "FLEX_ATTENTION"}
+    {
+        "FLASH_ATTN",
+        "FLASH_ATTN_DIFFKV",
+        "ROCM_ATTN",
+        "ROCM_AITER_FA",
+        "CPU_ATTN",
+        "TORCH_SDPA",
+        "XFORMERS",
+        "FLEX_ATTENTION",
+    }
 )
 # Backends whose older 5-D cache put blocks first: [num_blocks, 2, ...].
-_BLOCK_FIRST_BACKENDS = frozenset(
-    {"FLASHINFER", "TRITON_ATTN", "TRITON_ATTN_DIFFKV", "ROCM_AITER_UNIFIED_ATTN"}
-)
+_BLOCK_FIRST_BACKENDS = frozenset({"FLASHINFER", "TRITON_ATTN", "TRITON_ATTN_DIFFKV", "ROCM_AITER_UNIFIED_ATTN"})
 
 
 class LayoutError(ValueError):
@@ -82,10 +95,7 @@ def resolve_layer_kv(kv_cache_attr: Any, virtual_engine: int | None) -> torch.Te
     if isinstance(kv_cache_attr, (list, tuple)):
         ve = 0 if virtual_engine is None else virtual_engine
         if not 0 <= ve < len(kv_cache_attr):
-            raise LayoutError(
-                f"virtual_engine={ve} out of range for a kv_cache list of "
-                f"{len(kv_cache_attr)} entries"
-            )
+            raise LayoutError(f"virtual_engine={ve} out of range for a kv_cache list of {len(kv_cache_attr)} entries")
         item = kv_cache_attr[ve]
         if not isinstance(item, torch.Tensor):
             raise LayoutError(f"kv_cache[{ve}] is {type(item).__name__}, expected torch.Tensor")
@@ -144,8 +154,9 @@ class PageLayout:
     page_nbytes: int
 
     @classmethod
-    def detect(cls, tensor: torch.Tensor, block_size: int, *, num_blocks: int | None = None,
-               hint: int | None = None) -> PageLayout:
+    def detect(
+        cls, tensor: torch.Tensor, block_size: int, *, num_blocks: int | None = None, hint: int | None = None
+    ) -> PageLayout:
         """Build the layout of ``tensor``; ``hint`` is an explicit block dim.
 
         ``block_size`` is tokens per (manager) block; ``num_blocks`` is the
@@ -172,7 +183,7 @@ class PageLayout:
                 f"block dims {sorted(fits) or candidates}. Supported: {_SUPPORTED}. "
                 "Pass the attention backend name or an explicit block_dim."
             )
-        (bd, group), = fits.items()
+        ((bd, group),) = fits.items()
         return cls._build(tensor, bd, group)
 
     @classmethod
@@ -185,9 +196,15 @@ class PageLayout:
         )
         perm = (bd, *page_dims)
         page_shape = tuple(int(sizes[d]) for d in page_dims)
-        return cls(block_dim=bd, num_blocks=int(sizes[bd]), page_shape=page_shape, perm=perm,
-                   group=group, dtype=tensor.dtype,
-                   page_nbytes=math.prod(page_shape) * tensor.element_size())
+        return cls(
+            block_dim=bd,
+            num_blocks=int(sizes[bd]),
+            page_shape=page_shape,
+            perm=perm,
+            group=group,
+            dtype=tensor.dtype,
+            page_nbytes=math.prod(page_shape) * tensor.element_size(),
+        )
 
     def pages(self, tensor: torch.Tensor) -> torch.Tensor:
         """View ``tensor`` as ``[num_blocks, *page_shape]`` (no copy)."""
@@ -203,15 +220,19 @@ class PageLayout:
 
 
 def _group_for(
-    shape: tuple[int, ...], bd: int, block_size: int, num_blocks: int | None,
-    *, trust: bool = False,
+    shape: tuple[int, ...],
+    bd: int,
+    block_size: int,
+    num_blocks: int | None,
+    *,
+    trust: bool = False,
 ) -> int | None:
     """Kernel blocks per manager block if ``bd`` fits, else None.
 
     ``trust`` (an explicit block dim) skips the tokens-dim check, for pages whose
     token axis is not ``block_size`` long (compressed or packed states).
     """
-    page = shape[:bd] + shape[bd + 1:]
+    page = shape[:bd] + shape[bd + 1 :]
     if num_blocks is None or shape[bd] == num_blocks:
         return 1 if trust or block_size in page else None
     if num_blocks <= 0 or shape[bd] % num_blocks:
@@ -222,8 +243,9 @@ def _group_for(
     return group
 
 
-def layout_for_backend(backend_name: str | None, tensor: torch.Tensor, block_size: int, *,
-                       num_blocks: int | None = None) -> PageLayout:
+def layout_for_backend(
+    backend_name: str | None, tensor: torch.Tensor, block_size: int, *, num_blocks: int | None = None
+) -> PageLayout:
     """Layout using the attention backend name to pick the block dim.
 
     vLLM 0.31 gives every backend a 4-D ``[B, H, N, C]`` view (block dim 0). For
@@ -247,10 +269,7 @@ def _byte_tensor(buf: Any, *, writable: bool) -> torch.Tensor:
     """A flat uint8 CPU tensor over ``buf`` (buffer protocol or uint8 tensor)."""
     if isinstance(buf, torch.Tensor):
         if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-            raise LayoutMismatch(
-                f"buffer tensor must be 1-D contiguous uint8, got {buf.dtype} "
-                f"shape {list(buf.shape)}"
-            )
+            raise LayoutMismatch(f"buffer tensor must be 1-D contiguous uint8, got {buf.dtype} shape {list(buf.shape)}")
         return buf
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     if writable and mv.readonly:
@@ -294,9 +313,15 @@ class KVCacheSet:
     (maru_vllm.native; page_segments.py plans them) unless it is missing or off.
     """
 
-    def __init__(self, kv_caches: Mapping[str, torch.Tensor], block_size: int, *,
-                 num_blocks: int | None = None, backend_name: str | None = None,
-                 block_dims: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        block_size: int,
+        *,
+        num_blocks: int | None = None,
+        backend_name: str | None = None,
+        block_dims: Mapping[str, int] | None = None,
+    ) -> None:
         if not kv_caches:
             raise LayoutError("no KV cache layers to register")
         self.layer_names: tuple[str, ...] = tuple(kv_caches)
@@ -305,8 +330,7 @@ class KVCacheSet:
         self.layouts: dict[str, PageLayout] = {}
         self._pages: dict[str, torch.Tensor] = {}
         for name, tensor in kv_caches.items():
-            key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape),
-                   tensor.stride(), tensor.dtype)
+            key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
             if key in seen:
                 self.aliases[name] = seen[key]
                 continue
@@ -317,8 +341,7 @@ class KVCacheSet:
                 if hint is not None:
                     lay = PageLayout.detect(tensor, block_size, num_blocks=num_blocks, hint=hint)
                 else:
-                    lay = layout_for_backend(backend_name, tensor, block_size,
-                                             num_blocks=num_blocks)
+                    lay = layout_for_backend(backend_name, tensor, block_size, num_blocks=num_blocks)
             except LayoutError as exc:
                 raise type(exc)(f"layer {name!r}: {exc}") from exc
             self.layouts[name] = lay
@@ -333,8 +356,7 @@ class KVCacheSet:
         # Host caches with one page geometry: copies may go through the fused copy + checksum kernel.
         self._segments = PageSegments.build([self._pages[n] for n in self.unique_layers])
         self._signature = self._make_signature()
-        logger.debug("KV cache set: %s; one copy per run across layers: %s",
-                     self._signature, self._stack is not None)
+        logger.debug("KV cache set: %s; one copy per run across layers: %s", self._signature, self._stack is not None)
 
     def _stacked_view(self) -> torch.Tensor | None:
         """``[L, num_blocks, *page]`` over all layers when they are equally spaced."""
@@ -343,7 +365,9 @@ class KVCacheSet:
             return None
         v0 = views[0]
         same = all(
-            v.shape == v0.shape and v.stride() == v0.stride() and v.dtype == v0.dtype
+            v.shape == v0.shape
+            and v.stride() == v0.stride()
+            and v.dtype == v0.dtype
             and v.device == v0.device
             and v.untyped_storage().data_ptr() == v0.untyped_storage().data_ptr()
             for v in views
@@ -353,10 +377,12 @@ class KVCacheSet:
         step = views[1].data_ptr() - v0.data_ptr()
         if step <= 0 or step % v0.element_size():
             return None
-        if any(b.data_ptr() - a.data_ptr() != step for a, b in zip(views, views[1:])):
+        if any(b.data_ptr() - a.data_ptr() != step for a, b in itertools.pairwise(views)):
             return None
         return torch.as_strided(
-            v0, (len(views), *v0.shape), (step // v0.element_size(), *v0.stride()),
+            v0,
+            (len(views), *v0.shape),
+            (step // v0.element_size(), *v0.stride()),
             v0.storage_offset(),
         )
 
@@ -391,12 +417,14 @@ class KVCacheSet:
         parts.append(f"{count}*({prev})")
         return f"{_SIGNATURE_VERSION};layers={len(self.unique_layers)};" + ";".join(parts)
 
-    def _check(self, block_ids: Sequence[int], nbytes: int, what: str, skip_blocks: int = 0,
-               chunk_blocks: int | None = None) -> int:
+    def _check(
+        self, block_ids: Sequence[int], nbytes: int, what: str, skip_blocks: int = 0, chunk_blocks: int | None = None
+    ) -> int:
         n = len(block_ids) + skip_blocks if chunk_blocks is None else chunk_blocks
         if n < len(block_ids) + skip_blocks:
-            raise ValueError(f"{what}: blocks [{skip_blocks}, {skip_blocks + len(block_ids)}) are not all in "
-                             f"a chunk of {n} blocks")
+            raise ValueError(
+                f"{what}: blocks [{skip_blocks}, {skip_blocks + len(block_ids)}) are not all in a chunk of {n} blocks"
+            )
         want = self.chunk_nbytes(n)
         if nbytes != want:
             raise LayoutMismatch(
@@ -432,8 +460,8 @@ class KVCacheSet:
         dsts, srcs = [], []
         for buf, cache in self._pairs(flat, n):
             for bid, pos, ln in runs:
-                dsts.append(buf[pos:pos + ln])
-                srcs.append(cache[bid:bid + ln])
+                dsts.append(buf[pos : pos + ln])
+                srcs.append(cache[bid : bid + ln])
         _copy_all(dsts, srcs)
         return None
 
@@ -446,8 +474,15 @@ class KVCacheSet:
         """The fused copy kernel when this cache set can use it (host memory, one page geometry)."""
         return copy_kernel() if self._segments is not None else None
 
-    def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0,
-               chunk_blocks: int | None = None, hasher: Any = None) -> None:
+    def unpack(
+        self,
+        block_ids: Sequence[int],
+        src: Any,
+        *,
+        skip_blocks: int = 0,
+        chunk_blocks: int | None = None,
+        hasher: Any = None,
+    ) -> None:
         """Copy a chunk made by :meth:`pack` into the pages of ``block_ids``.
 
         With ``skip_blocks=k`` the chunk holds ``k + len(block_ids)`` blocks and
@@ -477,7 +512,7 @@ class KVCacheSet:
             digest = kernel.copy(flat.numpy(), segments, True, hasher is not None)
             if hasher is not None:
                 if digest is None:  # too short for the kernel's hash: the package hashes it
-                    hasher.update(memoryview(flat.numpy()))
+                    hasher.update(flat.numpy().data)
                 else:
                     hasher.set_digest(digest)
             return
@@ -486,17 +521,17 @@ class KVCacheSet:
             dsts, srcs = [], []
             for buf, cache in self._pairs(flat, n):
                 for bid, pos, ln in runs:
-                    dsts.append(cache[bid:bid + ln])
-                    srcs.append(buf[skip_blocks + pos:skip_blocks + pos + ln])
+                    dsts.append(cache[bid : bid + ln])
+                    srcs.append(buf[skip_blocks + pos : skip_blocks + pos + ln])
             _copy_all(dsts, srcs)
             return
-        raw = memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
+        raw = flat.numpy().data if flat.numel() else memoryview(b"")  # ndarray.data: memoryview(ndarray)
         for lo, hi, tile_pairs in self._tiles(flat, n):
             dsts, srcs = [], []
             for buf, cache in tile_pairs:
                 for bid, pos, ln in runs:
-                    dsts.append(cache[bid:bid + ln])
-                    srcs.append(buf[skip_blocks + pos:skip_blocks + pos + ln])
+                    dsts.append(cache[bid : bid + ln])
+                    srcs.append(buf[skip_blocks + pos : skip_blocks + pos + ln])
             _copy_all(dsts, srcs)
             hasher.update(raw[lo:hi])
 
@@ -507,7 +542,7 @@ class KVCacheSet:
             return []
         tiles: list[tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         if self._stack is not None:
-            (buf, cache), = self._pairs(flat, n)  # [n, L, *page] both
+            ((buf, cache),) = self._pairs(flat, n)  # [n, L, *page] both
             layers = len(self.unique_layers)
             layer_bytes = n * self.layouts[self.unique_layers[0]].page_nbytes
             per_tile = max(1, TILE_BYTES // max(1, layer_bytes))
@@ -542,7 +577,7 @@ class KVCacheSet:
         for name in self.unique_layers:
             lay = self.layouts[name]
             size = n * lay.page_nbytes
-            buf = flat[off:off + size].view(lay.dtype).view(n, *lay.page_shape)
+            buf = flat[off : off + size].view(lay.dtype).view(n, *lay.page_shape)
             pairs.append((buf, self._pages[name]))
             off += size
         return pairs

@@ -58,8 +58,9 @@ class SchedulerLoadGuard:
             broken = set(granted)
         unasked = [ld for ld in meta.loads if ld.req_id not in granted]
         if unasked:
-            logger.error("Maru load plan has %d chunk loads for requests vLLM granted no external tokens; dropped",
-                         len(unasked))
+            logger.error(
+                "Maru load plan has %d chunk loads for requests vLLM granted no external tokens; dropped", len(unasked)
+            )
             meta.loads = [ld for ld in meta.loads if ld.req_id in granted]
         for req_id, num_computed, block_ids in _admitted(scheduler_output):
             external = granted.get(req_id, 0)
@@ -72,8 +73,12 @@ class SchedulerLoadGuard:
             if req_id not in broken and planned == expected:
                 continue
             if req_id not in broken:
-                logger.error("Maru load plan of request %s covers blocks %s, vLLM counts %s as loaded; "
-                             "recomputing them", req_id, planned, expected)
+                logger.error(
+                    "Maru load plan of request %s covers blocks %s, vLLM counts %s as loaded; recomputing them",
+                    req_id,
+                    planned,
+                    expected,
+                )
             meta.loads = [ld for ld in meta.loads if ld.req_id != req_id]
             meta.load_failures.append(LoadFailure(req_id, expected))
             self.failed_loads += 1

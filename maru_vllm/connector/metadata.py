@@ -60,8 +60,7 @@ class MaruConnectorMetadata(KVConnectorMetadata):
     load_failures: list[LoadFailure] = dataclasses.field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.preempted_req_ids or self.held_for_stores
-                    or self.load_failures)
+        return not (self.loads or self.stores or self.preempted_req_ids or self.held_for_stores or self.load_failures)
 
     def planned_load_blocks(self) -> set[int]:
         """Every block this step's loads (or failed loads) cover."""

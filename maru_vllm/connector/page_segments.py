@@ -25,10 +25,11 @@ __all__ = ["PageSegments"]
 class PageSegments:
     """The segment planner of one KV cache set (one rank's registered layers)."""
 
-    def __init__(self, bases: np.ndarray, block_stride: int, page_nbytes: int, piece_offsets: np.ndarray,
-                 piece_nbytes: int) -> None:
-        self.bases = bases                  # [L] int64: address of block 0's page, per layer
-        self.block_stride = block_stride    # bytes between two consecutive blocks' pages
+    def __init__(
+        self, bases: np.ndarray, block_stride: int, page_nbytes: int, piece_offsets: np.ndarray, piece_nbytes: int
+    ) -> None:
+        self.bases = bases  # [L] int64: address of block 0's page, per layer
+        self.block_stride = block_stride  # bytes between two consecutive blocks' pages
         self.page_nbytes = page_nbytes
         self.piece_offsets = piece_offsets  # [P] int64: contiguous pieces of a page, in page order
         self.piece_nbytes = piece_nbytes
@@ -40,8 +41,7 @@ class PageSegments:
             return None
         p0 = pages[0]
         for p in pages:
-            if (p.device.type != "cpu" or p.shape != p0.shape or p.stride() != p0.stride()
-                    or p.dtype != p0.dtype):
+            if p.device.type != "cpu" or p.shape != p0.shape or p.stride() != p0.stride() or p.dtype != p0.dtype:
                 return None
         esize = p0.element_size()
         sizes, strides = list(p0.shape[1:]), [s * esize for s in p0.stride()[1:]]
@@ -69,11 +69,14 @@ class PageSegments:
             return np.zeros((0, 3), dtype=np.uint64)
         layers = self.bases.size
         plen = self.piece_nbytes
-        addr = (self.bases[:, None, None] + ids[None, :, None] * self.block_stride
-                + self.piece_offsets[None, None, :]).ravel()
+        addr = (
+            self.bases[:, None, None] + ids[None, :, None] * self.block_stride + self.piece_offsets[None, None, :]
+        ).ravel()
         page_index = np.arange(layers, dtype=np.int64)[:, None] * n_blocks + skip_blocks + np.arange(m)[None, :]
-        poff = (page_index[:, :, None] * self.page_nbytes
-                + np.arange(self.piece_offsets.size, dtype=np.int64)[None, None, :] * plen).ravel()
+        poff = (
+            page_index[:, :, None] * self.page_nbytes
+            + np.arange(self.piece_offsets.size, dtype=np.int64)[None, None, :] * plen
+        ).ravel()
         starts = np.ones(poff.size, dtype=bool)
         starts[1:] = (poff[1:] != poff[:-1] + plen) | (addr[1:] != addr[:-1] + plen)
         first = np.flatnonzero(starts)

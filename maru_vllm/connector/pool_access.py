@@ -10,10 +10,11 @@ leaving reconnecting (with backoff) to the pool client.
 
 from __future__ import annotations
 
-from vllm.logger import init_logger
 import threading
 from collections.abc import Callable, Sequence
 from typing import ParamSpec, TypeVar
+
+from vllm.logger import init_logger
 
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.pool import PartPin, PoolClient, PoolError, ReadPin, Reservation
@@ -55,16 +56,17 @@ class PoolAccess(ConnectorPool):
     def lookup_parts(self, keys: Sequence[bytes], namespace: str) -> list[int]:
         return self._contained(self._client.lookup_parts, keys, namespace) or []
 
-    def acquire(self, keys: Sequence[bytes], namespace: str, *,
-                verify_payload: bool = True) -> list[ReadPin | None] | None:
+    def acquire(
+        self, keys: Sequence[bytes], namespace: str, *, verify_payload: bool = True
+    ) -> list[ReadPin | None] | None:
         return self._contained(self._client.acquire, keys, namespace, verify_payload=verify_payload)
 
-    def acquire_parts(self, keys: Sequence[bytes], namespace: str, *,
-                      verify_payload: bool = True) -> list[PartPin | None] | None:
+    def acquire_parts(
+        self, keys: Sequence[bytes], namespace: str, *, verify_payload: bool = True
+    ) -> list[PartPin | None] | None:
         return self._contained(self._client.acquire_parts, keys, namespace, verify_payload=verify_payload)
 
-    def release(self, pins: Sequence[ReadPin | None], bad: Sequence[ReadPin] = (), *,
-                wait: bool = True) -> None:
+    def release(self, pins: Sequence[ReadPin | None], bad: Sequence[ReadPin] = (), *, wait: bool = True) -> None:
         self._contained(self._client.release, pins, bad, wait=wait)
 
     def reserve(self, items: Sequence[tuple[bytes, int]], namespace: str) -> list[Reservation | None] | None:
@@ -73,8 +75,9 @@ class PoolAccess(ConnectorPool):
     def abort(self, reservations: Sequence[Reservation]) -> None:
         self._contained(self._client.abort, reservations)
 
-    def commit(self, reservations: Sequence[Reservation], metas: Sequence[ChunkMeta],
-               parts: Sequence[Sequence[bytes]]) -> list[bool] | None:
+    def commit(
+        self, reservations: Sequence[Reservation], metas: Sequence[ChunkMeta], parts: Sequence[Sequence[bytes]]
+    ) -> list[bool] | None:
         return self._contained(self._client.commit, reservations, metas, parts)
 
     def _contained(self, op: Callable[A, T], *args: A.args, **kwargs: A.kwargs) -> T | None:
@@ -88,8 +91,10 @@ class PoolAccess(ConnectorPool):
                 if not self._down:
                     self._down = True
                     logger.warning(
-                        "Maru pool at %s unavailable (%s during %s): serving without the pool cache "
-                        "until it is back", self.address, exc, what,
+                        "Maru pool at %s unavailable (%s during %s): serving without the pool cache until it is back",
+                        self.address,
+                        exc,
+                        what,
                     )
                 else:
                     logger.debug("Maru pool still unavailable during %s: %s", what, exc)

@@ -59,8 +59,9 @@ class ConnectorPool(ABC):
 
     # -- worker side: loads ---------------------------------------------------------------------
     @abstractmethod
-    def acquire(self, keys: Sequence[bytes], namespace: str, *,
-                verify_payload: bool = True) -> list[ReadPin | None] | None:
+    def acquire(
+        self, keys: Sequence[bytes], namespace: str, *, verify_payload: bool = True
+    ) -> list[ReadPin | None] | None:
         """Pin objects for reading; a missing or invalid one is None. With
         `verify_payload=False` only headers are checked and the caller verifies each payload.
 
@@ -69,8 +70,9 @@ class ConnectorPool(ABC):
         """
 
     @abstractmethod
-    def acquire_parts(self, keys: Sequence[bytes], namespace: str, *,
-                      verify_payload: bool = True) -> list[PartPin | None] | None:
+    def acquire_parts(
+        self, keys: Sequence[bytes], namespace: str, *, verify_payload: bool = True
+    ) -> list[PartPin | None] | None:
         """Pin, for each part key, the latest committed object naming it (`.units` is what the part
         names); `verify_payload` as in `acquire`.
 
@@ -79,8 +81,7 @@ class ConnectorPool(ABC):
         """
 
     @abstractmethod
-    def release(self, pins: Sequence[ReadPin | None], bad: Sequence[ReadPin] = (), *,
-                wait: bool = True) -> None:
+    def release(self, pins: Sequence[ReadPin | None], bad: Sequence[ReadPin] = (), *, wait: bool = True) -> None:
         """Unpin (None entries are skipped); pins in `bad` failed the reader's payload check and
         the pool drops them. `wait=False` does not wait for the reply. A failure leaves the pins
         to the pool (a lost session's pins go with it)."""
@@ -100,8 +101,9 @@ class ConnectorPool(ABC):
         """Give reserved space back without publishing it. A failure leaves it to the pool."""
 
     @abstractmethod
-    def commit(self, reservations: Sequence[Reservation], metas: Sequence[ChunkMeta],
-               parts: Sequence[Sequence[bytes]]) -> list[bool] | None:
+    def commit(
+        self, reservations: Sequence[Reservation], metas: Sequence[ChunkMeta], parts: Sequence[Sequence[bytes]]
+    ) -> list[bool] | None:
         """Publish written reservations with their chunk metadata; `parts[i][j]` is a key naming
         the first j + 1 blocks of chunk i.
 

@@ -28,8 +28,9 @@ sample from).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
 from vllm.logger import init_logger
-from typing import TYPE_CHECKING, Any
 
 from maru_vllm.connector.chunks import ChunkGeometry, chunk_key, hash_bytes
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
@@ -130,7 +131,7 @@ class MaruSchedulerSide:
         if not units:
             return 0
         shared = 0
-        while shared < n and all(u == shared + 1 for u in units[shared * g.ranks:(shared + 1) * g.ranks]):
+        while shared < n and all(u == shared + 1 for u in units[shared * g.ranks : (shared + 1) * g.ranks]):
             shared += 1
         return shared
 
@@ -143,8 +144,10 @@ class MaruSchedulerSide:
 
     # -- per-step plan -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MaruConnectorMetadata:
-        meta = MaruConnectorMetadata(preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
-                                     idle=scheduler_output.total_num_scheduled_tokens == 0)
+        meta = MaruConnectorMetadata(
+            preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+        )
         for new_req in scheduler_output.scheduled_new_reqs:
             st = self.requests.get(new_req.req_id)
             if st is None:
@@ -191,16 +194,14 @@ class MaruSchedulerSide:
                     key, chunk_blocks = g.chunk_hash(req.block_hashes, c), 0
                 else:  # the chunk shared in part: found by the part key of its last shared block
                     key, chunk_blocks = hash_bytes(req.block_hashes[last_block - 1]), bpc
-                meta.loads.append(
-                    ChunkLoad(req.request_id, key, block_ids, first_block - c * bpc, chunk_blocks)
-                )
+                meta.loads.append(ChunkLoad(req.request_id, key, block_ids, first_block - c * bpc, chunk_blocks))
         if not self.can_store:
             return
         # Prompt chunks whose KV is complete once this step's forward ran.
         done_tokens = min(num_computed + num_scheduled, req.num_prompt_tokens)
         done_chunks = g.full_chunks(done_tokens, len(req.block_hashes))
         for c in range(st.next_store_chunk, done_chunks):
-            block_ids = st.block_ids[c * bpc:(c + 1) * bpc]
+            block_ids = st.block_ids[c * bpc : (c + 1) * bpc]
             if len(block_ids) < bpc:
                 break  # blocks not known yet (should not happen); retry next step
             lora = req.lora_request.lora_name if req.lora_request is not None else None

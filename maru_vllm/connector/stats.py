@@ -9,7 +9,7 @@ counters on vLLM's own `/metrics` endpoint.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -80,7 +80,7 @@ class MaruConnectorStats(KVConnectorStats):
 class MaruPromMetrics(KVConnectorPromMetrics):
     """`maru_connector_*` counters on vLLM's /metrics, one series per engine."""
 
-    _COUNTERS = {
+    _COUNTERS: ClassVar[dict[str, str]] = {
         "chunks_loaded": "KV chunks loaded from the Maru pool",
         "blocks_loaded": "KV blocks loaded from the Maru pool (a chunk shared in part adds its leading blocks)",
         "bytes_loaded": "bytes of KV loaded from the Maru pool",
@@ -97,15 +97,18 @@ class MaruPromMetrics(KVConnectorPromMetrics):
         "stores_skipped": "chunk stores skipped (already in the pool or no space)",
     }
 
-    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
         for field, doc in self._COUNTERS.items():
             metric = self._counter_cls(name=f"vllm:maru_connector_{field}", documentation=doc, labelnames=labelnames)
-            self._counters[field] = {
-                idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
-            }
+            self._counters[field] = {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for field, per_engine in self._counters.items():

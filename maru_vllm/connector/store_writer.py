@@ -5,11 +5,11 @@ a synchronous store holds the step for reserve + page copy + checksum + commit, 
 grows with the bytes stored. Next to a CPU prefill, which produces KV slowly, that is a small
 share of a miss; next to a GPU prefill, which produces KV orders of magnitude faster, it is a
 visible share. Handed to a thread, the step is held only for building the job (a cost per job,
-not per byte), and the copy overlaps the next forward (GPU: the copy engine beside the compute; CPU: the core the forward leaves idle
-while it waits, and after the request's last prefill step, time after the first token went
-out). Per-layer stores inside the forward (`save_kv_layer`) were not chosen: they would put
-one pool round trip or Python call per layer into the forward, and on CPU they compete with
-the very forward they are meant to hide behind.
+not per byte), and the copy overlaps the next forward (GPU: the copy engine beside the compute;
+CPU: the core the forward leaves idle while it waits, and after the request's last prefill step,
+time after the first token went out). Per-layer stores inside the forward (`save_kv_layer`) were
+not chosen: they would put one pool round trip or Python call per layer into the forward, and on
+CPU they compete with the very forward they are meant to hide behind.
 
 What keeps it correct (each is a test in tests/connector/test_write_behind.py):
 
@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 # How long shutdown waits for queued stores before dropping them (they are only a cache).
 SHUTDOWN_GRACE_S = 10.0
 
+
 @dataclasses.dataclass
 class StoreJob:
     """The stores of one step: copied, then committed together."""
@@ -76,8 +77,17 @@ class StoreJob:
 class StoreWriter:
     """Copies and commits store jobs, inline (`write_behind=False`) or on one daemon thread."""
 
-    def __init__(self, pool: ConnectorPool, namespace: str, rank: int, copier: Copier, device: torch.device, *,
-                 write_behind: bool = True, host_registry: HostRegistry | None = None) -> None:
+    def __init__(
+        self,
+        pool: ConnectorPool,
+        namespace: str,
+        rank: int,
+        copier: Copier,
+        device: torch.device,
+        *,
+        write_behind: bool = True,
+        host_registry: HostRegistry | None = None,
+    ) -> None:
         self.pool = pool
         self.namespace = namespace
         self.rank = rank
@@ -166,7 +176,7 @@ class StoreWriter:
                 job = self._running = self._queue.popleft()
             try:
                 self._write(job)
-            except Exception:  # noqa: BLE001 - the writer thread must survive any one job
+            except Exception:  # the writer thread must survive any one job
                 logger.exception("Maru store job failed; its chunks are not stored")
                 with self._cv:
                     self._counters.store_failures += len(job.stores)
@@ -194,7 +204,7 @@ class StoreWriter:
             stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with stream_ctx:
                 if job.source_ready is not None:
-                    self._stream.wait_event(job.source_ready)  # type: ignore[union-attr]
+                    self._stream.wait_event(job.source_ready)  # type: ignore[union-attr]  # set only with a stream
                 for store, res in zip(job.stores, reservations):
                     if res is None:
                         counters.stores_skipped += 1  # already in the pool, or no space

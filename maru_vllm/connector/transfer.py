@@ -70,8 +70,15 @@ class TorchPageCopier:
         with the fused kernel, see maru_vllm.native), else None."""
         return self.codec.pack_with_checksum(block_ids, out)
 
-    def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0,
-               chunk_blocks: int | None = None, hasher: Any = None) -> None:
+    def unpack(
+        self,
+        block_ids: Sequence[int],
+        src: Any,
+        *,
+        skip_blocks: int = 0,
+        chunk_blocks: int | None = None,
+        hasher: Any = None,
+    ) -> None:
         self.codec.unpack(block_ids, src, skip_blocks=skip_blocks, chunk_blocks=chunk_blocks, hasher=hasher)
 
     def unpack_many(self, items: Sequence[tuple[Sequence[int], Any, int]]) -> None:
@@ -87,8 +94,16 @@ class LMCacheBlockCopier:
 
     format = FORMAT_LMCACHE_BLOCK
 
-    def __init__(self, kernel: Any, kv_caches: Mapping[str, torch.Tensor], *, block_size: int,
-                 num_blocks: int, blocks_per_chunk: int, name: str = "lmcache") -> None:
+    def __init__(
+        self,
+        kernel: Any,
+        kv_caches: Mapping[str, torch.Tensor],
+        *,
+        block_size: int,
+        num_blocks: int,
+        blocks_per_chunk: int,
+        name: str = "lmcache",
+    ) -> None:
         from lmcache import lmcache_native
         from lmcache.utils import EngineType
         from lmcache.v1.gpu_connector.kv_format.detection import detect_format
@@ -106,8 +121,9 @@ class LMCacheBlockCopier:
         self.num_layers = len(layers)
         self.block_size = block_size
         self.chunk_tokens = block_size * blocks_per_chunk
-        self.shape_desc = make_page_buffer_shape_desc(self.paged, self.engine_format, 0, self.num_layers,
-                                                      num_blocks, block_size)
+        self.shape_desc = make_page_buffer_shape_desc(
+            self.paged, self.engine_format, 0, self.num_layers, num_blocks, block_size
+        )
         d = self.shape_desc
         width = int(d.nh) * int(d.hs)
         self._tokens_shape = ((2, self.num_layers) if int(d.kv_size) == 2 else (self.num_layers,), width)
@@ -118,8 +134,9 @@ class LMCacheBlockCopier:
         if self._compiled:
             import numpy as np
 
-            ptrs = np.array(get_group_data_ptrs(self.paged, self.engine_format, list(range(self.num_layers))),
-                            dtype=np.uint64).view(np.int64)
+            ptrs = np.array(
+                get_group_data_ptrs(self.paged, self.engine_format, list(range(self.num_layers))), dtype=np.uint64
+            ).view(np.int64)
             self._ptrs = torch.from_numpy(ptrs).to(self.device)
 
     def chunk_nbytes(self, n_blocks: int) -> int:
@@ -139,8 +156,15 @@ class LMCacheBlockCopier:
         self._launch([self._object(out, len(block_ids))], list(block_ids), store=True, skip=0)
         return None
 
-    def unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0,
-               chunk_blocks: int | None = None, hasher: Any = None) -> None:
+    def unpack(
+        self,
+        block_ids: Sequence[int],
+        src: Any,
+        *,
+        skip_blocks: int = 0,
+        chunk_blocks: int | None = None,
+        hasher: Any = None,
+    ) -> None:
         if hasher is not None:  # the kernel reads the object itself: hash it in one pass first
             hasher.update(src if isinstance(src, memoryview) else memoryview(src))
         # The kernel indexes block ids by position in the object; the skipped leading positions
@@ -168,9 +192,13 @@ class LMCacheBlockCopier:
                 self.unpack(ids, src)
             return
         for i in range(0, len(whole), MAX_OBJECTS_PER_LAUNCH if self._compiled else len(whole)):
-            group = whole[i:i + (MAX_OBJECTS_PER_LAUNCH if self._compiled else len(whole))]
-            self._launch([self._object(src, len(ids)) for ids, src in group],
-                         [b for ids, _ in group for b in ids], store=False, skip=0)
+            group = whole[i : i + (MAX_OBJECTS_PER_LAUNCH if self._compiled else len(whole))]
+            self._launch(
+                [self._object(src, len(ids)) for ids, src in group],
+                [b for ids, _ in group for b in ids],
+                store=False,
+                skip=0,
+            )
 
     def finish(self) -> None:
         """Wait until launched kernels have read the pool objects (before their pins are released)."""
@@ -180,9 +208,13 @@ class LMCacheBlockCopier:
     def _launch(self, objects: list[torch.Tensor], block_ids: list[int], *, store: bool, skip: int) -> None:
         native = self._native
         direction = native.TransferDirection.D2H if store else native.TransferDirection.H2D
+        args: tuple[Any, ...]
         if self._compiled:
-            args = (self._ptrs, [o.data_ptr() for o in objects],
-                    torch.tensor(block_ids, dtype=torch.int64, device=self.device))
+            args = (
+                self._ptrs,
+                [o.data_ptr() for o in objects],
+                torch.tensor(block_ids, dtype=torch.int64, device=self.device),
+            )
         else:
             args = (self.paged, objects, block_ids)
         tokens_per_object = objects[0].shape[-2]
@@ -191,8 +223,11 @@ class LMCacheBlockCopier:
         except (RuntimeError, TypeError, ValueError) as exc:
             if not self._compiled:
                 raise
-            logger.warning("LMCache block kernel failed (%s); using LMCache's torch implementation of it "
-                           "from now on (same object format)", exc)
+            logger.warning(
+                "LMCache block kernel failed (%s); using LMCache's torch implementation of it "
+                "from now on (same object format)",
+                exc,
+            )
             from lmcache.v1.platform.torch_ops.mp_mem_kernels import multi_layer_block_kv_transfer
 
             self._kernel, self._compiled, self.name = multi_layer_block_kv_transfer, False, "lmcache-torch"
@@ -204,11 +239,23 @@ def _is_compiled(fn: Any) -> bool:
     return isinstance(fn, types.BuiltinFunctionType) or not isinstance(fn, types.FunctionType)
 
 
-def make_copier(codec: KVCacheSet, kv_caches: Mapping[str, torch.Tensor], kernels: LMCacheKernels | None, *,
-                block_size: int, num_blocks: int, blocks_per_chunk: int) -> TorchPageCopier | LMCacheBlockCopier:
+def make_copier(
+    codec: KVCacheSet,
+    kv_caches: Mapping[str, torch.Tensor],
+    kernels: LMCacheKernels | None,
+    *,
+    block_size: int,
+    num_blocks: int,
+    blocks_per_chunk: int,
+) -> TorchPageCopier | LMCacheBlockCopier:
     """The copier for these caches: LMCache's block kernel on CUDA when it resolved, else torch."""
     if codec.device.type == "cuda" and block_kernel_available(kernels):
         assert kernels is not None and kernels.multi_layer_block_kv_transfer is not None
-        return LMCacheBlockCopier(kernels.multi_layer_block_kv_transfer, kv_caches, block_size=block_size,
-                                  num_blocks=num_blocks, blocks_per_chunk=blocks_per_chunk)
+        return LMCacheBlockCopier(
+            kernels.multi_layer_block_kv_transfer,
+            kv_caches,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            blocks_per_chunk=blocks_per_chunk,
+        )
     return TorchPageCopier(codec)

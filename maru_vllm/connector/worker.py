@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from vllm.logger import init_logger
@@ -102,41 +101,70 @@ class MaruWorkerSide:
         if next(iter(kv_caches.values())).device.type == "cpu":
             request_amx_permission()  # see cpu_amx: loads can make attention the first AMX user
         try:
-            self.codec = KVCacheSet(kv_caches, self.block_size, num_blocks=self.num_blocks,
-                                    backend_name=backend_name)
+            self.codec = KVCacheSet(kv_caches, self.block_size, num_blocks=self.num_blocks, backend_name=backend_name)
         except LayoutError as exc:
             # An unsupported KV layout must not take the engine down: serve without the pool.
-            logger.error("Maru connector disabled on this worker: unsupported KV cache layout (%s); every "
-                         "planned load is recomputed and nothing is stored", exc)
+            logger.error(
+                "Maru connector disabled on this worker: unsupported KV cache layout (%s); every "
+                "planned load is recomputed and nothing is stored",
+                exc,
+            )
             return
         codec = self.codec
         try:
-            copier = make_copier(codec, kv_caches, self.kernels, block_size=self.block_size,
-                                 num_blocks=codec.num_blocks, blocks_per_chunk=self.blocks_per_chunk)
+            copier = make_copier(
+                codec,
+                kv_caches,
+                self.kernels,
+                block_size=self.block_size,
+                num_blocks=codec.num_blocks,
+                blocks_per_chunk=self.blocks_per_chunk,
+            )
         except (ImportError, ValueError, RuntimeError, AttributeError, TypeError) as exc:
-            logger.error("Maru connector disabled on this worker: LMCache's kernel cannot copy this KV layout "
-                         "(%s); set maru_use_lmcache_kernels=false to use the torch path", exc)
+            logger.error(
+                "Maru connector disabled on this worker: LMCache's kernel cannot copy this KV layout "
+                "(%s); set maru_use_lmcache_kernels=false to use the torch path",
+                exc,
+            )
             self.codec = None
             return
         if copier.format != self.expected_format:
-            logger.error("Maru connector disabled on this worker: it copies %s objects but its namespace is "
-                         "for %s objects", copier.format, self.expected_format)
+            logger.error(
+                "Maru connector disabled on this worker: it copies %s objects but its namespace is for %s objects",
+                copier.format,
+                self.expected_format,
+            )
             self.codec = None
             return
         if self.fused_load and not isinstance(copier, LMCacheBlockCopier):
-            logger.warning("maru_enable_fused_load needs LMCache's block kernel on a CUDA KV cache; loading "
-                           "chunk by chunk with %s copies", copier.name)
+            logger.warning(
+                "maru_enable_fused_load needs LMCache's block kernel on a CUDA KV cache; loading "
+                "chunk by chunk with %s copies",
+                copier.name,
+            )
             self.fused_load = False
         self.copier = copier
         if codec.device.type == "cuda":
             self.host_registry = HostRegistry()
-        self.writer = StoreWriter(self.store_pool, self.namespace, self.rank, copier, codec.device,
-                                  write_behind=self.write_behind, host_registry=self.host_registry)
+        self.writer = StoreWriter(
+            self.store_pool,
+            self.namespace,
+            self.rank,
+            copier,
+            codec.device,
+            write_behind=self.write_behind,
+            host_registry=self.host_registry,
+        )
         logger.info(
             "Maru connector: %d KV layers (%d unique), %d bytes per block, layout %s, copies %s (%s objects), "
             "fused load %s, stores %s",
-            len(codec.layer_names), len(codec.unique_layers), codec.bytes_per_block,
-            codec.layout_signature(), copier.name, copier.format, self.fused_load,
+            len(codec.layer_names),
+            len(codec.unique_layers),
+            codec.bytes_per_block,
+            codec.layout_signature(),
+            copier.name,
+            copier.format,
+            self.fused_load,
             "write-behind" if self.write_behind else "inline",
         )
 
@@ -189,13 +217,20 @@ class MaruWorkerSide:
             self._fail(load, "missing or invalid in the pool")
             return 0
         if isinstance(pin, PartPin) and pin.units != load.skip_blocks + len(load.block_ids):
-            self._fail(load, f"its part key names {pin.units} blocks of the chunk, not "
-                             f"{load.skip_blocks + len(load.block_ids)}")
+            self._fail(
+                load,
+                f"its part key names {pin.units} blocks of the chunk, not {load.skip_blocks + len(load.block_ids)}",
+            )
             return 0
         hasher = payload_hasher() if pin.checksum is not None and not pin.payload_verified else None
         try:
-            self.copier.unpack(load.block_ids, pin.data, skip_blocks=load.skip_blocks,
-                               chunk_blocks=load.chunk_blocks or None, hasher=hasher)
+            self.copier.unpack(
+                load.block_ids,
+                pin.data,
+                skip_blocks=load.skip_blocks,
+                chunk_blocks=load.chunk_blocks or None,
+                hasher=hasher,
+            )
         except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
             self._fail(load, f"cannot be copied in: {exc}")
             return 0

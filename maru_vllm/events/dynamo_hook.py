@@ -47,7 +47,7 @@ class DynamoVersionError(RuntimeError):
 
 def check_dynamo_version() -> str:
     """Return the installed ai-dynamo version; raise `DynamoVersionError` unless it is 1.6.1."""
-    found = {}
+    found: dict[str, str | None] = {}
     for dist in ("ai-dynamo", "ai-dynamo-runtime"):
         try:
             found[dist] = importlib.metadata.version(dist)
@@ -61,7 +61,7 @@ def check_dynamo_version() -> str:
             f"installed: {', '.join(f'{d}=={v}' if v else f'{d} (missing)' for d, v in found.items())}. "
             f"Install the pinned versions (pip install 'maru-dynamo[dynamo]')."
         )
-    return found["ai-dynamo"]  # type: ignore[return-value]
+    return REQUIRED_DYNAMO_VERSION  # what found["ai-dynamo"] is once nothing is wrong
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +120,13 @@ def install_pool_event_relay(
     global _installed
     check_dynamo_version()
     nats_url = nats_url or os.environ.get("NATS_SERVER") or "nats://127.0.0.1:4222"
-    source = PoolSourceConfig(nats_url=nats_url, pool_name=pool_name, pool_address=pool_address,
-                              pool_token=pool_token, probe_interval_s=probe_interval_s)
+    source = PoolSourceConfig(
+        nats_url=nats_url,
+        pool_name=pool_name,
+        pool_address=pool_address,
+        pool_token=pool_token,
+        probe_interval_s=probe_interval_s,
+    )
     opts = PoolEventRelayOptions(source, medium, namespace, namespace_prefix)
     import dynamo.vllm.main as dm
 
@@ -136,16 +141,18 @@ def install_pool_event_relay(
         )
     inst = RelayInstallation(opts, original, dm)
 
-    def setup_kv_event_publisher(config: Any, generate_endpoint: Any, vllm_config: Any, *args: Any,
-                                 **kwargs: Any) -> Any:
+    def setup_kv_event_publisher(
+        config: Any, generate_endpoint: Any, vllm_config: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         real_cls = dm.KvEventPublisher
-        dm.KvEventPublisher = _publisher_factory(real_cls, inst, vllm_config)
+        # A factory stands in for the class while Dynamo sets up its publisher (undone below).
+        dm.KvEventPublisher = _publisher_factory(real_cls, inst, vllm_config)  # type: ignore[misc, assignment]
         try:
             return original(config, generate_endpoint, vllm_config, *args, **kwargs)
         finally:
-            dm.KvEventPublisher = real_cls
+            dm.KvEventPublisher = real_cls  # type: ignore[misc]  # the class back (mypy: assigning to a type)
 
-    setup_kv_event_publisher.__wrapped__ = original  # type: ignore[attr-defined]
+    setup_kv_event_publisher.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps sets it
     inst.wrapper = setup_kv_event_publisher
     dm.setup_kv_event_publisher = setup_kv_event_publisher
     if _installed is not None:
@@ -171,20 +178,22 @@ def _publisher_factory(real_cls: Any, inst: RelayInstallation, vllm_config: Any)
         if not upstream or args:
             return real_cls(*args, **kwargs)  # not the relay-mode call shape of 1.6.1
         try:
-            relay = _start_relay(inst, vllm_config, upstream, kwargs.get("dp_rank", 0),
-                                 kwargs.get("zmq_topic") or "")
+            relay = _start_relay(inst, vllm_config, upstream, kwargs.get("dp_rank", 0), kwargs.get("zmq_topic") or "")
         except Exception:
             logger.exception("pool event relay did not start; this worker announces vLLM's events only")
             return real_cls(*args, **kwargs)
-        logger.info("Dynamo KV publisher for dp_rank=%s reads the merged stream at %s (vLLM at %s)",
-                    kwargs.get("dp_rank", 0), relay.endpoint, upstream)
+        logger.info(
+            "Dynamo KV publisher for dp_rank=%s reads the merged stream at %s (vLLM at %s)",
+            kwargs.get("dp_rank", 0),
+            relay.endpoint,
+            upstream,
+        )
         return real_cls(*args, **{**kwargs, "zmq_endpoint": relay.endpoint})
 
     return make_publisher
 
 
-def _start_relay(inst: RelayInstallation, vllm_config: Any, upstream: str, dp_rank: int,
-                 topic: str) -> KvEventRelay:
+def _start_relay(inst: RelayInstallation, vllm_config: Any, upstream: str, dp_rank: int, topic: str) -> KvEventRelay:
     opts = inst.options
     model = str(vllm_config.model_config.model)
     filt = namespace_filter(opts, model)
@@ -194,8 +203,15 @@ def _start_relay(inst: RelayInstallation, vllm_config: Any, upstream: str, dp_ra
     pool_cfg = dataclasses.replace(opts.source, snapshot_namespace=filt.single_namespace)
 
     async def make() -> KvEventRelay:
-        relay = KvEventRelay(upstream=upstream, pool=pool_cfg, namespaces=filt, block_size=block_size,
-                             medium=opts.medium, data_parallel_rank=dp_rank, topic=topic)
+        relay = KvEventRelay(
+            upstream=upstream,
+            pool=pool_cfg,
+            namespaces=filt,
+            block_size=block_size,
+            medium=opts.medium,
+            data_parallel_rank=dp_rank,
+            topic=topic,
+        )
         await relay.start()
         return relay
 

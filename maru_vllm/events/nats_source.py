@@ -88,8 +88,12 @@ class PoolEventSource:
         self.stats = SourceStats()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._need_resync = True
-        self._link = NatsLink(config.nats_url, f"maru-events-{config.pool_name}",
-                              on_disconnect=self._on_disconnect, on_reconnect=self._on_reconnect)
+        self._link = NatsLink(
+            config.nats_url,
+            f"maru-events-{config.pool_name}",
+            on_disconnect=self._on_disconnect,
+            on_reconnect=self._on_reconnect,
+        )
         self._stopping = False
         self._synced_event = asyncio.Event()
 
@@ -182,8 +186,12 @@ class PoolEventSource:
             return  # a resync is pending and will cover it
         if ev.incarnation != self.incarnation:
             self.stats.incarnation_changes += 1
-            logger.info("pool %r restarted (incarnation %s -> %s); resyncing", self.config.pool_name,
-                        self.incarnation, ev.incarnation)
+            logger.info(
+                "pool %r restarted (incarnation %s -> %s); resyncing",
+                self.config.pool_name,
+                self.incarnation,
+                ev.incarnation,
+            )
             self._need_resync = True
             return
         if ev.seq <= self.last_seq:
@@ -191,8 +199,9 @@ class PoolEventSource:
             return
         if ev.seq != self.last_seq + 1:
             self.stats.gaps += 1
-            logger.warning("pool %r events %d..%d missing; resyncing", self.config.pool_name,
-                           self.last_seq + 1, ev.seq - 1)
+            logger.warning(
+                "pool %r events %d..%d missing; resyncing", self.config.pool_name, self.last_seq + 1, ev.seq - 1
+            )
             self._need_resync = True
             return
         self.last_seq = ev.seq
@@ -211,8 +220,9 @@ class PoolEventSource:
             snap = await self._snapshot(self.config.snapshot_namespace)
         except Exception as exc:
             self.stats.resync_failures += 1
-            logger.warning("pool %r snapshot failed (%s); pool awareness paused until it works",
-                           self.config.pool_name, exc)
+            logger.warning(
+                "pool %r snapshot failed (%s); pool awareness paused until it works", self.config.pool_name, exc
+            )
             return False
         # Drop what we hold: everything queued up to now is either in the snapshot (seq <=
         # snap.seq, skipped on arrival) or after it; nothing queued needs to be discarded.
@@ -226,8 +236,13 @@ class PoolEventSource:
         except Exception:
             logger.exception("pool snapshot handler failed")
         self._synced_event.set()
-        logger.info("pool %r synced at seq %d (incarnation %s, %d objects)", self.config.pool_name, snap.seq,
-                    snap.incarnation, len(snap.objects))
+        logger.info(
+            "pool %r synced at seq %d (incarnation %s, %d objects)",
+            self.config.pool_name,
+            snap.seq,
+            snap.incarnation,
+            len(snap.objects),
+        )
         return True
 
     async def _snapshot(self, namespace: str | None) -> PoolSnapshot:
@@ -246,14 +261,20 @@ class PoolEventSource:
         from maru_vllm.pool import PoolClient
 
         assert self.config.pool_address is not None
-        with PoolClient.connect(self.config.pool_address, self.config.pool_token,
-                                timeout=self.config.request_timeout_s, heartbeat=False, populate=False) as c:
+        with PoolClient.connect(
+            self.config.pool_address,
+            self.config.pool_token,
+            timeout=self.config.request_timeout_s,
+            heartbeat=False,
+            populate=False,
+        ) as c:
             return PoolSnapshot.from_pages(c.snapshot_pages(namespace))
 
     async def _nats_snapshot_page(self, namespace: str | None, after: int = 0) -> SnapshotPage:
         body = msgspec.json.encode({"namespace": namespace, "after": after})
-        reply = await self._link.nc.request(snapshot_subject(self.config.pool_name), body,
-                                            timeout=self.config.request_timeout_s)
+        reply = await self._link.nc.request(
+            snapshot_subject(self.config.pool_name), body, timeout=self.config.request_timeout_s
+        )
         return decode_snapshot_page(reply.data)
 
     async def _probe(self) -> None:
@@ -273,6 +294,5 @@ class PoolEventSource:
             self._need_resync = True
         elif seq > self.last_seq and self._queue.empty():
             self.stats.gaps += 1
-            logger.info("pool %r is at seq %d but we applied %d; resyncing", self.config.pool_name, seq,
-                        self.last_seq)
+            logger.info("pool %r is at seq %d but we applied %d; resyncing", self.config.pool_name, seq, self.last_seq)
             self._need_resync = True

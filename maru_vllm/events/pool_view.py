@@ -100,8 +100,11 @@ class PoolView:
             self._warn_once(obj.namespace, "objects without MaruKVConnector chunk metadata are not announced")
             return None
         if self.block_size is not None and chunk.block_size != self.block_size:
-            self._warn_once(obj.namespace, f"chunks of block size {chunk.block_size} do not match this "
-                                           f"engine's block size {self.block_size}; not announced")
+            self._warn_once(
+                obj.namespace,
+                f"chunks of block size {chunk.block_size} do not match this "
+                f"engine's block size {self.block_size}; not announced",
+            )
             return None
         return chunk
 
@@ -199,12 +202,14 @@ def _runs(chunk: PoolChunk, fresh: list[bool]) -> list[Announcement]:
         j = i
         while j < n and fresh[j]:
             j += 1
-        out.append(BlocksStored(
-            block_hashes=chunk.block_hashes[i:j],
-            parent_block_hash=chunk.parent_of(i),
-            token_ids=chunk.tokens_of(i, j),
-            block_size=chunk.block_size,
-            lora_name=chunk.lora_name,
-        ))
+        out.append(
+            BlocksStored(
+                block_hashes=chunk.block_hashes[i:j],
+                parent_block_hash=chunk.parent_of(i),
+                token_ids=chunk.tokens_of(i, j),
+                block_size=chunk.block_size,
+                lora_name=chunk.lora_name,
+            )
+        )
         i = j
     return out

@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import zmq
 import zmq.asyncio
@@ -100,8 +100,11 @@ class KvEventRelay:
         reannounce_after_s: tuple[float, ...] = (3.0, 10.0),
     ) -> None:
         if medium not in KNOWN_MEDIUMS:
-            logger.warning("medium %r is not one Dynamo's router places in a tier %s; its blocks will be "
-                           "ignored by the router", medium, KNOWN_MEDIUMS)
+            logger.warning(
+                "medium %r is not one Dynamo's router places in a tier %s; its blocks will be ignored by the router",
+                medium,
+                KNOWN_MEDIUMS,
+            )
         self.upstream = upstream
         self.downstream = downstream
         self.medium = medium
@@ -154,8 +157,13 @@ class KvEventRelay:
         if self._pool_cfg is not None:
             self.source = PoolEventSource(self._pool_cfg, self._on_pool_snapshot, self._on_pool_event)
             await self.source.start()
-        logger.info("KV event relay: vLLM %s + pool %s -> %s (pool blocks at medium %s)", self.upstream,
-                    self._pool_cfg.pool_name if self._pool_cfg else None, self.endpoint, self.medium)
+        logger.info(
+            "KV event relay: vLLM %s + pool %s -> %s (pool blocks at medium %s)",
+            self.upstream,
+            self._pool_cfg.pool_name if self._pool_cfg else None,
+            self.endpoint,
+            self.medium,
+        )
         return self.endpoint
 
     async def stop(self) -> None:
@@ -210,13 +218,15 @@ class KvEventRelay:
                 self._open = True
                 held = list(self._held)
                 self._held.clear()
-                logger.info("Dynamo subscribed to the KV event relay at %s; sending %d held batches",
-                            self.endpoint, len(held))
+                logger.info(
+                    "Dynamo subscribed to the KV event relay at %s; sending %d held batches", self.endpoint, len(held)
+                )
                 for payload in held:
                     self._send(payload)
             else:
-                logger.info("another subscriber joined the KV event relay; re-announcing %d pool blocks",
-                            len(self.view.blocks))
+                logger.info(
+                    "another subscriber joined the KV event relay; re-announcing %d pool blocks", len(self.view.blocks)
+                )
                 self._announce(self.view.announce_all())
             self.subscribed.set()
 
@@ -270,8 +280,11 @@ class KvEventRelay:
             logger.exception("could not encode pool KV events")
             return
         self.stats.pool_batches += 1
-        logger.debug("announcing pool blocks at %s: %s", self.medium,
-                     ", ".join(f"{type(a).__name__}x{len(a.block_hashes)}" for a in announcements))
+        logger.debug(
+            "announcing pool blocks at %s: %s",
+            self.medium,
+            ", ".join(f"{type(a).__name__}x{len(a.block_hashes)}" for a in announcements),
+        )
         for a in announcements:
             if isinstance(a, BlocksStored):
                 self.stats.pool_blocks_stored += len(a.block_hashes)
@@ -290,9 +303,14 @@ class KvEventRelay:
     def _send(self, payload: bytes) -> None:
         assert self._pub is not None
         try:
-            fut = self._pub.send_multipart((self.topic, vf.encode_seq(self._seq), payload), flags=zmq.NOBLOCK)
-            if fut.done() and fut.exception() is not None:
-                raise fut.exception()  # type: ignore[misc]
+            # pyzmq types the result as Awaitable; on a zmq.asyncio socket it is an asyncio Future.
+            fut = cast(
+                "asyncio.Future[Any]",
+                self._pub.send_multipart((self.topic, vf.encode_seq(self._seq), payload), flags=zmq.NOBLOCK),
+            )
+            error = fut.exception() if fut.done() else None
+            if error is not None:
+                raise error
         except Exception as exc:
             self.stats.send_errors += 1
             logger.warning("KV event batch %d not sent: %s", self._seq, exc)
@@ -305,10 +323,9 @@ def _split_removals(announcements: list[Announcement]) -> Iterator[Announcement]
     for a in announcements:
         if isinstance(a, BlocksRemoved) and len(a.block_hashes) > MAX_BATCH_BLOCKS:
             for i in range(0, len(a.block_hashes), MAX_BATCH_BLOCKS):
-                yield BlocksRemoved(a.block_hashes[i:i + MAX_BATCH_BLOCKS])
+                yield BlocksRemoved(a.block_hashes[i : i + MAX_BATCH_BLOCKS])
         else:
             yield a
-
 
 
 class RelayThread:

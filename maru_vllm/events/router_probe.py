@@ -25,8 +25,9 @@ async def _serve(args: argparse.Namespace) -> None:
     from dynamo.runtime import DistributedRuntime
 
     loop = asyncio.get_running_loop()
-    runtime = DistributedRuntime(loop, os.environ.get("DYN_DISCOVERY_BACKEND", "etcd"),
-                                 os.environ.get("DYN_REQUEST_PLANE", "tcp"))
+    runtime = DistributedRuntime(
+        loop, os.environ.get("DYN_DISCOVERY_BACKEND", "etcd"), os.environ.get("DYN_REQUEST_PLANE", "tcp")
+    )
     endpoint = runtime.endpoint(args.endpoint)
     client = await endpoint.client()
     await asyncio.wait_for(client.wait_for_instances(), args.timeout)

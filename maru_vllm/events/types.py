@@ -66,12 +66,16 @@ class PoolChunk:
         return cls(
             tuple(bytes.fromhex(h) for h in cm.block_hashes),
             bytes.fromhex(cm.parent_block_hash) if cm.parent_block_hash else None,
-            tokens, cm.block_size, cm.lora_name, cm.chunk, cm.rank,
+            tokens,
+            cm.block_size,
+            cm.lora_name,
+            cm.chunk,
+            cm.rank,
         )
 
     def tokens_of(self, first: int, end: int) -> array.array:
         """The token ids of blocks first..end-1, flattened (a compact copy)."""
-        return self.tokens[first * self.block_size:end * self.block_size]
+        return self.tokens[first * self.block_size : end * self.block_size]
 
     @staticmethod
     def chunk_meta(meta: Any) -> M.ChunkMeta:
@@ -113,7 +117,6 @@ class PoolObject:
         return cls(sys.intern(o.namespace), o.key, o.size, meta)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class PoolEvent:
     """`{"type": "stored"|"removed", "seq", "incarnation", "pool", "namespace", "key", "size", "meta"}`."""
@@ -151,8 +154,9 @@ class PoolSnapshot:
             if first is None:
                 first = page
             elif page.incarnation != first.incarnation:
-                raise EventFormatError(f"pool restarted during the snapshot ({first.incarnation} -> "
-                                       f"{page.incarnation})")
+                raise EventFormatError(
+                    f"pool restarted during the snapshot ({first.incarnation} -> {page.incarnation})"
+                )
             objects.extend(PoolObject.from_info(o, parse=True) for o in page.objects)
         if first is None:
             raise EventFormatError("empty snapshot: no page")

@@ -84,6 +84,7 @@ def encode_announcements(
     ts: float | None = None,
 ) -> bytes:
     """One `KVEventBatch` payload carrying `announcements` (in order) at tier `medium`."""
-    events = [to_vllm_event(a, medium) for a in announcements]
-    return encode_batch(KVEventBatch(ts=time.time() if ts is None else ts, events=events,
-                                     data_parallel_rank=data_parallel_rank))
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared] = [to_vllm_event(a, medium) for a in announcements]
+    return encode_batch(
+        KVEventBatch(ts=time.time() if ts is None else ts, events=events, data_parallel_rank=data_parallel_rank)
+    )

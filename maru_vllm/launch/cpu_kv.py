@@ -20,8 +20,12 @@ from maru_vllm.launch.argv import has_flag
 logger = logging.getLogger(__name__)
 
 ENV = "VLLM_CPU_KVCACHE_SPACE"
-SIZE_FLAGS = ("--kv-cache-memory-bytes", "--kv_cache_memory_bytes",
-              "--gpu-memory-utilization", "--gpu_memory_utilization")
+SIZE_FLAGS = (
+    "--kv-cache-memory-bytes",
+    "--kv_cache_memory_bytes",
+    "--gpu-memory-utilization",
+    "--gpu_memory_utilization",
+)
 GIB = 1 << 30
 MIN_GIB, MAX_GIB = 1, 8
 SHARE_OF_AVAILABLE = 0.1
@@ -41,7 +45,8 @@ def pick_kv_space_gib(argv: Sequence[str], environ: Mapping[str, str], available
         raise NotEnoughMemory(
             f"only {available_bytes / GIB:.1f} GiB of memory is available, a vLLM CPU engine needs about "
             f"{gib + ENGINE_GIB} GiB with a {gib} GiB KV cache; free memory, or set {ENV}=<GiB of KV cache> "
-            f"(or --kv-cache-memory-bytes) to what this engine may use")
+            f"(or --kv-cache-memory-bytes) to what this engine may use"
+        )
     return gib
 
 
@@ -56,6 +61,10 @@ def apply_default_kv_space(argv: Sequence[str], environ: MutableMapping[str, str
     gib = pick_kv_space_gib(argv, environ, psutil.virtual_memory().available)
     if gib is not None:
         environ[ENV] = str(gib)
-        logger.warning("No KV cache size given on this CPU install: using %s=%d (GiB); set it, or "
-                       "--kv-cache-memory-bytes, to choose", ENV, gib)
+        logger.warning(
+            "No KV cache size given on this CPU install: using %s=%d (GiB); set it, or "
+            "--kv-cache-memory-bytes, to choose",
+            ENV,
+            gib,
+        )
     return gib

@@ -36,8 +36,9 @@ class EngineCounters:
     chunks_stored: int = 0
 
     def __sub__(self, other: EngineCounters) -> EngineCounters:
-        return EngineCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name)
-                                 for f in dataclasses.fields(self)})
+        return EngineCounters(
+            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)}
+        )
 
 
 def _parse(text: str) -> Iterator[tuple[str, dict[str, str], float]]:

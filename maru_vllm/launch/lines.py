@@ -10,6 +10,7 @@ import queue
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 
 
 class StdoutLines:
@@ -22,7 +23,7 @@ class StdoutLines:
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, args=(proc.stdout,), daemon=True).start()
 
-    def _read(self, stdout) -> None:  # type: ignore[no-untyped-def]
+    def _read(self, stdout: Iterable[str]) -> None:
         for line in stdout:
             self._lines.put(line.rstrip("\n"))
         self._lines.put(None)

@@ -18,7 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -55,8 +55,9 @@ class ManagedProcess:
         if self.cpus is not None:
             usable = os.sched_getaffinity(0)
             if not self.cpus or not self.cpus <= usable:
-                raise ValueError(f"{name}: cannot pin to cores {sorted(self.cpus)}; this process may use "
-                                 f"cores {sorted(usable)}")
+                raise ValueError(
+                    f"{name}: cannot pin to cores {sorted(self.cpus)}; this process may use cores {sorted(usable)}"
+                )
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0  # where this start's output begins in the (appended) log
 
@@ -73,7 +74,7 @@ class ManagedProcess:
             raise RuntimeError(f"{self.name} already started (pid {self.proc.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        log = open(self.log_path, "ab")
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed in `finally` once the child holds its copy
         try:
             self.proc = subprocess.Popen(
                 self.argv,
@@ -151,7 +152,7 @@ class ManagedProcess:
 
     def output(self) -> str:
         """What this start has written so far (the log holds every start's output)."""
-        return self.log_text()[self._log_offset:]
+        return self.log_text()[self._log_offset :]
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
@@ -185,9 +186,7 @@ class ManagedProcess:
         self.wait_until(check, timeout, f"log line /{pattern}/")
         return found[0]
 
-    def wait_for_http(
-        self, url: str, timeout: float = 120.0, accept: Callable[[bytes], bool] | None = None
-    ) -> bytes:
+    def wait_for_http(self, url: str, timeout: float = 120.0, accept: Callable[[bytes], bool] | None = None) -> bytes:
         """Wait until GET `url` answers 200 (and `accept(body)` holds); return the body."""
         body: list[bytes] = []
 
@@ -233,7 +232,7 @@ class ProcessGroup:
     def log_tails(self, lines: int = 40) -> str:
         return "\n\n".join(f"=== {p.name} ({p.log_path}) ===\n{p.log_tail(lines)}" for p in self.processes)
 
-    def __iter__(self) -> Iterable[ManagedProcess]:
+    def __iter__(self) -> Iterator[ManagedProcess]:
         return iter(self.processes)
 
     def __enter__(self) -> ProcessGroup:

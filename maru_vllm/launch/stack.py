@@ -161,8 +161,15 @@ class PoolProcess(ManagedProcess):
         cwd: Path | str | None = None,
         cpus: Sequence[int] | None = None,
     ) -> None:
-        argv = pool_command(pool_name, size, listen=listen, nats=nats, backend=None if backend == "shm" else backend,
-                            path=path, extra_args=extra_args)
+        argv = pool_command(
+            pool_name,
+            size,
+            listen=listen,
+            nats=nats,
+            backend=None if backend == "shm" else backend,
+            path=path,
+            extra_args=extra_args,
+        )
         super().__init__(name, argv, log_path=log_path, env=env, cwd=cwd, cpus=cpus)
         self.pool_name = pool_name
         self.region_path = Path(path) if path is not None else default_region_path(backend, pool_name)
@@ -217,10 +224,17 @@ def vllm_openai_server(
     `cpus` pins its whole process tree."""
     port = port or free_port()
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model),
-        "--host", LOOPBACK, "--port", str(port),
-        "--max-model-len", str(max_model_len),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
         "--enforce-eager",
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",  # report cached_tokens in usage
@@ -242,9 +256,15 @@ def dynamo_frontend(
 ) -> tuple[ManagedProcess, str]:
     port = port or free_port()
     argv = [
-        sys.executable, "-m", "dynamo.frontend",
-        "--http-host", LOOPBACK, "--http-port", str(port),
-        "--router-mode", router_mode,
+        sys.executable,
+        "-m",
+        "dynamo.frontend",
+        "--http-host",
+        LOOPBACK,
+        "--http-port",
+        str(port),
+        "--router-mode",
+        router_mode,
         *extra_args,
     ]
     return ManagedProcess("frontend", argv, log_path=log_dir / "frontend.log", env=env), f"http://{LOOPBACK}:{port}"
@@ -264,9 +284,13 @@ def dynamo_vllm_worker(
     """A plain `dynamo.vllm` worker (through our text-only entry point); `cpus` pins it."""
     kv_events_port = kv_events_port or free_port()
     argv = [
-        sys.executable, "-m", "maru_dynamo.components.vllm_worker",
-        "--model", str(model),
-        "--max-model-len", str(max_model_len),
+        sys.executable,
+        "-m",
+        "maru_dynamo.components.vllm_worker",
+        "--model",
+        str(model),
+        "--max-model-len",
+        str(max_model_len),
         "--enforce-eager",
         *kv_events_args(kv_events_port),
         *extra_args,

@@ -41,14 +41,14 @@ def parse_address(text: str) -> Address:
     if not text:
         raise InvalidArgument(f"invalid address {text!r}: {allowed}")
     if text.startswith("tcp://"):
-        rest = text[len("tcp://"):]
+        rest = text[len("tcp://") :]
         host, sep, port_s = rest.rpartition(":")
         host = host.strip("[]")
         if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
             raise InvalidArgument(f"invalid address {text!r}: {allowed} (port 0-65535)")
         return Address("tcp", host=host, port=int(port_s))
     if text.startswith("unix://"):
-        path = text[len("unix://"):]
+        path = text[len("unix://") :]
     elif "://" in text:
         raise InvalidArgument(f"invalid address {text!r}: unknown scheme; {allowed}")
     else:

@@ -191,9 +191,7 @@ class Allocator:
             del cls.partial[slab.start_page]
         self.allocated_bytes += cls.size
         self.small_bytes += cls.size
-        return Allocation(
-            offset=slab.start_page * PAGE + slot * cls.size, capacity=cls.size, slab=slab, slot=slot
-        )
+        return Allocation(offset=slab.start_page * PAGE + slot * cls.size, capacity=cls.size, slab=slab, slot=slot)
 
     def _alloc_run(self, size: int) -> Allocation | None:
         npages = (size + PAGE - 1) // PAGE

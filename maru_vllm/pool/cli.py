@@ -12,7 +12,7 @@ from typing import Any
 
 from maru_vllm.pool.address import parse_address
 from maru_vllm.pool.auth import read_token_file
-from maru_vllm.pool.errors import InvalidArgument, PoolError
+from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.index import DEFAULT_MAX_OBJECTS, DEFAULT_METADATA_BUDGET
 from maru_vllm.pool.region import BACKENDS, RegionError, parse_size, validate_pool_name
 
@@ -95,37 +95,81 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--name", required=True, type=_arg_type(_name, "pool name"), help="pool name")
     serve.add_argument("--size", required=True, type=_arg_type(parse_size, "size"), help="region size: bytes, 512M, 4G")
     serve.add_argument("--backend", choices=BACKENDS, default="shm", help="where the region lives (default shm)")
-    serve.add_argument("--path", help="region path: /dev/shm/<file> (shm), /dev/daxX.Y (dax), a file on a DAX or hugetlbfs mount (file)")
-    serve.add_argument("--listen", action="append", type=_arg_type(_address, "address"), default=[],
-                       help="unix:///path.sock (default under $XDG_RUNTIME_DIR or /tmp) or tcp://host:port; repeatable")
-    serve.add_argument("--nats", type=_arg_type(_nats_url, "NATS URL"), help="publish stored/removed events to this NATS server")
+    serve.add_argument(
+        "--path",
+        help="region path: /dev/shm/<file> (shm), /dev/daxX.Y (dax), a file on a DAX or hugetlbfs mount (file)",
+    )
+    serve.add_argument(
+        "--listen",
+        action="append",
+        type=_arg_type(_address, "address"),
+        default=[],
+        help="unix:///path.sock (default under $XDG_RUNTIME_DIR or /tmp) or tcp://host:port; repeatable",
+    )
+    serve.add_argument(
+        "--nats", type=_arg_type(_nats_url, "NATS URL"), help="publish stored/removed events to this NATS server"
+    )
     serve.add_argument("--metrics-port", type=_arg_type(_port, "port"), help="serve Prometheus metrics on this port")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="metrics bind address (default 127.0.0.1)")
-    serve.add_argument("--token-file", help="file holding the shared-secret token clients must present (required for tcp)")
+    serve.add_argument(
+        "--token-file", help="file holding the shared-secret token clients must present (required for tcp)"
+    )
     serve.add_argument("--keep-region", action="store_true", help="leave the region file in place at exit")
-    serve.add_argument("--lease-seconds", type=_arg_type(_seconds, "seconds"), default=30.0,
-                       help="release a silent client's reservations and pins after this long (default 30)")
-    serve.add_argument("--group", type=_arg_type(_group, "group"), help="make the region and socket group-accessible (0660)")
-    serve.add_argument("--max-objects", type=_arg_type(_positive_int, "object count"), default=DEFAULT_MAX_OBJECTS,
-                       help="most objects the pool indexes; beyond it LRU objects are evicted, and a store is "
-                            f"skipped when none can be (default {DEFAULT_MAX_OBJECTS})")
-    serve.add_argument("--metadata-budget", type=_arg_type(parse_size, "size"), default=DEFAULT_METADATA_BUDGET,
-                       help="service memory for object metadata (keys + meta JSON): bytes, 512M, 1G; beyond it LRU "
-                            "objects are evicted, and a store is skipped when none can be (default 1G)")
+    serve.add_argument(
+        "--lease-seconds",
+        type=_arg_type(_seconds, "seconds"),
+        default=30.0,
+        help="release a silent client's reservations and pins after this long (default 30)",
+    )
+    serve.add_argument(
+        "--group", type=_arg_type(_group, "group"), help="make the region and socket group-accessible (0660)"
+    )
+    serve.add_argument(
+        "--max-objects",
+        type=_arg_type(_positive_int, "object count"),
+        default=DEFAULT_MAX_OBJECTS,
+        help="most objects the pool indexes; beyond it LRU objects are evicted, and a store is "
+        f"skipped when none can be (default {DEFAULT_MAX_OBJECTS})",
+    )
+    serve.add_argument(
+        "--metadata-budget",
+        type=_arg_type(parse_size, "size"),
+        default=DEFAULT_METADATA_BUDGET,
+        help="service memory for object metadata (keys + meta JSON): bytes, 512M, 1G; beyond it LRU "
+        "objects are evicted, and a store is skipped when none can be (default 1G)",
+    )
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    serve.add_argument("--force", action="store_true",
-                       help="replace a file at the region path even if it is not a Maru region")
-    serve.add_argument("--hello-timeout", type=_arg_type(_seconds, "seconds"), default=10.0,
-                       help="close a connection that has not completed hello within this long (default 10)")
-    serve.add_argument("--max-connections", type=_arg_type(_count, "count"),
-                       help="most client connections at once; half may be waiting for hello "
-                            "(default: 1024, or fewer if the open-file limit is lower)")
-    serve.add_argument("--session-reserve-limit", type=_arg_type(_limit, "size"),
-                       help="most bytes one session may hold in uncommitted reservations (default: half the region)")
-    serve.add_argument("--session-pin-limit", type=_arg_type(_limit, "size"),
-                       help="most bytes of objects one session may pin at once (default: half the region)")
-    serve.add_argument("--max-pins-per-object", type=_arg_type(_count, "count"), default=1024,
-                       help="most concurrent pins on one object, over all sessions (default 1024)")
+    serve.add_argument(
+        "--force", action="store_true", help="replace a file at the region path even if it is not a Maru region"
+    )
+    serve.add_argument(
+        "--hello-timeout",
+        type=_arg_type(_seconds, "seconds"),
+        default=10.0,
+        help="close a connection that has not completed hello within this long (default 10)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=_arg_type(_count, "count"),
+        help="most client connections at once; half may be waiting for hello "
+        "(default: 1024, or fewer if the open-file limit is lower)",
+    )
+    serve.add_argument(
+        "--session-reserve-limit",
+        type=_arg_type(_limit, "size"),
+        help="most bytes one session may hold in uncommitted reservations (default: half the region)",
+    )
+    serve.add_argument(
+        "--session-pin-limit",
+        type=_arg_type(_limit, "size"),
+        help="most bytes of objects one session may pin at once (default: half the region)",
+    )
+    serve.add_argument(
+        "--max-pins-per-object",
+        type=_arg_type(_count, "count"),
+        default=1024,
+        help="most concurrent pins on one object, over all sessions (default 1024)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     status = psub.add_parser("status", help="show a running pool's capacity, usage and counters")
@@ -157,16 +201,31 @@ def _read_token(path: str | None) -> str | None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from maru_vllm.pool.service import ServiceConfig, serve
 
-    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         cfg = ServiceConfig(
-            name=args.name, size=args.size, backend=args.backend, path=args.path, listen=args.listen,
-            nats=args.nats, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-            token=_read_token(args.token_file), keep_region=args.keep_region, lease_s=args.lease_seconds,
-            group=args.group, force=args.force, hello_timeout_s=args.hello_timeout,
-            max_connections=args.max_connections, session_reserve_limit=args.session_reserve_limit,
-            session_pin_limit=args.session_pin_limit, max_pins_per_object=args.max_pins_per_object,
-            max_objects=args.max_objects, metadata_budget=args.metadata_budget,
+            name=args.name,
+            size=args.size,
+            backend=args.backend,
+            path=args.path,
+            listen=args.listen,
+            nats=args.nats,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            token=_read_token(args.token_file),
+            keep_region=args.keep_region,
+            lease_s=args.lease_seconds,
+            group=args.group,
+            force=args.force,
+            hello_timeout_s=args.hello_timeout,
+            max_connections=args.max_connections,
+            session_reserve_limit=args.session_reserve_limit,
+            session_pin_limit=args.session_pin_limit,
+            max_pins_per_object=args.max_pins_per_object,
+            max_objects=args.max_objects,
+            metadata_budget=args.metadata_budget,
         )
         return asyncio.run(serve(cfg))
     except (RegionError, PoolError, OSError) as exc:
@@ -196,8 +255,11 @@ def cmd_clear(args: argparse.Namespace) -> int:
 
     try:
         with PoolClient.connect(args.address, _read_token(args.token_file), timeout=args.timeout, heartbeat=False) as c:
-            namespaces = [args.namespace] if not args.all else sorted(
-                {o.namespace for page in c.snapshot_pages() for o in page.objects})
+            namespaces = (
+                [args.namespace]
+                if not args.all
+                else sorted({o.namespace for page in c.snapshot_pages() for o in page.objects})
+            )
             removed = sum(c.remove(None, namespace=ns) for ns in namespaces)
     except PoolError as exc:
         print(f"maru-dynamo pool clear: error: {exc}", file=sys.stderr)
@@ -223,23 +285,35 @@ def format_status(st: dict[str, Any]) -> str:
         ("region", f"{st.get('region_path')} ({st.get('backend')})"),
         ("capacity", _human(st.get("capacity_bytes", 0))),
         ("allocated", f"{_human(st.get('allocated_bytes', 0))} ({100 * st.get('allocated_bytes', 0) / cap:.1f}%)"),
-        ("objects", f"{st.get('objects', 0)} ({_human(st.get('object_bytes', 0))}), at most {st.get('max_objects', 0)}"),
+        (
+            "objects",
+            f"{st.get('objects', 0)} ({_human(st.get('object_bytes', 0))}), at most {st.get('max_objects', 0)}",
+        ),
         ("metadata", f"{_human(st.get('metadata_bytes', 0))} of {_human(st.get('metadata_budget_bytes', 0))}"),
         ("reserved", f"{st.get('reserved', 0)} ({_human(st.get('reserved_bytes', 0))})"),
         ("pinned", st.get("pinned", 0)),
         ("sessions", st.get("sessions", 0)),
-        ("connections", f"{st.get('connections', 0)} of at most {st.get('max_connections', '?')}"
-         f" ({st.get('connections_waiting_for_hello', 0)} waiting for hello)"),
+        (
+            "connections",
+            f"{st.get('connections', 0)} of at most {st.get('max_connections', '?')}"
+            f" ({st.get('connections_waiting_for_hello', 0)} waiting for hello)",
+        ),
         ("quota refusals", st.get("quota_refusals", 0)),
         ("failed logins", st.get("auth_failures", 0)),
-        ("hits / misses", f"{st.get('hits', 0)} / {st.get('misses', 0)}"
-         + (f" ({100 * st.get('hits', 0) / lookups:.1f}% hit)" if lookups else "")),
+        (
+            "hits / misses",
+            f"{st.get('hits', 0)} / {st.get('misses', 0)}"
+            + (f" ({100 * st.get('hits', 0) / lookups:.1f}% hit)" if lookups else ""),
+        ),
         ("stores", st.get("stores", 0)),
         ("evictions", st.get("evictions", 0)),
         ("duplicate commits", st.get("duplicate_commits", 0)),
         ("corrupt reads", st.get("corrupt_reads", 0)),
-        ("events", f"seq {st.get('event_seq', 0)}, nats {st.get('nats') or 'off'}"
-         + (" (connected)" if st.get("nats_connected") else "")),
+        (
+            "events",
+            f"seq {st.get('event_seq', 0)}, nats {st.get('nats') or 'off'}"
+            + (" (connected)" if st.get("nats_connected") else ""),
+        ),
         ("uptime", f"{st.get('uptime_s', 0):.0f} s"),
     ]
     width = max(len(k) for k, _ in rows)

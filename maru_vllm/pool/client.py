@@ -33,7 +33,7 @@ import msgspec
 
 from maru_vllm.pool import messages as M
 from maru_vllm.pool import protocol as P
-from maru_vllm.pool.address import peer_credentials, parse_address
+from maru_vllm.pool.address import parse_address, peer_credentials
 from maru_vllm.pool.errors import InvalidArgument, PoolError, PoolProtocolError, PoolUnavailable
 from maru_vllm.pool.objects import (
     OBJ_HEADER_SIZE,
@@ -191,8 +191,11 @@ class PoolClient:
             )
             path = self._region_path_override or hello["region_path"]
             region = Region.attach(
-                path, size=hello["region_size"], region_uuid=hello["region_uuid"],
-                incarnation=hello["incarnation"], backend=hello.get("backend", "shm"),
+                path,
+                size=hello["region_size"],
+                region_uuid=hello["region_uuid"],
+                incarnation=hello["incarnation"],
+                backend=hello.get("backend", "shm"),
                 populate=self._populate,
             )
         except RegionError as exc:
@@ -321,8 +324,7 @@ class PoolClient:
                 # The rest of that frame is still on the wire: this byte stream is out of step for
                 # good, so drop it; the next call reconnects.
                 self._drop_connection()
-                raise PoolProtocolError(f"reply frame of {n} bytes to {op} exceeds {P.MAX_FRAME}; "
-                                        "connection dropped")
+                raise PoolProtocolError(f"reply frame of {n} bytes to {op} exceeds {P.MAX_FRAME}; connection dropped")
             body = _recv_exact(sock, n)
         except (OSError, EOFError) as exc:
             self._drop_connection()
@@ -397,15 +399,18 @@ class PoolClient:
         with self._lock:
             self._ensure()
             result = self._roundtrip("reserve", {"items": clean, "ns": ns})
-            view = self._region.view  # type: ignore[union-attr]
+            view = self._region.view  # type: ignore[union-attr]  # _ensure() connected: the region is mapped
             out: list[Reservation | None] = []
-            for (key, size), r in zip(clean, result):
+            for (key, _size), r in zip(clean, result):
                 if r is None:
                     out.append(None)
                     continue
                 oid, off, rsize = r.oid, r.offset, r.size
-                out.append(Reservation(key, rsize, view[off : off + rsize], ns, oid, self._gen,
-                                       view[off - OBJ_HEADER_SIZE : off]))
+                out.append(
+                    Reservation(
+                        key, rsize, view[off : off + rsize], ns, oid, self._gen, view[off - OBJ_HEADER_SIZE : off]
+                    )
+                )
             return out
 
     def commit(
@@ -437,11 +442,19 @@ class PoolClient:
                 if r.done or r._gen != self._gen:
                     r.done = True
                     continue  # from a previous connection: that session's space is already gone
-                write_header(r._header, r.oid, r.size, key_digest(r.namespace, r.key), r.buffer,
-                             self.write_checksum, known_checksum=r.payload_checksum)
+                write_header(
+                    r._header,
+                    r.oid,
+                    r.size,
+                    key_digest(r.namespace, r.key),
+                    r.buffer,
+                    self.write_checksum,
+                    known_checksum=r.payload_checksum,
+                )
                 send.append(r.oid)
                 send_metas.append(metas[i] if metas is not None else None)
-                send_parts.append(_keys(parts[i]) if parts is not None and parts[i] else None)
+                part_keys = parts[i] if parts is not None else None
+                send_parts.append(_keys(part_keys) if part_keys else None)
                 idx.append(i)
             if send:
                 args: dict[str, Any] = {"oids": send, "metas": send_metas}
@@ -495,27 +508,49 @@ class PoolClient:
                 if r is None:
                     out.append(None)
                 elif isinstance(r, M.PartPlacement):
-                    out.append(self._pin(PartPin, view, ns, r.key, r.oid, r.offset, r.size, bad, verify_payload,
-                                         units=r.units))
+                    out.append(
+                        self._pin(PartPin, view, ns, r.key, r.oid, r.offset, r.size, bad, verify_payload, units=r.units)
+                    )
                 else:
                     out.append(self._pin(ReadPin, view, ns, key, r.oid, r.offset, r.size, bad, verify_payload))
             if bad:
                 self._roundtrip("release", {"oids": bad, "bad": bad})
             return out
 
-    def _pin(self, cls: type[ReadPin], view: memoryview, ns: str, key: bytes, oid: int, off: int, size: int,
-             bad: list[int], verify_payload: bool, **extra: Any) -> Any:
+    def _pin(
+        self,
+        cls: type[ReadPin],
+        view: memoryview,
+        ns: str,
+        key: bytes,
+        oid: int,
+        off: int,
+        size: int,
+        bad: list[int],
+        verify_payload: bool,
+        **extra: Any,
+    ) -> Any:
         """A `cls` pin on a validated object, or None (its oid added to `bad`) if invalid."""
         payload = view[off : off + size]
         header = view[off - OBJ_HEADER_SIZE : off]
-        problem = validate(header, payload, oid, size, key_digest(ns, key), check_crc=verify_payload,
-                           require_crc=self.checksum)
+        problem = validate(
+            header, payload, oid, size, key_digest(ns, key), check_crc=verify_payload, require_crc=self.checksum
+        )
         if problem is not None:
             logger.warning("object %s/%s failed validation (%s); treating as a miss", ns, key.hex(), problem)
             bad.append(oid)
             return None
-        return cls(key, payload.toreadonly(), ns, oid, self._gen, self,
-                   checksum=expected_checksum(header), payload_verified=verify_payload, **extra)
+        return cls(
+            key,
+            payload.toreadonly(),
+            ns,
+            oid,
+            self._gen,
+            self,
+            checksum=expected_checksum(header),
+            payload_verified=verify_payload,
+            **extra,
+        )
 
     def release(self, pins: Sequence[ReadPin | None], bad: Sequence[ReadPin] = (), *, wait: bool = True) -> None:
         """Unpin; pins in `bad` failed the reader's payload check and the pool removes them.
@@ -539,8 +574,9 @@ class PoolClient:
                 else:
                     self._send_unanswered("release", args)
 
-    def put(self, key: bytes, data: Any, namespace: str = "default", meta: Any = None,
-            parts: Sequence[bytes] | None = None) -> bool:
+    def put(
+        self, key: bytes, data: Any, namespace: str = "default", meta: Any = None, parts: Sequence[bytes] | None = None
+    ) -> bool:
         """Store one object (reserve, copy into the region, commit; `parts` as in `commit`).
         False if it was not stored (already present, or no space could be freed)."""
         src = memoryview(data).cast("B")
@@ -585,12 +621,16 @@ class PoolClient:
         objects: list[dict[str, Any]] = []
         for page in self.snapshot_pages(namespace):
             first = first or page
-            objects.extend({"namespace": o.namespace, "key": o.key, "size": o.size,
-                            "meta": msgspec.json.decode(o.meta)} for o in page.objects)
+            objects.extend(
+                {"namespace": o.namespace, "key": o.key, "size": o.size, "meta": msgspec.json.decode(o.meta)}
+                for o in page.objects
+            )
         assert first is not None
         return {"pool": first.pool, "incarnation": first.incarnation, "seq": first.seq, "objects": objects}
 
-    def snapshot_pages(self, namespace: str | None = None, page_size: int = P.MAX_SNAPSHOT_PAGE) -> Iterator[M.SnapshotPage]:
+    def snapshot_pages(
+        self, namespace: str | None = None, page_size: int = P.MAX_SNAPSHOT_PAGE
+    ) -> Iterator[M.SnapshotPage]:
         """The visible objects, one `messages.SnapshotPage` (a few MiB at most) at a time, in commit
         order. Apply the events after the FIRST page's `seq` on top of all pages to get the exact
         current set (why that is exact: `SnapshotPage`). Raises PoolUnavailable if the pool
@@ -607,8 +647,9 @@ class PoolClient:
             if incarnation is None:
                 incarnation = page.incarnation
             elif page.incarnation != incarnation:
-                raise PoolUnavailable(f"pool restarted during a snapshot (incarnation {incarnation} -> "
-                                      f"{page.incarnation}); take it again")
+                raise PoolUnavailable(
+                    f"pool restarted during a snapshot (incarnation {incarnation} -> {page.incarnation}); take it again"
+                )
             yield page
             if page.next is None:
                 return

@@ -45,20 +45,32 @@ class ConnectionSlots:
         """Take a slot for `conn` (dropping the oldest peer still waiting for hello if need be),
         or refuse it with a `too_many_connections` reply when every slot holds a client."""
         if self.open >= self.max_connections and not self.pending:
-            _turn_away(self._log, "conn-refused", conn,
-                       f"the pool has {self.open} connections, its limit (--max-connections "
-                       f"{self.max_connections}); try again later",
-                       "refused a connection from %s: %d connections open (--max-connections %d)",
-                       conn.peer, self.open, self.max_connections)
+            _turn_away(
+                self._log,
+                "conn-refused",
+                conn,
+                f"the pool has {self.open} connections, its limit (--max-connections "
+                f"{self.max_connections}); try again later",
+                "refused a connection from %s: %d connections open (--max-connections %d)",
+                conn.peer,
+                self.open,
+                self.max_connections,
+            )
             return False
         if self.open >= self.max_connections or len(self.pending) >= self.max_pending:
             oldest = next(iter(self.pending))
             self.release(oldest)
-            _turn_away(self._log, "conn-dropped", oldest,
-                       f"dropped: more than {self.max_pending} connections were waiting for hello "
-                       f"(half of --max-connections {self.max_connections})",
-                       "dropped a connection from %s that had not sent hello, to admit %s (%d waiting)",
-                       oldest.peer, conn.peer, self.max_pending)
+            _turn_away(
+                self._log,
+                "conn-dropped",
+                oldest,
+                f"dropped: more than {self.max_pending} connections were waiting for hello "
+                f"(half of --max-connections {self.max_connections})",
+                "dropped a connection from %s that had not sent hello, to admit %s (%d waiting)",
+                oldest.peer,
+                conn.peer,
+                self.max_pending,
+            )
         self.pending[conn] = None
         self.open += 1
         return True

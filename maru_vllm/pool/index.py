@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 
 from maru_vllm.pool.allocator import Allocation, Allocator
-from maru_vllm.pool.messages import NULL, ObjectInfo
+from maru_vllm.pool.messages import NULL, EventType, ObjectInfo
 from maru_vllm.pool.objects import OBJ_HEADER_SIZE
 from maru_vllm.pool.protocol import MAX_PARTS
 
@@ -107,7 +107,7 @@ class SessionLimits:
     pins_per_object: int | None = None
 
 
-EventSink = Callable[[str, Obj], None]
+EventSink = Callable[[EventType, Obj], None]
 
 
 class PoolIndex:
@@ -142,9 +142,21 @@ class PoolIndex:
         self._next_oid = 1
         self._next_sid = 1
         self.counters: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "stores", "duplicate_commits", "evictions", "corrupt_reads",
-             "reserve_failures", "reserve_existing", "aborts", "sessions_expired", "quota_refusals",
-             "object_cap_refusals", "metadata_budget_refusals"),
+            (
+                "hits",
+                "misses",
+                "stores",
+                "duplicate_commits",
+                "evictions",
+                "corrupt_reads",
+                "reserve_failures",
+                "reserve_existing",
+                "aborts",
+                "sessions_expired",
+                "quota_refusals",
+                "object_cap_refusals",
+                "metadata_budget_refusals",
+            ),
             0,
         )
 
@@ -168,9 +180,9 @@ class PoolIndex:
         npins = 0
         for oid, count in s.pins.items():
             npins += count
-            obj = self.live.get(oid)
-            if obj is not None:
-                self._unpin(obj, count)
+            pinned = self.live.get(oid)
+            if pinned is not None:
+                self._unpin(pinned, count)
         return (len(s.reservations), npins)
 
     def expired_sessions(self, lease_s: float) -> list[int]:
@@ -251,9 +263,8 @@ class PoolIndex:
         out: list[Obj | None] = []
         for k in keys:
             obj = self.objects.get((ns, k))
-            if obj is not None:
-                if not self._pin(s, obj):
-                    obj = None
+            if obj is not None and not self._pin(s, obj):
+                obj = None
             out.append(obj)
         self._count([o is not None for o in out])
         return out
@@ -346,11 +357,17 @@ class PoolIndex:
                 out.append(False)
                 continue
             obj.meta = meta
-            obj.parts = tuple(parts[i][:MAX_PARTS]) if parts is not None and parts[i] else ()
+            part_keys = parts[i] if parts is not None else None
+            obj.parts = tuple(part_keys[:MAX_PARTS]) if part_keys else ()
             cost = obj.meta_cost
-            if not self._evict_until(lambda: self.metadata_bytes + cost <= self.metadata_budget):
-                logger.debug("commit of %s/%s refused: metadata budget of %d bytes is full of pinned objects",
-                             obj.ns, obj.key.hex(), self.metadata_budget)
+            # _evict_until calls the predicate before it returns, so it sees this iteration's `cost`.
+            if not self._evict_until(lambda: self.metadata_bytes + cost <= self.metadata_budget):  # noqa: B023
+                logger.debug(
+                    "commit of %s/%s refused: metadata budget of %d bytes is full of pinned objects",
+                    obj.ns,
+                    obj.key.hex(),
+                    self.metadata_budget,
+                )
                 self.counters["metadata_budget_refusals"] += 1
                 self._free(obj)
                 out.append(False)
@@ -479,7 +496,7 @@ class PoolIndex:
             a = self.alloc.alloc(nbytes)
         return a
 
-    def _hide(self, obj: Obj, event: str) -> None:
+    def _hide(self, obj: Obj, event: EventType) -> None:
         """Make a committed object invisible; free it now if nobody pins it."""
         self.lru.pop(obj.oid, None)
         if self.objects.get((obj.ns, obj.key)) is obj:
@@ -533,6 +550,6 @@ class PoolIndex:
                 if not holders:
                     del self.parts[(obj.ns, pkey)]
 
-    def _emit(self, kind: str, obj: Obj) -> None:
+    def _emit(self, kind: EventType, obj: Obj) -> None:
         if self.on_event is not None:
             self.on_event(kind, obj)

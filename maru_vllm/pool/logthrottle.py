@@ -32,7 +32,7 @@ class ThrottledLog:
     clock: Callable[[], float] = time.monotonic
     _windows: dict[str, _Window] = field(default_factory=dict)
 
-    def log(self, level: int, kind: str, msg: str, *args: object, exc_info: object = None) -> bool:
+    def log(self, level: int, kind: str, msg: str, *args: object, exc_info: bool | BaseException | None = None) -> bool:
         """Log `msg % args` unless `kind` is over its budget; True when the line was written."""
         now = self.clock()
         w = self._windows.get(kind)

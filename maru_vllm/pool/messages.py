@@ -94,8 +94,6 @@ class SnapshotArgs(msgspec.Struct):
     limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_SNAPSHOT_PAGE)] = MAX_SNAPSHOT_PAGE
 
 
-
-
 HexHash = Annotated[str, msgspec.Meta(min_length=2, max_length=256, pattern="^([0-9a-f]{2})+$")]
 
 
@@ -172,11 +170,14 @@ class ErrorMsg(msgspec.Struct):
 
 
 # -- events -----------------------------------------------------------------------------------
+EventType = Literal["stored", "removed"]
+
+
 class PoolEventMsg(msgspec.Struct):
     """`{"type": "stored"|"removed", "seq", "incarnation", "pool", "namespace", "key", "size",
     "meta", "ts"}` on `maru.<pool>.events`; `seq` is gap-free per incarnation."""
 
-    type: Literal["stored", "removed"]
+    type: EventType
     seq: int
     incarnation: str
     pool: str
@@ -207,8 +208,9 @@ class ChunkMeta(msgspec.Struct, omit_defaults=False):
 
     def __post_init__(self) -> None:
         if self.v not in SUPPORTED_CHUNK_META_VERSIONS:
-            raise ValueError(f"chunk metadata version {self.v} is not supported (supported: "
-                             f"{sorted(SUPPORTED_CHUNK_META_VERSIONS)})")
+            raise ValueError(
+                f"chunk metadata version {self.v} is not supported (supported: {sorted(SUPPORTED_CHUNK_META_VERSIONS)})"
+            )
         if len(self.token_ids) != len(self.block_hashes):
             raise ValueError(f"{len(self.token_ids)} token blocks for {len(self.block_hashes)} block hashes")
         if any(len(block) != self.block_size for block in self.token_ids):
@@ -276,7 +278,7 @@ def decode_snapshot_page(data: bytes) -> SnapshotPage:
         raise MessageError(f"pool answered the snapshot request with {err.error}: {err.message}") from None
 
 
-def decode_chunk_meta(raw: msgspec.Raw | bytes) -> ChunkMeta:
+def decode_chunk_meta(raw: msgspec.Raw | bytes | bytearray | memoryview) -> ChunkMeta:
     try:
         return _chunk_decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

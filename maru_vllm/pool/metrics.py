@@ -52,7 +52,7 @@ class _StatsCollector:
         self.pool = pool
         self.stats = stats
 
-    def collect(self):  # noqa: ANN201 - prometheus collector protocol
+    def collect(self):  # the prometheus_client collector protocol
         st = self.stats()
         for name, doc in _GAUGES.items():
             g = GaugeMetricFamily(f"maru_pool_{name}", doc, labels=["pool"])

@@ -4,8 +4,8 @@ nats.py reconnects a connection it once made, forever with `max_reconnect_attemp
 re-subscribes what was subscribed; it does not retry the first connect (NATS may start after
 the pool or a worker) and it only tells its owner about an outage through callbacks. `NatsLink`
 adds the retried first connect, with the owner's subscriptions made as part of it, and a close
-that is bounded in time, together with the owner's task that uses the connection. Both users - the pool's event publisher and a worker's event source -
-keep their own state in the disconnect/reconnect callbacks.
+that is bounded in time, together with the owner's task that uses the connection. Both users - the pool's event
+publisher and a worker's event source - keep their own state in the disconnect/reconnect callbacks.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ class NatsLink:
                 pass
         await self.close(timeout)
 
-    async def connect(self, setup: Callable[[Any], Awaitable[None]], *, what: str,
-                      stopping: Callable[[], bool]) -> bool:
+    async def connect(
+        self, setup: Callable[[Any], Awaitable[None]], *, what: str, stopping: Callable[[], bool]
+    ) -> bool:
         """Connect and run `setup(nc)` (subscribe, flush); on any failure close, wait, try again.
 
         Returns True once both worked, False when `stopping()` turned true first. `what` names

@@ -95,7 +95,12 @@ def expected_checksum(header: memoryview) -> int | None:
 
 
 def write_header(
-    buf: memoryview, oid: int, length: int, digest: bytes, payload: memoryview | None, checksum: bool,
+    buf: memoryview,
+    oid: int,
+    length: int,
+    digest: bytes,
+    payload: memoryview | None,
+    checksum: bool,
     known_checksum: int | None = None,
 ) -> None:
     """Write the header into `buf` (the OBJ_HEADER_SIZE bytes just before the payload).
@@ -117,7 +122,13 @@ def clear_header(buf: memoryview) -> None:
 
 
 def validate(
-    header: memoryview, payload: memoryview, oid: int, length: int, digest: bytes, *, check_crc: bool = True,
+    header: memoryview,
+    payload: memoryview,
+    oid: int,
+    length: int,
+    digest: bytes,
+    *,
+    check_crc: bool = True,
     require_crc: bool = False,
 ) -> str | None:
     """None when the object is intact, else the reason it is not (for logs and counters).

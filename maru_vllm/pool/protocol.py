@@ -14,8 +14,9 @@ bytes, and anything but a valid hello closes the connection. Bodies nested deepe
 decoder can follow are a ``bad_frame``/``bad_request`` error, never an uncaught RecursionError;
 chunk metadata may nest at most MAX_META_DEPTH levels (subscribers parse it again).
 Every message - each op's arguments and result type, every event, snapshot page and chunk
-metadata - is defined once in `maru_vllm.pool.messages`; this module is the framing around them; the client decodes every reply's result with that type. The service
-never sends a reply above MAX_FRAME (it answers ``too_large`` instead), and a client that gets
+metadata - is defined once in `maru_vllm.pool.messages`; this module is the framing around
+them; the client decodes every reply's result with that type. The service never sends a reply
+above MAX_FRAME (it answers ``too_large`` instead), and a client that gets
 a frame it cannot trust drops the connection and reconnects.
 """
 
@@ -27,26 +28,26 @@ from typing import Any, TypeVar
 import msgspec
 
 from maru_vllm.pool.messages import (  # noqa: F401 - the request side of the wire, re-exported
-    MAX_KEY,
-    MAX_NAMESPACE,
     MAX_BATCH,
+    MAX_KEY,
     MAX_META_BYTES,
     MAX_META_DEPTH,
+    MAX_NAMESPACE,
     MAX_PARTS,
     MAX_SNAPSHOT_PAGE,
     SNAPSHOT_PAGE_BYTES,
-    Key,
-    Namespace,
-    Size,
-    Oid,
-    HelloArgs,
-    EmptyArgs,
-    KeysArgs,
-    ReserveArgs,
-    PartKeys,
     CommitArgs,
+    EmptyArgs,
+    HelloArgs,
+    Key,
+    KeysArgs,
+    Namespace,
+    Oid,
     OidsArgs,
+    PartKeys,
     RemoveArgs,
+    ReserveArgs,
+    Size,
     SnapshotArgs,
 )
 

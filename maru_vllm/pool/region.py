@@ -97,9 +97,7 @@ def resolve_region_path(backend: str, name: str, path: str | None) -> Path:
             p = SHM_DIR / p
         resolved = Path(os.path.normpath(p))
         if resolved.parent != SHM_DIR or resolved.name in ("", ".", ".."):
-            raise RegionError(
-                f"invalid shm path {path!r}: it must name a file directly inside {SHM_DIR}"
-            )
+            raise RegionError(f"invalid shm path {path!r}: it must name a file directly inside {SHM_DIR}")
         return resolved
     if not p.is_absolute():
         raise RegionError(f"invalid {backend} path {path!r}: it must be absolute")
@@ -116,8 +114,7 @@ def parse_size(text: str | int, minimum: int = MIN_REGION_SIZE) -> int:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text or "")
         if not m:
             raise ValueError(
-                f"invalid size {text!r}: use bytes or a number with a K, M, G or T suffix "
-                "(e.g. 536870912, 512M, 4G)"
+                f"invalid size {text!r}: use bytes or a number with a K, M, G or T suffix (e.g. 536870912, 512M, 4G)"
             )
         mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
         value = int(float(m.group(1)) * mult)

@@ -24,7 +24,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -103,7 +103,11 @@ class PoolService:
             if a.kind == "unix":
                 _refuse_live_socket(a.path)
         self.region = Region.create(
-            self.cfg.name, self.cfg.size, backend=self.cfg.backend, path=self.cfg.path, group=self.cfg.group,
+            self.cfg.name,
+            self.cfg.size,
+            backend=self.cfg.backend,
+            path=self.cfg.path,
+            group=self.cfg.group,
             force=self.cfg.force,
         )
         data_offset = self.region.info.data_offset
@@ -113,8 +117,14 @@ class PoolService:
             pin_bytes=self.cfg.session_pin_limit if self.cfg.session_pin_limit is not None else half,
             pins_per_object=self.cfg.max_pins_per_object,
         )
-        self.index = PoolIndex(Allocator(self.region.size - data_offset), data_offset, self._on_event, limits,
-                               max_objects=self.cfg.max_objects, metadata_budget=self.cfg.metadata_budget)
+        self.index = PoolIndex(
+            Allocator(self.region.size - data_offset),
+            data_offset,
+            self._on_event,
+            limits,
+            max_objects=self.cfg.max_objects,
+            metadata_budget=self.cfg.metadata_budget,
+        )
         if self.cfg.nats:
             self.publisher = EventPublisher(self.cfg.nats, self.cfg.name, self._snapshot_page)
             self.publisher.start()
@@ -197,9 +207,13 @@ class PoolService:
                         async with asyncio.timeout(self.cfg.hello_timeout_s):
                             body = await self._read_frame(reader, writer, P.MAX_HELLO_FRAME, "before hello")
                     except TimeoutError:
-                        self._log.log(logging.WARNING, "hello-timeout",
-                                      "closed a connection from %s: no hello within %.1f s",
-                                      conn.peer, self.cfg.hello_timeout_s)
+                        self._log.log(
+                            logging.WARNING,
+                            "hello-timeout",
+                            "closed a connection from %s: no hello within %.1f s",
+                            conn.peer,
+                            self.cfg.hello_timeout_s,
+                        )
                         break
                 else:
                     body = await self._read_frame(reader, writer, P.MAX_FRAME, "")
@@ -215,8 +229,13 @@ class PoolService:
                     await self._refused_before_hello(conn, reply)
                 data = P.encode_reply(reply)
                 if len(data) - P.LEN.size > P.MAX_FRAME:  # never send a frame the peer must refuse
-                    data = P.encode_reply(P.error_reply(reply.id, "too_large", f"the {op} reply of {len(data)} "
-                                                        f"bytes exceeds the {P.MAX_FRAME}-byte frame limit"))
+                    data = P.encode_reply(
+                        P.error_reply(
+                            reply.id,
+                            "too_large",
+                            f"the {op} reply of {len(data)} bytes exceeds the {P.MAX_FRAME}-byte frame limit",
+                        )
+                    )
                 writer.write(data)
                 if writer.transport.get_write_buffer_size() > (1 << 20):
                     await writer.drain()
@@ -252,18 +271,34 @@ class PoolService:
         code = reply.error.code if reply.error else "?"
         if code == "auth_failed":
             delay = self._auth.delay_for_failure()
-            self._log.log(logging.WARNING, "auth-failed", "authentication failed from %s (%d failures so far)",
-                          conn.peer, self._auth.failures)
+            self._log.log(
+                logging.WARNING,
+                "auth-failed",
+                "authentication failed from %s (%d failures so far)",
+                conn.peer,
+                self._auth.failures,
+            )
             await asyncio.sleep(delay)
         else:
-            self._log.log(logging.WARNING, f"pre-hello-{code}", "closed a connection from %s before hello: %s: %s",
-                          conn.peer, code, reply.error.message if reply.error else "")
+            self._log.log(
+                logging.WARNING,
+                f"pre-hello-{code}",
+                "closed a connection from %s before hello: %s: %s",
+                conn.peer,
+                code,
+                reply.error.message if reply.error else "",
+            )
 
     def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         """asyncio's own errors (e.g. accept() out of descriptors) go through the throttled log."""
         exc = context.get("exception")
-        self._log.log(logging.ERROR, f"loop-{context.get('message')}", "%s%s", context.get("message"),
-                      f": {type(exc).__name__}: {exc}" if exc else "")
+        self._log.log(
+            logging.ERROR,
+            f"loop-{context.get('message')}",
+            "%s%s",
+            context.get("message"),
+            f": {type(exc).__name__}: {exc}" if exc else "",
+        )
 
     def _dispatch(self, body: bytes, sid: int | None) -> tuple[P.Reply, bool, str]:
         """(reply, keep the connection open, op label for metrics)."""
@@ -281,7 +316,7 @@ class PoolService:
             if sid is None:
                 if req.op != "hello":
                     return P.error_reply(req.id, "auth_required", "the first request must be hello"), False, op
-                reply, keep = self._hello(req.id, args)  # type: ignore[arg-type]
+                reply, keep = self._hello(req.id, cast(P.HelloArgs, args))  # decode_args("hello") made it
                 return reply, keep, op
             if sid not in self.index.sessions:
                 return P.error_reply(req.id, "session_expired", "session lease expired; reconnect"), False, op
@@ -307,24 +342,42 @@ class PoolService:
                 return P.error_reply(req_id, "auth_failed", "invalid token"), False
         sid = self.index.open_session(f"{args.client}:{args.pid}")
         info = self.region.info
-        return P.Reply(P.PROTOCOL_VERSION, req_id, True, M.HelloResult(
-            session=sid, pool=self.cfg.name, incarnation=info.incarnation, region_uuid=info.region_uuid,
-            region_path=info.path, region_size=info.size, data_offset=info.data_offset, backend=info.backend,
-            lease_s=self.cfg.lease_s, protocol=P.PROTOCOL_VERSION,
-        )), True
+        return P.Reply(
+            P.PROTOCOL_VERSION,
+            req_id,
+            True,
+            M.HelloResult(
+                session=sid,
+                pool=self.cfg.name,
+                incarnation=info.incarnation,
+                region_uuid=info.region_uuid,
+                region_path=info.path,
+                region_size=info.size,
+                data_offset=info.data_offset,
+                backend=info.backend,
+                lease_s=self.cfg.lease_s,
+                protocol=P.PROTOCOL_VERSION,
+            ),
+        ), True
 
     # -- ops --------------------------------------------------------------------------------
+    @property
+    def _live_index(self) -> PoolIndex:
+        """The index; ops run only on connections, which start() accepts after it made the index."""
+        assert self.index is not None
+        return self.index
+
     def _op_ping(self, sid: int, args: P.EmptyArgs) -> str:
         return "pong"
 
     def _op_lookup(self, sid: int, args: P.KeysArgs) -> list[bool]:
-        return self.index.lookup(args.ns, args.keys)  # type: ignore[union-attr]
+        return self._live_index.lookup(args.ns, args.keys)
 
     def _op_lookup_prefix(self, sid: int, args: P.KeysArgs) -> int:
-        return self.index.lookup_prefix(args.ns, args.keys)  # type: ignore[union-attr]
+        return self._live_index.lookup_prefix(args.ns, args.keys)
 
     def _op_reserve(self, sid: int, args: P.ReserveArgs) -> list[M.Placement | None]:
-        objs = self.index.reserve(sid, args.ns, args.items)  # type: ignore[union-attr]
+        objs = self._live_index.reserve(sid, args.ns, args.items)
         return [None if o is None else M.Placement(o.oid, o.payload_offset, o.size) for o in objs]
 
     def _op_commit(self, sid: int, args: P.CommitArgs) -> list[bool]:
@@ -341,31 +394,35 @@ class PoolService:
             e = None if m is None else M.encode_meta_json(m)
             size = (len(e) if e is not None else 0) + sum(len(k) for k in p or ())
             if size > P.MAX_META_BYTES:
-                raise P.FrameError("bad_request", f"meta (as JSON) and part keys of {size} bytes exceed "
-                                                  f"{P.MAX_META_BYTES} bytes per object")
+                raise P.FrameError(
+                    "bad_request",
+                    f"meta (as JSON) and part keys of {size} bytes exceed {P.MAX_META_BYTES} bytes per object",
+                )
             encoded.append(e)
-        return self.index.commit(sid, args.oids, encoded, self._verify, parts)  # type: ignore[union-attr]
+        return self._live_index.commit(sid, args.oids, encoded, self._verify, parts)
 
     def _op_abort(self, sid: int, args: P.OidsArgs) -> int:
-        return self.index.abort(sid, args.oids)  # type: ignore[union-attr]
+        return self._live_index.abort(sid, args.oids)
 
     def _op_acquire(self, sid: int, args: P.KeysArgs) -> list[M.Placement | None]:
-        objs = self.index.acquire(sid, args.ns, args.keys)  # type: ignore[union-attr]
+        objs = self._live_index.acquire(sid, args.ns, args.keys)
         return [None if o is None else M.Placement(o.oid, o.payload_offset, o.size) for o in objs]
 
     def _op_lookup_parts(self, sid: int, args: P.KeysArgs) -> list[int]:
-        return self.index.lookup_parts(args.ns, args.keys)  # type: ignore[union-attr]
+        return self._live_index.lookup_parts(args.ns, args.keys)
 
     def _op_acquire_parts(self, sid: int, args: P.KeysArgs) -> list[M.PartPlacement | None]:
-        found = self.index.acquire_parts(sid, args.ns, args.keys)  # type: ignore[union-attr]
-        return [None if f is None else M.PartPlacement(f[0].oid, f[0].payload_offset, f[0].size, f[0].key, f[1])
-                for f in found]
+        found = self._live_index.acquire_parts(sid, args.ns, args.keys)
+        return [
+            None if f is None else M.PartPlacement(f[0].oid, f[0].payload_offset, f[0].size, f[0].key, f[1])
+            for f in found
+        ]
 
     def _op_release(self, sid: int, args: P.OidsArgs) -> int:
-        return self.index.release(sid, args.oids, args.bad)  # type: ignore[union-attr]
+        return self._live_index.release(sid, args.oids, args.bad)
 
     def _op_remove(self, sid: int, args: P.RemoveArgs) -> int:
-        return self.index.remove(args.ns, args.keys)  # type: ignore[union-attr]
+        return self._live_index.remove(args.ns, args.keys)
 
     def _op_stats(self, sid: int, args: P.EmptyArgs) -> dict[str, Any]:
         return self._stats()
@@ -383,15 +440,25 @@ class PoolService:
         payload = v[obj.payload_offset : obj.payload_offset + obj.size]
         return validate(hdr, payload, obj.oid, obj.size, key_digest(obj.ns, obj.key), check_crc=False)
 
-    def _on_event(self, kind: str, obj: Obj) -> None:
+    def _on_event(self, kind: M.EventType, obj: Obj) -> None:
         self.seq += 1
         if self.publisher is None or self.region is None:
             return
-        self.publisher.emit(M.encode_event(M.PoolEventMsg(
-            type=kind, seq=self.seq, incarnation=self.region.info.incarnation, pool=self.cfg.name,  # type: ignore[arg-type]
-            namespace=obj.ns, key=obj.key.hex(), size=obj.size,
-            meta=M.NULL if obj.meta is None else msgspec.Raw(obj.meta), ts=time.time(),
-        )))
+        self.publisher.emit(
+            M.encode_event(
+                M.PoolEventMsg(
+                    type=kind,
+                    seq=self.seq,
+                    incarnation=self.region.info.incarnation,
+                    pool=self.cfg.name,
+                    namespace=obj.ns,
+                    key=obj.key.hex(),
+                    size=obj.size,
+                    meta=M.NULL if obj.meta is None else msgspec.Raw(obj.meta),
+                    ts=time.time(),
+                )
+            )
+        )
 
     def _snapshot_page(self, ns: str | None, after: int, limit: int, max_bytes: int) -> M.SnapshotPage:
         assert self.index is not None and self.region is not None
@@ -429,17 +496,27 @@ class PoolService:
         st = self.index.stats()
         lim = self.index.limits
         st.update(
-            session_reserve_limit=lim.reserve_bytes, session_pin_limit=lim.pin_bytes,
-            max_pins_per_object=lim.pins_per_object, connections=self.slots.open,
-            connections_waiting_for_hello=len(self.slots.pending), max_connections=self.slots.max_connections,
+            session_reserve_limit=lim.reserve_bytes,
+            session_pin_limit=lim.pin_bytes,
+            max_pins_per_object=lim.pins_per_object,
+            connections=self.slots.open,
+            connections_waiting_for_hello=len(self.slots.pending),
+            max_connections=self.slots.max_connections,
             auth_failures=self._auth.failures,
         )
         pub = self.publisher
         st.update(
-            pool=self.cfg.name, incarnation=self.region.info.incarnation, region_path=self.region.info.path,
-            backend=self.region.info.backend, region_size=self.region.size, uptime_s=time.time() - self.started,
-            event_seq=self.seq, nats=self.cfg.nats, nats_connected=bool(pub and pub.connected),
-            event_queue=pub.pending if pub else 0, events_published=pub.published if pub else 0,
+            pool=self.cfg.name,
+            incarnation=self.region.info.incarnation,
+            region_path=self.region.info.path,
+            backend=self.region.info.backend,
+            region_size=self.region.size,
+            uptime_s=time.time() - self.started,
+            event_seq=self.seq,
+            nats=self.cfg.nats,
+            nats_connected=bool(pub and pub.connected),
+            event_queue=pub.pending if pub else 0,
+            events_published=pub.published if pub else 0,
             events_dropped=pub.dropped if pub else 0,
         )
         return st

@@ -16,39 +16,84 @@ DEFAULT_SWEEP = "0,0.25,0.5,0.6,0.7,0.8,0.9,0.95,0.97,1.0"
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "whatif", help="replay a request trace on simulated clusters: round-robin, KV routing, host tiers, the shared pool",
+        "whatif",
+        help="replay a request trace on simulated clusters: round-robin, KV routing, host tiers, the shared pool",
         description="Replay a Mooncake-format trace (timestamp, input_length, output_length, hash_ids) for each "
-                    "worker count and configuration and print TTFT and prefill tokens computed. "
-                    f"Configs: {'; '.join(f'{k}: {v}' for k, v in S.CONFIG_HELP.items())}.")
+        "worker count and configuration and print TTFT and prefill tokens computed. "
+        f"Configs: {'; '.join(f'{k}: {v}' for k, v in S.CONFIG_HELP.items())}.",
+    )
     p.add_argument("trace", help="Mooncake-format JSONL trace (e.g. ../shared/traces/mooncake_conversation.jsonl)")
     p.add_argument("--workers", default="4,8,16", help="worker counts, comma-separated (default 4,8,16)")
-    p.add_argument("--configs", default=",".join(S.CONFIGS), help=f"configurations (default all: {','.join(S.CONFIGS)})")
+    p.add_argument(
+        "--configs", default=",".join(S.CONFIGS), help=f"configurations (default all: {','.join(S.CONFIGS)})"
+    )
     p.add_argument("--trace-block-size", type=int, default=512, help="tokens per trace hash id (default 512)")
-    p.add_argument("--block-size", type=int, default=S.DEFAULT_BLOCK_SIZE, help="engine KV block size in tokens (default 64)")
-    p.add_argument("--gpu-blocks", type=int, default=S.DEFAULT_GPU_BLOCKS, help="GPU KV-cache blocks per worker (default 2500)")
-    p.add_argument("--pool-size", default="1T", help="pool size in bytes, e.g. 100G, 1T (default 1T); kv-host splits it evenly")
-    p.add_argument("--pool-gbps", type=float, default=None,
-                   help=f"per-worker link bandwidth to the pool / host tier, GB/s (default {S.DEFAULT_POOL_GBPS:g}, or the calibration's load_gbps)")
-    p.add_argument("--pool-aggregate-gbps", type=float, default=S.DEFAULT_POOL_AGGREGATE_GBPS,
-                   help=f"the pool's total bandwidth shared by all loads, GB/s (default {S.DEFAULT_POOL_AGGREGATE_GBPS:g})")
+    p.add_argument(
+        "--block-size", type=int, default=S.DEFAULT_BLOCK_SIZE, help="engine KV block size in tokens (default 64)"
+    )
+    p.add_argument(
+        "--gpu-blocks", type=int, default=S.DEFAULT_GPU_BLOCKS, help="GPU KV-cache blocks per worker (default 2500)"
+    )
+    p.add_argument(
+        "--pool-size", default="1T", help="pool size in bytes, e.g. 100G, 1T (default 1T); kv-host splits it evenly"
+    )
+    p.add_argument(
+        "--pool-gbps",
+        type=float,
+        default=None,
+        help=f"per-worker link bandwidth to the pool / host tier, GB/s (default {S.DEFAULT_POOL_GBPS:g}, "
+        "or the calibration's load_gbps)",
+    )
+    p.add_argument(
+        "--pool-aggregate-gbps",
+        type=float,
+        default=S.DEFAULT_POOL_AGGREGATE_GBPS,
+        help=f"the pool's total bandwidth shared by all loads, GB/s (default {S.DEFAULT_POOL_AGGREGATE_GBPS:g})",
+    )
     kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--kv-bytes-per-token", type=int, default=None,
-                    help=f"model KV bytes per token (default {S.DEFAULT_KV_BYTES_PER_TOKEN}: Qwen2.5-32B; or the calibration's)")
-    kv.add_argument("--model", default=None, help="derive KV bytes per token from a local model directory or config.json")
-    p.add_argument("--host-weight", default=None,
-                   help="router credit of a pool / host-tier block (default: maru_vllm.routing, $MARU_POOL_TIER_WEIGHT)")
-    p.add_argument("--calibration", default=None,
-                   help="bench_connector.py calibration JSON: pool load GB/s and prefill tokens/s measured on your hardware")
+    kv.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=None,
+        help=f"model KV bytes per token (default {S.DEFAULT_KV_BYTES_PER_TOKEN}: Qwen2.5-32B; or the calibration's)",
+    )
+    kv.add_argument(
+        "--model", default=None, help="derive KV bytes per token from a local model directory or config.json"
+    )
+    p.add_argument(
+        "--host-weight",
+        default=None,
+        help="router credit of a pool / host-tier block (default: maru_vllm.routing, $MARU_POOL_TIER_WEIGHT)",
+    )
+    p.add_argument(
+        "--calibration",
+        default=None,
+        help="bench_connector.py calibration JSON: pool load GB/s and prefill tokens/s measured on your hardware",
+    )
     p.add_argument("--repeats", type=int, default=1, help="replays per point; the median is reported (default 1)")
     p.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--arrival-speedup", type=float, default=1.0, help="divide inter-arrival times by this (default 1)")
-    p.add_argument("--simulator", choices=SIMULATORS, default=MODEL,
-                   help=f"'{MODEL}': the pool model on Dynamo's radix tree, router cost and mocker timing (all configs); "
-                        f"'{DYNAMO}': Dynamo's offline replay as shipped (its kv-pool aborts in 1.6.1). Default {MODEL}")
-    p.add_argument("--sweep-weight", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="W1,W2,...",
-                   help=f"replay kv-pool over router host weights and report the best (default weights {DEFAULT_SWEEP})")
-    p.add_argument("--sweep-metric", choices=sorted(SWEEP_METRICS), default="ttft_p90",
-                   help="what --sweep-weight minimises (default ttft_p90)")
+    p.add_argument(
+        "--simulator",
+        choices=SIMULATORS,
+        default=MODEL,
+        help=f"'{MODEL}': the pool model on Dynamo's radix tree, router cost and mocker timing (all configs); "
+        f"'{DYNAMO}': Dynamo's offline replay as shipped (its kv-pool aborts in 1.6.1). Default {MODEL}",
+    )
+    p.add_argument(
+        "--sweep-weight",
+        nargs="?",
+        const=DEFAULT_SWEEP,
+        default=None,
+        metavar="W1,W2,...",
+        help=f"replay kv-pool over router host weights and report the best (default weights {DEFAULT_SWEEP})",
+    )
+    p.add_argument(
+        "--sweep-metric",
+        choices=sorted(SWEEP_METRICS),
+        default="ttft_p90",
+        help="what --sweep-weight minimises (default ttft_p90)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw TTFT p50/p90 and prefill tokens vs workers")
     p.set_defaults(func=run_whatif)
@@ -65,9 +110,15 @@ def _spec_from_args(args: argparse.Namespace) -> S.ClusterSpec:
         kvbpt = S.kv_bytes_per_token_of_model(args.model)
     pool_gbps = args.pool_gbps
     weight = pool_tier_weight() if args.host_weight is None else validate_weight(args.host_weight, "--host-weight")
-    base = dict(block_size=args.block_size, gpu_blocks=args.gpu_blocks, pool_bytes=S.parse_size(args.pool_size),
-                pool_aggregate_gbps=args.pool_aggregate_gbps, host_weight=weight,
-                trace_block_size=args.trace_block_size, arrival_speedup=args.arrival_speedup)
+    base = dict(
+        block_size=args.block_size,
+        gpu_blocks=args.gpu_blocks,
+        pool_bytes=S.parse_size(args.pool_size),
+        pool_aggregate_gbps=args.pool_aggregate_gbps,
+        host_weight=weight,
+        trace_block_size=args.trace_block_size,
+        arrival_speedup=args.arrival_speedup,
+    )
     if args.calibration:
         from maru_vllm.calibration import read_calibration
         from maru_vllm.whatif.timing import mocker_prefill_tokens_per_s
@@ -78,8 +129,9 @@ def _spec_from_args(args: argparse.Namespace) -> S.ClusterSpec:
         spec = S.ClusterSpec(kv_bytes_per_token=kvbpt, pool_gbps=pool_gbps, **base)
         # The mocker's own prefill speed scaled to the measured one (decode keeps the mocker's).
         return dataclasses.replace(spec, prefill_speedup=cal.prefill_tokens_per_s / mocker_prefill_tokens_per_s(spec))
-    return S.ClusterSpec(kv_bytes_per_token=kvbpt or S.DEFAULT_KV_BYTES_PER_TOKEN,
-                         pool_gbps=pool_gbps or S.DEFAULT_POOL_GBPS, **base)
+    return S.ClusterSpec(
+        kv_bytes_per_token=kvbpt or S.DEFAULT_KV_BYTES_PER_TOKEN, pool_gbps=pool_gbps or S.DEFAULT_POOL_GBPS, **base
+    )
 
 
 def run_whatif(args: argparse.Namespace) -> int:
@@ -109,10 +161,14 @@ def run_whatif(args: argparse.Namespace) -> int:
     if args.json:
         print(report.json_document(args.trace, len(requests), rows, sweep=weights is not None, best=best))
     else:
-        print(f"trace {args.trace}: {len(requests)} requests, {whatif.input_tokens:,} input tokens; simulator {args.simulator}; "
-              f"pool {spec.pool_bytes / 1e9:g} GB = {spec.pool_blocks:,} blocks of {spec.block_size} tokens, "
-              f"{spec.pool_gbps:g} GB/s per link, {spec.pool_aggregate_gbps:g} GB/s aggregate; host weight {spec.host_weight:g}"
-              + (f"; prefill speed x{spec.prefill_speedup:.4g} (calibration)" if args.calibration else ""))
+        print(
+            f"trace {args.trace}: {len(requests)} requests, {whatif.input_tokens:,} input tokens; "
+            f"simulator {args.simulator}; "
+            f"pool {spec.pool_bytes / 1e9:g} GB = {spec.pool_blocks:,} blocks of {spec.block_size} tokens, "
+            f"{spec.pool_gbps:g} GB/s per link, {spec.pool_aggregate_gbps:g} GB/s aggregate; "
+            f"host weight {spec.host_weight:g}"
+            + (f"; prefill speed x{spec.prefill_speedup:.4g} (calibration)" if args.calibration else "")
+        )
         print(report.table(rows, sweep=weights is not None))
         if best:
             for w, r in sorted(best.items()):
@@ -121,7 +177,9 @@ def run_whatif(args: argparse.Namespace) -> int:
             print("failed runs: " + "; ".join(sorted({e for r in rows for e in r.errors})))
     if args.plot:
         try:
-            report.plot(rows, args.plot, f"{args.trace.rsplit('/', 1)[-1]}: {len(requests)} requests ({args.simulator})")
+            report.plot(
+                rows, args.plot, f"{args.trace.rsplit('/', 1)[-1]}: {len(requests)} requests ({args.simulator})"
+            )
         except RuntimeError as exc:
             return _fail(str(exc))
     return 0

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Literal
 
 from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
 
 log = logging.getLogger(__name__)
-
 
 
 def quiet_dynamo_logs() -> None:
@@ -24,6 +23,7 @@ def quiet_dynamo_logs() -> None:
     replay of thousands of requests would print thousands of lines. A user's own DYN_LOG wins.
     Called only where a replay runs, so other maru-dynamo commands keep Dynamo's defaults."""
     os.environ.setdefault("DYN_LOG", "error")
+
 
 KV_LAYOUT_ID = "maru-whatif"
 
@@ -65,8 +65,10 @@ def replay(trace_path: str, spec: ClusterSpec, config: str, workers: int) -> Run
     from dynamo._core import KvRouterConfig
     from dynamo.replay import run_trace_replay
 
-    router_mode = "round_robin" if config == ROUND_ROBIN else "kv_router"
-    router_config = KvRouterConfig(host_cache_hit_weight=spec.host_weight) if config in (KV_GPU, KV_HOST, KV_POOL) else None
+    router_mode: Literal["round_robin", "kv_router"] = "round_robin" if config == ROUND_ROBIN else "kv_router"
+    router_config = (
+        KvRouterConfig(host_cache_hit_weight=spec.host_weight) if config in (KV_GPU, KV_HOST, KV_POOL) else None
+    )
     try:
         report = run_trace_replay(
             trace_path,
@@ -77,7 +79,7 @@ def replay(trace_path: str, spec: ClusterSpec, config: str, workers: int) -> Run
             trace_block_size=spec.trace_block_size,
             arrival_speedup_ratio=spec.arrival_speedup,
         )
-    except Exception as exc:  # noqa: BLE001 - Dynamo raises plain Exception/ValueError from Rust
+    except Exception as exc:  # Dynamo raises plain Exception/ValueError from Rust
         raise RuntimeError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     s = report.summary
     return RunResult(

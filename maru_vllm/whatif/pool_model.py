@@ -35,6 +35,7 @@ import json
 import random
 from collections import OrderedDict
 from collections.abc import Container, Sequence
+from typing import Any
 
 from maru_vllm.whatif.spec import KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
 from maru_vllm.whatif.timing import STEP_TOKENS, MockerTiming
@@ -88,8 +89,15 @@ class _Index:
 
     def stored(self, worker: int, parent: int | None, blocks: list[tuple[int, int]]) -> None:
         if blocks:
-            self._apply(worker, {"stored": {"parent_hash": parent, "blocks": [
-                {"block_hash": s, "tokens_hash": lh} for lh, s in blocks]}})
+            self._apply(
+                worker,
+                {
+                    "stored": {
+                        "parent_hash": parent,
+                        "blocks": [{"block_hash": s, "tokens_hash": lh} for lh, s in blocks],
+                    }
+                },
+            )
 
     def removed(self, worker: int, seq_hashes: list[int]) -> None:
         if seq_hashes:
@@ -97,7 +105,9 @@ class _Index:
             self._apply(worker, {"removed": {"block_hashes": seq_hashes}})
 
     def overlaps(self, local: list[int]) -> dict[int, int]:
-        return {w: n for (w, _dp), n in self.tree.find_matches(local).scores.items()}
+        # Dynamo's stub says the keys are worker ids; they are (worker_id, dp_rank) pairs.
+        scores: dict[Any, int] = self.tree.find_matches(local).scores
+        return {w: n for (w, _dp), n in scores.items()}
 
 
 def _leading_in(seq: list[int], held: Container[int]) -> int:
@@ -172,8 +182,18 @@ class _BlockCache:
 
 
 class _Request:
-    __slots__ = ("idx", "req", "local", "seq", "arrival", "worker", "routed_prefill_tokens",
-                 "blocks_needed", "pinned", "first_token")
+    __slots__ = (
+        "idx",
+        "req",
+        "local",
+        "seq",
+        "arrival",
+        "worker",
+        "routed_prefill_tokens",
+        "blocks_needed",
+        "pinned",
+        "first_token",
+    )
 
     def __init__(self, idx: int, req: TraceRequest, local: list[int], seq: list[int], arrival: float) -> None:
         self.idx = idx
@@ -229,7 +249,9 @@ class _Worker:
 class PoolModel:
     """One replay of one configuration (see the module docstring for what is modelled)."""
 
-    def __init__(self, spec: ClusterSpec, config: str, workers: int, timing: MockerTiming, seed: int | None = None) -> None:
+    def __init__(
+        self, spec: ClusterSpec, config: str, workers: int, timing: MockerTiming, seed: int | None = None
+    ) -> None:
         self.spec = spec
         self.config = config
         self.n = workers
@@ -288,7 +310,7 @@ class PoolModel:
             host = self.host_index.overlaps(rq.local)
             if self.config == KV_POOL:
                 pooled = host.get(POOL_WORKER_ID, 0)
-                host = {w: pooled for w in range(self.n)}
+                host = dict.fromkeys(range(self.n), pooled)
         weight = self.spec.host_weight if self.config in (KV_HOST, KV_POOL) else 0.0
         best: list[int] = []
         best_dev: list[int] = []
@@ -467,6 +489,12 @@ def _percentile(sorted_values: list[float], pct: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
-def replay(requests: Sequence[TraceRequest], spec: ClusterSpec, config: str, workers: int,
-           timing: MockerTiming, seed: int | None = None) -> RunResult:
+def replay(
+    requests: Sequence[TraceRequest],
+    spec: ClusterSpec,
+    config: str,
+    workers: int,
+    timing: MockerTiming,
+    seed: int | None = None,
+) -> RunResult:
     return PoolModel(spec, config, workers, timing, seed).run(requests)

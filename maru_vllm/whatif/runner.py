@@ -9,7 +9,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Literal, TextIO
 
 from maru_vllm.whatif import dynamo_backend, pool_model
 from maru_vllm.whatif.spec import KV_POOL, ClusterSpec, RunResult
@@ -39,37 +39,52 @@ class Row:
 
     def as_json(self, with_weight: bool = False) -> dict[str, object]:
         out: dict[str, object] = {
-            "workers": self.workers, "config": self.config,
-            "ttft_p50_ms": self.ttft_p50_ms, "ttft_p90_ms": self.ttft_p90_ms,
-            "prefill_tokens": self.prefill_tokens, "input_tokens": self.input_tokens,
+            "workers": self.workers,
+            "config": self.config,
+            "ttft_p50_ms": self.ttft_p50_ms,
+            "ttft_p90_ms": self.ttft_p90_ms,
+            "prefill_tokens": self.prefill_tokens,
+            "input_tokens": self.input_tokens,
             "output_tokens_per_s": self.output_tokens_per_s,
-            "runs": self.runs, "failed_runs": self.failed_runs,
+            "runs": self.runs,
+            "failed_runs": self.failed_runs,
         }
         if with_weight:
             out["host_weight"] = self.host_weight
         return out
 
 
-def _median_row(workers: int, config: str, results: list[RunResult], errors: list[str], input_tokens: int,
-                host_weight: float | None) -> Row:
+def _median_row(
+    workers: int, config: str, results: list[RunResult], errors: list[str], input_tokens: int, host_weight: float | None
+) -> Row:
     if not results:
         return Row(workers, config, None, None, None, input_tokens, None, 0, len(errors), host_weight, tuple(errors))
     return Row(
-        workers, config,
+        workers,
+        config,
         ttft_p50_ms=statistics.median(r.ttft_p50_ms for r in results),
         ttft_p90_ms=statistics.median(r.ttft_p90_ms for r in results),
         prefill_tokens=int(statistics.median(r.prefill_tokens for r in results)),
         input_tokens=int(statistics.median(r.input_tokens for r in results)),  # of the requests served
         output_tokens_per_s=statistics.median(r.output_tokens_per_s for r in results),
-        runs=len(results), failed_runs=len(errors), host_weight=host_weight, errors=tuple(errors),
+        runs=len(results),
+        failed_runs=len(errors),
+        host_weight=host_weight,
+        errors=tuple(errors),
     )
 
 
 class WhatIf:
     """Replays one trace on one simulator; `run` and `sweep` return table rows."""
 
-    def __init__(self, requests: Sequence[TraceRequest], spec: ClusterSpec, simulator: str = MODEL,
-                 repeats: int = 1, progress: TextIO | None | str = "stderr") -> None:
+    def __init__(
+        self,
+        requests: Sequence[TraceRequest],
+        spec: ClusterSpec,
+        simulator: str = MODEL,
+        repeats: int = 1,
+        progress: TextIO | Literal["stderr"] | None = "stderr",
+    ) -> None:
         if simulator not in SIMULATORS:
             raise ValueError(f"unknown simulator {simulator!r}: use {', '.join(SIMULATORS)}")
         if repeats < 1:
@@ -87,7 +102,7 @@ class WhatIf:
     def close(self) -> None:
         self._tmp.cleanup()
 
-    def __enter__(self) -> "WhatIf":
+    def __enter__(self) -> WhatIf:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -100,7 +115,7 @@ class WhatIf:
 
     def _say(self, text: str) -> None:
         """A progress line: on stderr (looked up now, not at import) unless another stream or None was given."""
-        stream = sys.stderr if self.progress == "stderr" else self.progress
+        stream = sys.stderr if isinstance(self.progress, str) else self.progress  # str: "stderr"
         if stream is not None:
             print(text, file=stream, flush=True)
 
@@ -114,13 +129,17 @@ class WhatIf:
                 r = self.replay_once(spec, config, workers)
             except RuntimeError as exc:
                 errors.append(str(exc))
-                self._say(f"[whatif] {workers} workers {config} (weight {spec.host_weight:g}) run {run}/{self.repeats}: "
-                          f"FAILED in {time.monotonic() - t0:.1f}s: {exc}")
+                self._say(
+                    f"[whatif] {workers} workers {config} (weight {spec.host_weight:g}) run {run}/{self.repeats}: "
+                    f"FAILED in {time.monotonic() - t0:.1f}s: {exc}"
+                )
                 continue
             results.append(r)
-            self._say(f"[whatif] {workers} workers {config} run {run}/{self.repeats}: prefill {r.prefill_tokens:,} of "
-                      f"{r.input_tokens:,} tokens, TTFT p50 {r.ttft_p50_ms:.0f} ms p90 {r.ttft_p90_ms:.0f} ms "
-                      f"({self.simulator}, {time.monotonic() - t0:.1f}s)")
+            self._say(
+                f"[whatif] {workers} workers {config} run {run}/{self.repeats}: prefill {r.prefill_tokens:,} of "
+                f"{r.input_tokens:,} tokens, TTFT p50 {r.ttft_p50_ms:.0f} ms p90 {r.ttft_p90_ms:.0f} ms "
+                f"({self.simulator}, {time.monotonic() - t0:.1f}s)"
+            )
         weight = spec.host_weight if config == KV_POOL else None
         return _median_row(workers, config, results, errors, self.input_tokens, weight)
 

@@ -42,7 +42,9 @@ def parse_size(text: str) -> int:
     """Bytes from `1T`, `100G`, `512Gi`, `1e12`-free plain numbers; decimal units, `i` for binary."""
     m = _SIZE.match(str(text))
     if not m:
-        raise ValueError(f"invalid size {text!r}: use bytes or a number with K, M, G, T, P (1024-based with Ki, Mi, ...)")
+        raise ValueError(
+            f"invalid size {text!r}: use bytes or a number with K, M, G, T, P (1024-based with Ki, Mi, ...)"
+        )
     number, unit, binary = m.groups()
     base = 1024 if binary else 1000
     value = float(number) * base ** _POW[unit.lower()]
@@ -82,7 +84,10 @@ def kv_bytes_per_token_of_model(model: str) -> int:
     try:
         cfg = json.loads(cfg_path.read_text())
     except OSError as exc:
-        raise ValueError(f"--model {model}: cannot read {cfg_path} ({exc.strerror or exc}); give a local model directory or its config.json") from None
+        raise ValueError(
+            f"--model {model}: cannot read {cfg_path} ({exc.strerror or exc}); "
+            "give a local model directory or its config.json"
+        ) from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"--model {model}: {cfg_path} is not JSON ({exc.msg})") from None
     cfg = cfg.get("text_config", cfg)
@@ -92,7 +97,9 @@ def kv_bytes_per_token_of_model(model: str) -> int:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"--model {model}: {cfg_path} lacks {exc} (need num_hidden_layers, num_attention_heads, hidden_size)") from None
+        raise ValueError(
+            f"--model {model}: {cfg_path} lacks {exc} (need num_hidden_layers, num_attention_heads, hidden_size)"
+        ) from None
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     nbytes = 4 if "32" in dtype else 1 if "8" in dtype else 2
     return 2 * layers * kv_heads * head_dim * nbytes
@@ -123,7 +130,9 @@ class ClusterSpec:
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
         if self.trace_block_size % self.block_size:
-            raise ValueError(f"--trace-block-size {self.trace_block_size} must be a multiple of --block-size {self.block_size}")
+            raise ValueError(
+                f"--trace-block-size {self.trace_block_size} must be a multiple of --block-size {self.block_size}"
+            )
 
     @property
     def pool_blocks(self) -> int:
@@ -134,7 +143,7 @@ class ClusterSpec:
         """kv-host: the pool's capacity split evenly, one host tier per worker."""
         return max(1, self.pool_blocks // workers)
 
-    def with_weight(self, weight: float) -> "ClusterSpec":
+    def with_weight(self, weight: float) -> ClusterSpec:
         return dataclasses.replace(self, host_weight=weight)
 
 

@@ -72,7 +72,9 @@ class MockerTiming:
 
 def _decode_contexts(gpu_blocks: int, block_size: int, probe_block: int) -> list[int]:
     capacity = gpu_blocks * block_size
-    return [max(probe_block, int(share * capacity / _DECODE_BATCH) // probe_block * probe_block) for share in _DECODE_SHARES]
+    return [
+        max(probe_block, int(share * capacity / _DECODE_BATCH) // probe_block * probe_block) for share in _DECODE_SHARES
+    ]
 
 
 def _probe_trace(path: Path, block: int, contexts: list[int]) -> None:
@@ -81,15 +83,23 @@ def _probe_trace(path: Path, block: int, contexts: list[int]) -> None:
     t = 0
     for n in _PREFILL_POINTS:
         nb = -(-n // block)
-        lines.append({"timestamp": t, "input_length": n, "output_length": 1, "hash_ids": list(range(next_id, next_id + nb))})
+        lines.append(
+            {"timestamp": t, "input_length": n, "output_length": 1, "hash_ids": list(range(next_id, next_id + nb))}
+        )
         next_id += nb
         t += _GAP_MS
     for context in contexts:
         nb = -(-context // block)
         for i in range(_DECODE_BATCH):
             # The others outlive the last one to start decoding: the batch stays whole while it is read.
-            lines.append({"timestamp": t + i, "input_length": context, "output_length": 400 if i == _DECODE_BATCH - 1 else 1000,
-                          "hash_ids": list(range(next_id, next_id + nb))})
+            lines.append(
+                {
+                    "timestamp": t + i,
+                    "input_length": context,
+                    "output_length": 400 if i == _DECODE_BATCH - 1 else 1000,
+                    "hash_ids": list(range(next_id, next_id + nb)),
+                }
+            )
             next_id += nb
         t += _GAP_MS
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -104,20 +114,31 @@ def _measure(block_size: int, kv_bytes_per_token: int, prefill_speedup: float, g
 
     probe_block = max(block_size, 64)
     contexts = _decode_contexts(gpu_blocks, block_size, probe_block)
-    engine: dict = {"num_gpu_blocks": gpu_blocks, "block_size": block_size, "enable_prefix_caching": True,
-                    "kv_cache_bytes_per_token": kv_bytes_per_token, "max_num_seqs": 256}
+    engine: dict = {
+        "num_gpu_blocks": gpu_blocks,
+        "block_size": block_size,
+        "enable_prefix_caching": True,
+        "kv_cache_bytes_per_token": kv_bytes_per_token,
+        "max_num_seqs": 256,
+    }
     if prefill_speedup != 1.0:
         engine["speedup_ratio"] = prefill_speedup
         engine["decode_speedup_ratio"] = 1.0 / prefill_speedup
     with tempfile.TemporaryDirectory(prefix="maru-whatif-probe-") as tmp:
         path = Path(tmp) / "probe.jsonl"
         _probe_trace(path, probe_block, contexts)
-        report = run_trace_replay(str(path), extra_engine_args={"engine": engine}, num_workers=1,
-                                  router_mode="round_robin", trace_block_size=probe_block, capture_per_request=True)
+        report = run_trace_replay(
+            str(path),
+            extra_engine_args={"engine": engine},
+            num_workers=1,
+            router_mode="round_robin",
+            trace_block_size=probe_block,
+            capture_per_request=True,
+        )
     records = sorted(report.per_request or [], key=lambda r: (r["arrival_time_ms"], r["input_length"]))
     prefill = tuple((n, float(rec["ttft_ms"])) for n, rec in zip(_PREFILL_POINTS, records[: len(_PREFILL_POINTS)]))
     decode = []
-    rest = records[len(_PREFILL_POINTS):]
+    rest = records[len(_PREFILL_POINTS) :]
     for context in contexts:
         group, rest = rest[:_DECODE_BATCH], rest[_DECODE_BATCH:]
         last = max(group, key=lambda r: float(r["first_token_ms"]))

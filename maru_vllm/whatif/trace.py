@@ -84,8 +84,17 @@ def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
     with Path(path).open("w", encoding="utf-8") as fh:
         for r in requests:
             ts = int(r.timestamp_ms) if float(r.timestamp_ms).is_integer() else r.timestamp_ms
-            fh.write(json.dumps({"timestamp": ts, "input_length": r.input_length,
-                                 "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "timestamp": ts,
+                        "input_length": r.input_length,
+                        "output_length": r.output_length,
+                        "hash_ids": list(r.hash_ids),
+                    }
+                )
+                + "\n"
+            )
 
 
 def chain_keys(ids: Iterable[int]) -> list[int]:

@@ -10,19 +10,25 @@ through the next two arrivals and ends before the third.
 
 from __future__ import annotations
 
-from maru_vllm.workload import Workload, WorkloadSpec, build_workload
 from maru_vllm.whatif.spec import ClusterSpec
 from maru_vllm.whatif.trace import TraceRequest
+from maru_vllm.workload import Workload, WorkloadSpec, build_workload
 
 # The routing comparison's defaults (benchmarks/routing_comparison.py DEFAULT_SPEC / DEFAULT_WINDOW).
-ROUTING_COMPARISON_SPEC = WorkloadSpec(systems=2, sessions=7, hot_sessions=4, turns=3, system_tokens=1024,
-                                       user_tokens=256, assistant_tokens=128, seed=0)
+ROUTING_COMPARISON_SPEC = WorkloadSpec(
+    systems=2, sessions=7, hot_sessions=4, turns=3, system_tokens=1024, user_tokens=256, assistant_tokens=128, seed=0
+)
 ROUTING_COMPARISON_WINDOW = 3
 REAL_BLOCK_TOKENS = 128  # vLLM's block size in the real run
 
 
-def workload_trace(workload: Workload, block_tokens: int = REAL_BLOCK_TOKENS, window: int = ROUTING_COMPARISON_WINDOW,
-                   gap_ms: int = 1000, itl_ms: float = 5.75) -> list[TraceRequest]:
+def workload_trace(
+    workload: Workload,
+    block_tokens: int = REAL_BLOCK_TOKENS,
+    window: int = ROUTING_COMPARISON_WINDOW,
+    gap_ms: int = 1000,
+    itl_ms: float = 5.75,
+) -> list[TraceRequest]:
     """`workload` as trace requests; `itl_ms` (the mocker's decode step) sizes the outputs to hold `window`."""
     ids: dict[tuple[int, ...], int] = {}
     out: list[TraceRequest] = []
@@ -44,8 +50,9 @@ def routing_comparison_trace(itl_ms: float = 5.75) -> list[TraceRequest]:
 
 def validation_spec() -> ClusterSpec:
     """Two workers as in the real run: vLLM's 128-token blocks, caches large enough that nothing is evicted."""
-    return ClusterSpec(block_size=REAL_BLOCK_TOKENS, trace_block_size=REAL_BLOCK_TOKENS, gpu_blocks=4096,
-                       kv_bytes_per_token=4096)
+    return ClusterSpec(
+        block_size=REAL_BLOCK_TOKENS, trace_block_size=REAL_BLOCK_TOKENS, gpu_blocks=4096, kv_bytes_per_token=4096
+    )
 
 
 def validation_itl_ms(spec: ClusterSpec) -> float:

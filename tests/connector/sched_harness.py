@@ -21,21 +21,21 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_block_hash, get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+import torch
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
-from maru_vllm.connector.chunks import chunk_key, hash_bytes  # noqa: E402
-from maru_vllm.connector.metadata import MaruConnectorMetadata  # noqa: E402
-from maru_vllm.pool import PoolClient  # noqa: E402
+from maru_vllm.connector.chunks import chunk_key, hash_bytes
+from maru_vllm.connector.metadata import MaruConnectorMetadata
+from maru_vllm.pool import PoolClient
 
 BLOCK_SIZE = 128
 CHUNK_TOKENS = 256
@@ -69,8 +69,7 @@ def make_scheduler(
     kv_role: str = "kv_both",
 ) -> Scheduler:
     model_config = ModelConfig(model=str(model_dir), max_model_len=max_model_len, dtype="bfloat16", seed=0)
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True,
-                               prefix_caching_hash_algo="sha256")
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True, prefix_caching_hash_algo="sha256")
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
@@ -83,17 +82,24 @@ def make_scheduler(
         kv_connector="MaruKVConnector",
         kv_connector_module_path="maru_vllm.connector",
         kv_role=kv_role,
-        kv_connector_extra_config={"maru_pool_address": pool_address, "maru_kv_chunk_tokens": CHUNK_TOKENS,
-                                   "maru_pool_timeout_s": 2.0, **(extra or {})},
+        kv_connector_extra_config={
+            "maru_pool_address": pool_address,
+            "maru_kv_chunk_tokens": CHUNK_TOKENS,
+            "maru_pool_timeout_s": 2.0,
+            **(extra or {}),
+        },
     )
-    vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
-                             scheduler_config=scheduler_config, kv_transfer_config=transfer)
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        kv_transfer_config=transfer,
+    )
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"],
-                                          spec)],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"], spec)],
     )
     cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
@@ -107,8 +113,13 @@ def make_scheduler(
 
 def make_request(req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    return Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params,
-                   pooling_params=None, block_hasher=block_hasher())
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=block_hasher(),
+    )
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -147,10 +158,12 @@ class Probe:
         orig_match = side.get_num_new_matched_tokens
         orig_alloc = side.update_state_after_alloc
         orig_finished = side.request_finished
+
         def counted(lookup: Any) -> Any:
             def counting_lookup(keys: Any, namespace: str) -> Any:
                 self._current[0] = 1
                 return lookup(keys, namespace)
+
             return counting_lookup
 
         def match(request: Request, num_computed_tokens: int) -> Any:
@@ -161,8 +174,9 @@ class Probe:
             self.match_calls.append(MatchCall(request.request_id, num_computed_tokens, answer[0], n))
             st = side.requests.get(request.request_id)
             if st is not None:
-                self.pool_chunks_seen[request.request_id] = max(self.pool_chunks_seen[request.request_id],
-                                                                st.pool_chunks)
+                self.pool_chunks_seen[request.request_id] = max(
+                    self.pool_chunks_seen[request.request_id], st.pool_chunks
+                )
             return answer
 
         def alloc(request: Request, blocks: Any, num_external_tokens: int) -> None:
@@ -205,9 +219,15 @@ class Sim:
     without one, held requests are reported done in the step that announces them (as an
     inline store would)."""
 
-    def __init__(self, scheduler: Scheduler, *, play_worker_stores: bool = False,
-                 pool_client: PoolClient | None = None, worker: Any = None,
-                 play_part_keys: bool = True) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        play_worker_stores: bool = False,
+        pool_client: PoolClient | None = None,
+        worker: Any = None,
+        play_part_keys: bool = True,
+    ) -> None:
         self.worker = worker
         self.finished_sending: dict[str, int] = {}  # req_id -> step that reported it
         self.sched = scheduler
@@ -247,8 +267,9 @@ class Sim:
                 return b // BPC
         raise AssertionError(f"part key {load.key.hex()} is not a block of {req.request_id}")
 
-    def step(self, invalid_block_ids: set[int] | None = None,
-             invalid_load_chunks: set[int] | None = None) -> StepRecord:
+    def step(
+        self, invalid_block_ids: set[int] | None = None, invalid_load_chunks: set[int] | None = None
+    ) -> StepRecord:
         """One engine step. `invalid_load_chunks`: report the blocks of the loads of these chunk
         indices as failed (as the worker would for chunks missing from the pool)."""
         sched = self.sched
@@ -268,8 +289,19 @@ class Sim:
         for rid in out.preempted_req_ids:
             self.preemptions[rid] += 1
         hashes = {rid: [block_hash_of(sched, b) for b in bl] for rid, bl in blocks.items()}
-        rec = StepRecord(len(self.steps), out, meta, blocks, before, dict(out.num_scheduled_tokens),
-                         set(out.preempted_req_ids), new_or_resumed, allocs, match, hashes)
+        rec = StepRecord(
+            len(self.steps),
+            out,
+            meta,
+            blocks,
+            before,
+            dict(out.num_scheduled_tokens),
+            set(out.preempted_req_ids),
+            new_or_resumed,
+            allocs,
+            match,
+            hashes,
+        )
         self.steps.append(rec)
         for s in meta.stores:
             key = (s.req_id, self.chunk_index(self.requests[s.req_id], s.key))
@@ -284,8 +316,13 @@ class Sim:
         if self.play_worker_stores:
             assert self.client is not None
             for s in meta.stores:
-                self.client.put(chunk_key(s.key, 0), b"kv" * 32, self.namespace, meta=s.meta,
-                                parts=[chunk_key(h, 0) for h in s.parts] if self.play_part_keys else None)
+                self.client.put(
+                    chunk_key(s.key, 0),
+                    b"kv" * 32,
+                    self.namespace,
+                    meta=s.meta,
+                    parts=[chunk_key(h, 0) for h in s.parts] if self.play_part_keys else None,
+                )
         for rid in sending:
             self.finished_sending[rid] = rec.index
         invalid = set(invalid_block_ids or ())
@@ -309,8 +346,9 @@ class Sim:
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
-            kv_connector_output=(KVConnectorOutput(invalid_block_ids=invalid, finished_sending=sending)
-                                 if invalid or sending else None),
+            kv_connector_output=(
+                KVConnectorOutput(invalid_block_ids=invalid, finished_sending=sending) if invalid or sending else None
+            ),
         )
         sched.update_from_output(out, mro)
         for rid, r in list(self.requests.items()):
@@ -323,8 +361,9 @@ class Sim:
             if not self.sched.has_requests():
                 return
             self.step(**kw)
-        raise AssertionError(f"requests still unfinished after {max_steps} steps: "
-                             f"{[r for r in self.requests if r not in self.finished]}")
+        raise AssertionError(
+            f"requests still unfinished after {max_steps} steps: {[r for r in self.requests if r not in self.finished]}"
+        )
 
 
 def block_hash_of(scheduler: Scheduler, block_id: int) -> bytes | None:

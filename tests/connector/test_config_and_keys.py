@@ -16,7 +16,12 @@ POOL = {"maru_pool_address": "unix:///tmp/pool.sock"}
 
 def test_defaults() -> None:
     cfg = parse_config(POOL, block_size=128)
-    assert (cfg.chunk_tokens, cfg.blocks_per_chunk, cfg.use_lmcache_kernels, cfg.enable_fused_load) == (256, 2, True, False)
+    assert (cfg.chunk_tokens, cfg.blocks_per_chunk, cfg.use_lmcache_kernels, cfg.enable_fused_load) == (
+        256,
+        2,
+        True,
+        False,
+    )
     assert cfg.checksum is True and cfg.namespace == ""
 
 
@@ -31,7 +36,10 @@ def test_defaults() -> None:
         ({**POOL, "maru_namespace": 7}, "maru_namespace=7 must be a string"),
         ({**POOL, "maru_pool_timeout_s": -1}, "maru_pool_timeout_s=-1 must be > 0"),
         ({**POOL, "maru_chunk_tokens": 256}, "unknown key(s) ['maru_chunk_tokens']"),
-        ({**POOL, "maru_pool_token_file": "/nonexistent/token"}, "maru_pool_token_file='/nonexistent/token': cannot read token file"),
+        (
+            {**POOL, "maru_pool_token_file": "/nonexistent/token"},
+            "maru_pool_token_file='/nonexistent/token': cannot read token file",
+        ),
     ],
 )
 def test_bad_values_name_the_key_value_and_what_is_allowed(extra: dict, message: str) -> None:
@@ -56,18 +64,37 @@ def test_token_file_and_env_address(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 IDENTITY = KVIdentity(
-    model="/models/llama", revision=None, dtype="torch.bfloat16", kv_cache_dtype="auto", block_size=128,
-    num_layers=2, num_kv_heads=2, head_size=64, attention="FullAttentionSpec@cpu", tp_size=1, pp_size=1,
-    hash_algo="sha256", salt="",
+    model="/models/llama",
+    revision=None,
+    dtype="torch.bfloat16",
+    kv_cache_dtype="auto",
+    block_size=128,
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=64,
+    attention="FullAttentionSpec@cpu",
+    tp_size=1,
+    pp_size=1,
+    hash_algo="sha256",
+    salt="",
 )
 
 
 @pytest.mark.parametrize(
     "change",
     [
-        {"model": "/models/other"}, {"revision": "abc"}, {"dtype": "torch.float16"}, {"kv_cache_dtype": "fp8"},
-        {"block_size": 16}, {"num_layers": 3}, {"num_kv_heads": 4}, {"head_size": 128},
-        {"attention": "MLAAttentionSpec:mla@cuda"}, {"tp_size": 2}, {"pp_size": 2}, {"hash_algo": "sha256_cbor"},
+        {"model": "/models/other"},
+        {"revision": "abc"},
+        {"dtype": "torch.float16"},
+        {"kv_cache_dtype": "fp8"},
+        {"block_size": 16},
+        {"num_layers": 3},
+        {"num_kv_heads": 4},
+        {"head_size": 128},
+        {"attention": "MLAAttentionSpec:mla@cuda"},
+        {"tp_size": 2},
+        {"pp_size": 2},
+        {"hash_algo": "sha256_cbor"},
         {"salt": "tenant-b"},
     ],
 )
@@ -86,7 +113,10 @@ def test_chunk_keys_come_from_the_last_block_hash_of_each_chunk() -> None:
     assert g.full_chunks(7 * 128, len(hashes)) == 3
     assert g.full_chunks(5 * 128 + 3, len(hashes)) == 2
     assert g.keys_all_ranks(hashes, 2) == [
-        chunk_key(hashes[1], 0), chunk_key(hashes[1], 1), chunk_key(hashes[3], 0), chunk_key(hashes[3], 1),
+        chunk_key(hashes[1], 0),
+        chunk_key(hashes[1], 1),
+        chunk_key(hashes[3], 0),
+        chunk_key(hashes[3], 1),
     ]
     tokens = list(range(6 * 128))
     meta = g.chunk_meta(hashes, tokens, 1, lora_name=None)

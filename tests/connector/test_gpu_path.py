@@ -23,17 +23,18 @@ from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMet
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier, make_copier
 from maru_vllm.connector.worker import MaruWorkerSide
-from maru_vllm.pool import PoolClient
 from maru_vllm.launch.stack import PoolProcess
-from tests.running_pool import running_pool
+from maru_vllm.pool import PoolClient
 from tests.connector.chunk_meta import chunk_meta
+from tests.running_pool import running_pool
 
 L, NB, H, BS, C = 4, 16, 2, 8, 64  # layers, blocks, kv heads, block size, 2 * head size
 BPC = 2
 NO_CUDA = "needs a CUDA device (none here): the CPU-tensor tests above cover the dispatch logic"
 
-lmcache_fallback = pytest.importorskip("lmcache.v1.platform.torch_ops.mp_mem_kernels",
-                                       reason="LMCache (make setup installs it) is needed for its kernels")
+lmcache_fallback = pytest.importorskip(
+    "lmcache.v1.platform.torch_ops.mp_mem_kernels", reason="LMCache (make setup installs it) is needed for its kernels"
+)
 
 
 def caches(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -43,8 +44,9 @@ def caches(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
 
 
 def block_copier(kv: dict[str, torch.Tensor], kernel=None) -> LMCacheBlockCopier:
-    return LMCacheBlockCopier(kernel or lmcache_fallback.multi_layer_block_kv_transfer, kv, block_size=BS,
-                              num_blocks=NB, blocks_per_chunk=BPC)
+    return LMCacheBlockCopier(
+        kernel or lmcache_fallback.multi_layer_block_kv_transfer, kv, block_size=BS, num_blocks=NB, blocks_per_chunk=BPC
+    )
 
 
 def pages(kv: dict[str, torch.Tensor], block: int) -> list[torch.Tensor]:
@@ -140,8 +142,9 @@ def test_cpu_caches_always_use_torch_pages_even_when_kernels_resolve(monkeypatch
 
     kv = caches(1)
     codec = KVCacheSet(kv, BS, num_blocks=NB, backend_name="CPU_ATTN")
-    assert isinstance(make_copier(codec, kv, Kernels(), block_size=BS, num_blocks=NB, blocks_per_chunk=BPC),
-                      TorchPageCopier)
+    assert isinstance(
+        make_copier(codec, kv, Kernels(), block_size=BS, num_blocks=NB, blocks_per_chunk=BPC), TorchPageCopier
+    )
     assert transfer.copy_format("cpu", True) == transfer.FORMAT_PAGES
     monkeypatch.setattr(transfer, "resolve_lmcache_kernels", lambda enabled: Kernels())
     assert transfer.copy_format("cuda", True) == transfer.FORMAT_LMCACHE_BLOCK
@@ -151,9 +154,16 @@ def test_cpu_caches_always_use_torch_pages_even_when_kernels_resolve(monkeypatch
 
 
 def test_worker_whose_copier_does_not_match_its_namespace_stays_off_the_pool(tmp_path: Path) -> None:
-    side = MaruWorkerSide(namespace="ns", rank=0, pool=PoolAccess(f"unix://{tmp_path}/x.sock", None, 1.0, True, "t"),
-                          block_size=BS, num_blocks=NB, use_lmcache_kernels=False, enable_fused_load=False,
-                          expected_format=transfer.FORMAT_LMCACHE_BLOCK)
+    side = MaruWorkerSide(
+        namespace="ns",
+        rank=0,
+        pool=PoolAccess(f"unix://{tmp_path}/x.sock", None, 1.0, True, "t"),
+        block_size=BS,
+        num_blocks=NB,
+        use_lmcache_kernels=False,
+        enable_fused_load=False,
+        expected_format=transfer.FORMAT_LMCACHE_BLOCK,
+    )
     side.register_kv_caches(caches(1), "CPU_ATTN")
     assert side.codec is None and side.writer is None
     side.load(MaruConnectorMetadata(loads=[ChunkLoad("r", b"k", [0, 1])]))
@@ -226,9 +236,17 @@ def test_cuda_store_and_load_through_the_registered_region(pool: PoolProcess) ->
         fmt = transfer.copy_format("cuda", use_kernels)
         sides = []
         for kv in (kv_a, kv_b):
-            side = MaruWorkerSide(namespace=ns, rank=0, pool=PoolAccess(pool.address, None, 5.0, True, "t"),
-                                  block_size=BS, num_blocks=NB, use_lmcache_kernels=use_kernels,
-                                  enable_fused_load=use_kernels, blocks_per_chunk=BPC, expected_format=fmt)
+            side = MaruWorkerSide(
+                namespace=ns,
+                rank=0,
+                pool=PoolAccess(pool.address, None, 5.0, True, "t"),
+                block_size=BS,
+                num_blocks=NB,
+                use_lmcache_kernels=use_kernels,
+                enable_fused_load=use_kernels,
+                blocks_per_chunk=BPC,
+                expected_format=fmt,
+            )
             side.register_kv_caches(kv, "FLASH_ATTN")
             assert side.codec is not None and side.host_registry is not None
             sides.append(side)
@@ -248,9 +266,16 @@ def test_cuda_store_and_load_through_the_registered_region(pool: PoolProcess) ->
 def test_load_waits_for_the_copies_before_unpinning_the_objects(pool: PoolProcess) -> None:
     # An asynchronous kernel reads the pinned objects after its launch returns: the pins may only
     # go once the copier says the reads are done.
-    side = MaruWorkerSide(namespace="order", rank=0, pool=PoolAccess(pool.address, None, 5.0, True, "t"),
-                          block_size=BS, num_blocks=NB, use_lmcache_kernels=False, enable_fused_load=False,
-                          blocks_per_chunk=BPC)
+    side = MaruWorkerSide(
+        namespace="order",
+        rank=0,
+        pool=PoolAccess(pool.address, None, 5.0, True, "t"),
+        block_size=BS,
+        num_blocks=NB,
+        use_lmcache_kernels=False,
+        enable_fused_load=False,
+        blocks_per_chunk=BPC,
+    )
     side.register_kv_caches(caches(1), "CPU_ATTN")
     side.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"o0", [0, 1], chunk_meta(0))]))
     assert side.writer.wait(timeout=30)
@@ -261,6 +286,7 @@ def test_load_waits_for_the_copies_before_unpinning_the_objects(pool: PoolProces
         def call(*args, **kwargs):
             events.append(op.__name__)
             return op(*args, **kwargs)
+
         return call
 
     side.pool.acquire = recorded(side.pool.acquire)

@@ -55,7 +55,7 @@ def fake_lmcache(monkeypatch):
         module = importlib.util.module_from_spec(spec)
         monkeypatch.setitem(sys.modules, "lmcache", module)
         spec.loader.exec_module(module)
-        assert module.FAKE_NAME == name
+        assert name == module.FAKE_NAME
         return module
 
     yield install
@@ -103,10 +103,11 @@ def test_each_generation_resolves_its_callables_and_enums(
 @pytest.mark.parametrize(
     "fake, reason",
     [
-        ("lmcache_no_enums", "lmcache.lmcache_native lacks enums ['EngineKVFormat', "
-                             "'TransferDirection']"),
-        ("lmcache_no_kernels", "lmcache.c_ops lacks kernels ['load_and_reshape_flash', "
-                               "'reshape_and_cache_back_flash']"),
+        ("lmcache_no_enums", "lmcache.lmcache_native lacks enums ['EngineKVFormat', 'TransferDirection']"),
+        (
+            "lmcache_no_kernels",
+            "lmcache.c_ops lacks kernels ['load_and_reshape_flash', 'reshape_and_cache_back_flash']",
+        ),
         ("lmcache_cuda_ops_broken", "lmcache.cuda_ops: ImportError: libc10_cuda.so"),
     ],
 )
@@ -178,7 +179,8 @@ def test_disabled_never_imports_lmcache():
         print(sorted(m for m in sys.modules if m.split(".")[0] == "lmcache"))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
     assert "Fused load requested" in out.stderr  # the warning went to the root logger

@@ -87,7 +87,7 @@ def _roundtrip(caches_a, caches_b, block_size, bd, group, **kw):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_roundtrip_every_layout(case):
-    name, _, _, bd, backend, group = case
+    _name, _, _, bd, backend, group = case
     a = _make(case, torch.bfloat16, seed=1)
     b = _make(case, torch.bfloat16, seed=2, zero=True)
     num_blocks = NB if group > 1 else None
@@ -106,15 +106,13 @@ def test_roundtrip_every_layout(case):
     got = torch.frombuffer(buf[-page_bytes:], dtype=torch.bfloat16)
     assert torch.equal(got.sort().values, last.reshape(-1).sort().values)
     if case[2] is None and bd == 0:  # storage order == logical order: plain bytes
-        assert torch.equal(torch.frombuffer(buf[:page_bytes], dtype=torch.bfloat16),
-                           first.reshape(-1))
+        assert torch.equal(torch.frombuffer(buf[:page_bytes], dtype=torch.bfloat16), first.reshape(-1))
 
 
 @pytest.mark.parametrize("case", CASES[:1] + CASES[3:4] + CASES[8:9], ids=lambda c: c[0])
 def test_roundtrip_detection_without_backend_hint(case):
     _, _, _, bd, _, group = case
-    _roundtrip(_make(case, torch.float16, 3), _make(case, torch.float16, 4, zero=True),
-               BS, bd, group)
+    _roundtrip(_make(case, torch.float16, 3), _make(case, torch.float16, 4, zero=True), BS, bd, group)
 
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]
@@ -126,8 +124,9 @@ if hasattr(torch, "float8_e4m3fn"):
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: c[0])
 def test_roundtrip_dtypes(case, dtype):
     _, _, _, bd, backend, group = case
-    codec, buf = _roundtrip(_make(case, dtype, 5), _make(case, dtype, 6, zero=True),
-                            BS, bd, group, backend_name=backend)
+    codec, _buf = _roundtrip(
+        _make(case, dtype, 5), _make(case, dtype, 6, zero=True), BS, bd, group, backend_name=backend
+    )
     assert str(dtype).removeprefix("torch.") in codec.layout_signature()
 
 
@@ -170,7 +169,7 @@ def test_shared_storage_layers_copied_once():
     # Same tensor twice and a second view object over the same bytes.
     a = {"l0": shared_a, "l1": shared_a.view(shared_a.shape), "l2": other_a}
     b = {"l0": shared_b, "l1": shared_b.view(shared_b.shape), "l2": other_b}
-    codec, buf = _roundtrip(a, b, BS, 0, 1)
+    codec, _buf = _roundtrip(a, b, BS, 0, 1)
     page = H * BS * 2 * D * 2
     assert codec.bytes_per_block == 2 * page
     assert codec.unique_layers == ("l0", "l2")
@@ -237,8 +236,7 @@ def test_signature_ignores_num_blocks_but_not_geometry():
     def sig(shape, perm=None, dtype=torch.float16, layers=2):
         t = torch.zeros(shape, dtype=dtype)
         t = t.permute(perm) if perm else t
-        return KVCacheSet({f"l{i}": t.clone() if not perm else t + 0 for i in range(layers)},
-                          BS).layout_signature()
+        return KVCacheSet({f"l{i}": t.clone() if not perm else t + 0 for i in range(layers)}, BS).layout_signature()
 
     base = sig((NB, H, BS, 2 * D))
     assert base == sig((NB + 30, H, BS, 2 * D))
@@ -290,14 +288,14 @@ def _vllm_views(vkv, spec, layout, num_blocks, layers, seed, kernel_block_size=N
         spec, num_blocks, layers, layout, fixed_strides=(None, interleaved, None, None, None)
     )
     names = [f"model.layers.{i}.attn" for i in range(layers)]
-    kvt = vkv.KVCacheTensor(size=page * num_blocks * layers, layers=names,
-                            layer_stride=layer_stride, block_stride=block_stride)
+    kvt = vkv.KVCacheTensor(
+        size=page * num_blocks * layers, layers=names, layer_stride=layer_stride, block_stride=block_stride
+    )
     gen = torch.Generator().manual_seed(seed)
     raw = torch.randint(-100, 100, (kvt.size,), dtype=torch.int8, generator=gen)
     if seed < 0:
         raw.zero_()
-    views = vkv.create_kv_cache_views(raw, spec, num_blocks, layout, kvt,
-                                      kernel_block_size=kernel_block_size)
+    views = vkv.create_kv_cache_views(raw, spec, num_blocks, layout, kvt, kernel_block_size=kernel_block_size)
     return dict(zip(names, views))
 
 
@@ -305,8 +303,7 @@ def test_vllm_cpu_backend_layout_roundtrip(vkv):
     cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
     backend = cpu_attn.CPUAttentionBackend
     (layout,) = backend.supported_kv_cache_layouts()
-    spec = vkv.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64,
-                                 dtype=torch.bfloat16)
+    spec = vkv.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     a = _vllm_views(vkv, spec, layout, 12, 3, seed=1)
     b = _vllm_views(vkv, spec, layout, 16, 3, seed=-1)  # other instance, more blocks
     t = next(iter(a.values()))
@@ -320,8 +317,7 @@ def test_vllm_every_kv_cache_layout_roundtrip(vkv, layout_name):
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     layout = KVCacheLayout[layout_name]
-    spec = vkv.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64,
-                                 dtype=torch.float16)
+    spec = vkv.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float16)
     a = _vllm_views(vkv, spec, layout, 12, 3, seed=2)
     b = _vllm_views(vkv, spec, layout, 12, 3, seed=-1)
     codec, _ = _roundtrip(a, b, BS, 0, 1, backend_name="FLASH_ATTN")
@@ -334,15 +330,13 @@ def test_vllm_every_kv_cache_layout_roundtrip(vkv, layout_name):
 def test_vllm_mla_and_kernel_block_split(vkv):
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    mla = vkv.MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576,
-                               dtype=torch.bfloat16)
+    mla = vkv.MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     a = _vllm_views(vkv, mla, KVCacheLayout.LBHNC, 12, 2, seed=3)
     b = _vllm_views(vkv, mla, KVCacheLayout.LBHNC, 12, 2, seed=-1)
     assert tuple(next(iter(a.values())).shape) == (12, 1, BS, 576)
     _roundtrip(a, b, BS, 0, 1, backend_name="FLASHMLA")
 
-    spec = vkv.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64,
-                                 dtype=torch.float16)
+    spec = vkv.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float16)
     a = _vllm_views(vkv, spec, KVCacheLayout.LBHNC, 12, 2, seed=4, kernel_block_size=BS // 2)
     b = _vllm_views(vkv, spec, KVCacheLayout.LBHNC, 12, 2, seed=-1, kernel_block_size=BS // 2)
     assert next(iter(a.values())).shape[0] == 24  # kernel blocks, not manager blocks

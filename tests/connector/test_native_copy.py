@@ -26,7 +26,9 @@ def _caches(stacked: bool, seed: int, zero: bool = False) -> dict[str, torch.Ten
     gen = torch.Generator().manual_seed(seed)
 
     def make(shape):
-        return torch.zeros(shape, dtype=torch.bfloat16) if zero else torch.randn(shape, generator=gen).to(torch.bfloat16)
+        return (
+            torch.zeros(shape, dtype=torch.bfloat16) if zero else torch.randn(shape, generator=gen).to(torch.bfloat16)
+        )
 
     if stacked:  # vLLM 0.31: one allocation, every layer a view at a constant stride
         big = make((L, NB, H, BS, 2 * D))
@@ -53,8 +55,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("stacked", [True, False], ids=["single-allocation", "per-layer"])
-def test_pack_gives_the_same_bytes_and_checksum_as_the_pure_path(monkeypatch: pytest.MonkeyPatch,
-                                                                  stacked: bool) -> None:
+def test_pack_gives_the_same_bytes_and_checksum_as_the_pure_path(
+    monkeypatch: pytest.MonkeyPatch, stacked: bool
+) -> None:
     codec = _set(_caches(stacked, 1))
     assert (codec._stack is not None) == stacked and codec._segments is not None
     assert codec.copy_path() == native.path_name() != "pure"  # what the worker logs as its copies
@@ -70,14 +73,18 @@ def test_pack_gives_the_same_bytes_and_checksum_as_the_pure_path(monkeypatch: py
 
 
 @pytest.mark.parametrize("stacked", [True, False], ids=["single-allocation", "per-layer"])
-@pytest.mark.parametrize("skip, chunk_blocks, dst", [
-    (0, None, [7, 0, 1, 10]),   # whole chunk
-    (1, None, [0, 1, 10]),      # leading block already local: hashed, not copied
-    (1, 4, [8, 2]),             # blocks 1..2 of a 4-block chunk shared in part
-    (0, 4, [6]),                # block 0 only
-])
-def test_verifying_unpack_copies_and_checks_the_same_on_both_paths(path: str, stacked: bool, skip: int,
-                                                                   chunk_blocks: int | None, dst: list[int]) -> None:
+@pytest.mark.parametrize(
+    "skip, chunk_blocks, dst",
+    [
+        (0, None, [7, 0, 1, 10]),  # whole chunk
+        (1, None, [0, 1, 10]),  # leading block already local: hashed, not copied
+        (1, 4, [8, 2]),  # blocks 1..2 of a 4-block chunk shared in part
+        (0, 4, [6]),  # block 0 only
+    ],
+)
+def test_verifying_unpack_copies_and_checks_the_same_on_both_paths(
+    path: str, stacked: bool, skip: int, chunk_blocks: int | None, dst: list[int]
+) -> None:
     src = _caches(stacked, 2)
     a = _set(src)
     src_ids = [3, 4, 5, 9]
@@ -123,17 +130,20 @@ def test_the_fused_path_is_not_used_for_other_hashers_or_mixed_geometries(path: 
 
     a.unpack([3, 4], memoryview(buf), hasher=Recorder())
     assert bytes(fed) == buf
-    mixed = {"l0": torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16),
-             "l1": torch.zeros(NB, 2 * H, BS, 2 * D, dtype=torch.bfloat16)}
+    mixed = {
+        "l0": torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16),
+        "l1": torch.zeros(NB, 2 * H, BS, 2 * D, dtype=torch.bfloat16),
+    }
     assert _set(mixed)._segments is None
 
 
-def test_store_checksum_is_computed_in_the_copy_and_not_again_at_commit(pool, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
-                                                                        path: str) -> None:
+def test_store_checksum_is_computed_in_the_copy_and_not_again_at_commit(
+    pool, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
     hashed: list[int] = []
     real = objects.payload_checksum
     monkeypatch.setattr(objects, "payload_checksum", lambda p: hashed.append(len(p)) or real(p))
-    a, a_kv = make_worker(pool.address, 7)
+    a, _a_kv = make_worker(pool.address, 7)
     a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", f"cs-{path}".encode(), [1, 2], chunk_meta(0))]))
     assert a.writer.wait(timeout=30)
     assert a.take_counters().chunks_stored == 1
@@ -143,8 +153,8 @@ def test_store_checksum_is_computed_in_the_copy_and_not_again_at_commit(pool, mo
     a.pool.client.release([pin])
 
 
-def test_corrupt_object_is_a_miss_on_both_paths(pool, path: str) -> None:  # noqa: F811
-    a, a_kv = make_worker(pool.address, 8)
+def test_corrupt_object_is_a_miss_on_both_paths(pool, path: str) -> None:
+    a, _a_kv = make_worker(pool.address, 8)
     b, b_kv = make_worker(pool.address, 9)
     before = {n: t.clone() for n, t in b_kv.items()}
     key = f"bad-{path}".encode()

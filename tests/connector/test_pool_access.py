@@ -17,12 +17,16 @@ NS = "kv:test:access"
 
 
 def outage_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno >= logging.WARNING and r.name == "maru_vllm.connector.pool_access"]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name == "maru_vllm.connector.pool_access"
+    ]
 
 
 def test_every_operation_answers_its_failure_value_while_the_pool_is_down(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG, logger="maru_vllm.connector.pool_access")
     access: ConnectorPool = PoolAccess(f"unix://{tmp_path}/no-pool.sock", None, 1.0, True, "test")
     access.release([None])  # nothing to unpin: nothing is sent, nothing fails

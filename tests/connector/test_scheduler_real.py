@@ -14,6 +14,12 @@ import logging
 from pathlib import Path
 
 import pytest
+from vllm.v1.request import RequestStatus
+
+from maru_vllm.connector.chunks import chunk_key, hash_bytes
+from maru_vllm.connector.metadata import ChunkLoad
+from maru_vllm.launch.stack import PoolProcess
+from maru_vllm.pool import PoolClient
 from tests.connector.sched_harness import (
     BLOCK_SIZE,
     BPC,
@@ -25,12 +31,6 @@ from tests.connector.sched_harness import (
     pool_keys,
     tokens,
 )
-from vllm.v1.request import RequestStatus
-
-from maru_vllm.connector.chunks import chunk_key, hash_bytes
-from maru_vllm.connector.metadata import ChunkLoad
-from maru_vllm.launch.stack import PoolProcess
-from maru_vllm.pool import PoolClient
 
 
 # ---- fixtures ------------------------------------------------------------------------------
@@ -39,8 +39,7 @@ def new_sim(tiny_model: Path, pool: PoolProcess, client: PoolClient):
     """Factory: a scheduler with a fresh salt (so every test has its own pool namespace)."""
     made: list[Sim] = []
 
-    def make(*, play_worker_stores: bool = False, play_part_keys: bool = True, address: str | None = None,
-             **kw) -> Sim:
+    def make(*, play_worker_stores: bool = False, play_part_keys: bool = True, address: str | None = None, **kw) -> Sim:
         extra = kw.pop("extra", {})
         extra.setdefault("maru_namespace", f"t{len(made)}-{id(made)}")
         sched = make_scheduler(tiny_model, address or pool.address, extra=extra, **kw)
@@ -56,7 +55,6 @@ def new_sim(tiny_model: Path, pool: PoolProcess, client: PoolClient):
 # ---- checks --------------------------------------------------------------------------------
 def check_step(sim: Sim, rec: StepRecord, client: PoolClient | None = None) -> None:
     """Loads and stores of one step against vLLM's real block tables and block hashes."""
-    sched = sim.sched
     meta = rec.meta
     # -- stores: complete prompt chunks, the request's real blocks, hashes = the key's prefix
     for s in meta.stores:
@@ -67,13 +65,14 @@ def check_step(sim: Sim, rec: StepRecord, client: PoolClient | None = None) -> N
         assert (c + 1) * CHUNK_TOKENS <= rec.computed_before[s.req_id] + rec.scheduled[s.req_id], (
             f"{s.req_id} chunk {c} stored before its tokens are computed"
         )
-        real = rec.blocks[s.req_id][c * BPC:(c + 1) * BPC]
+        real = rec.blocks[s.req_id][c * BPC : (c + 1) * BPC]
         assert s.block_ids == real, f"{s.req_id} chunk {c}: store blocks {s.block_ids} != block table {real}"
         want = [hash_bytes(req.block_hashes[b]) for b in range(c * BPC, (c + 1) * BPC)]
         assert [rec.block_hashes[s.req_id][b] for b in range(c * BPC, (c + 1) * BPC)] == want
         assert s.meta.chunk == c and s.meta.block_hashes == [h.hex() for h in want]
-        assert s.meta.token_ids == [req.prompt_token_ids[b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE]
-                                       for b in range(c * BPC, (c + 1) * BPC)]
+        assert s.meta.token_ids == [
+            req.prompt_token_ids[b * BLOCK_SIZE : (b + 1) * BLOCK_SIZE] for b in range(c * BPC, (c + 1) * BPC)
+        ]
     # -- loads: only for requests vLLM just admitted with external tokens
     loaded_reqs = {ld.req_id for ld in meta.loads}
     with_external = {rid for rid, ext in rec.allocs.items() if ext > 0}
@@ -168,7 +167,7 @@ def test_concurrent_requests_store_every_chunk_once(new_sim, client, play_worker
         keys = {chunk_key(s.key, 0) for rec in sim.steps for s in rec.meta.stores}
         assert all(client.lookup(sorted(keys), sim.namespace))
     # One lookup per request (none of them waited twice or was preempted).
-    assert dict(sim.probe.lookups_by_req) == {rid: 1 for rid in sim.requests}
+    assert dict(sim.probe.lookups_by_req) == dict.fromkeys(sim.requests, 1)
 
 
 # ---- 2. pool hits --------------------------------------------------------------------------
@@ -198,7 +197,10 @@ def test_pool_hit_loads_chunks_beyond_nothing(new_sim, client):
     assert rec.allocs["hit"] == 3 * CHUNK_TOKENS
     assert rec.scheduled["hit"] == 1000 - 3 * CHUNK_TOKENS
     assert [(ld.skip_blocks, ld.block_ids) for ld in rec.meta.loads] == [
-        (0, rec.blocks["hit"][0:2]), (0, rec.blocks["hit"][2:4]), (0, rec.blocks["hit"][4:6])]
+        (0, rec.blocks["hit"][0:2]),
+        (0, rec.blocks["hit"][2:4]),
+        (0, rec.blocks["hit"][4:6]),
+    ]
     assert not rec.meta.stores  # the only full chunks are the pool's
     run_checked(sim, client)
     assert not sim.stores
@@ -218,7 +220,10 @@ def test_pool_hit_beyond_a_local_hit_that_ends_mid_chunk(new_sim, client):
     assert rec.allocs["b"] == 3 * CHUNK_TOKENS - BLOCK_SIZE
     blocks = rec.blocks["b"]
     assert [(ld.skip_blocks, ld.block_ids) for ld in rec.meta.loads] == [
-        (1, blocks[1:2]), (0, blocks[2:4]), (0, blocks[4:6])]
+        (1, blocks[1:2]),
+        (0, blocks[2:4]),
+        (0, blocks[4:6]),
+    ]
     assert rec.computed_before["b"] == 3 * CHUNK_TOKENS
     run_checked(sim, client)
 
@@ -237,10 +242,12 @@ def test_pool_hit_leaves_one_token_to_compute(new_sim, client):
     # chunk is loaded in part (all its blocks but the last), a one-chunk prompt loads block 0.
     assert rec.allocs == {"whole": 3 * CHUNK_TOKENS - BLOCK_SIZE, "one": CHUNK_TOKENS - BLOCK_SIZE}
     assert rec.scheduled == {"whole": BLOCK_SIZE, "one": BLOCK_SIZE}
-    assert [(sim.load_chunk(whole, ld), ld.chunk_blocks, len(ld.block_ids))
-            for ld in rec.meta.loads if ld.req_id == "whole"] == [(0, 0, BPC), (1, 0, BPC), (2, BPC, BPC - 1)]
+    assert [
+        (sim.load_chunk(whole, ld), ld.chunk_blocks, len(ld.block_ids)) for ld in rec.meta.loads if ld.req_id == "whole"
+    ] == [(0, 0, BPC), (1, 0, BPC), (2, BPC, BPC - 1)]
     assert [(ld.key, ld.chunk_blocks, ld.block_ids) for ld in rec.meta.loads if ld.req_id == "one"] == [
-        (hash_bytes(one.block_hashes[0]), BPC, rec.blocks["one"][:1])]
+        (hash_bytes(one.block_hashes[0]), BPC, rec.blocks["one"][:1])
+    ]
     run_checked(sim, client)
     # The last chunks were computed; their stores are planned once (the pool dedups the commit).
     assert dict(sim.stores) == {("whole", 2): 1, ("one", 0): 1}
@@ -281,7 +288,10 @@ def test_prompt_sharing_part_of_a_pool_chunk_loads_the_shared_blocks(new_sim, cl
     assert rec.allocs["b"] == shared - BLOCK_SIZE
     blocks = rec.blocks["b"]
     assert [(ld.skip_blocks, ld.chunk_blocks, ld.block_ids) for ld in rec.meta.loads] == [
-        (1, 0, blocks[1:2]), (0, 0, blocks[2:4]), (0, BPC, blocks[4:5])]
+        (1, 0, blocks[1:2]),
+        (0, 0, blocks[2:4]),
+        (0, BPC, blocks[4:5]),
+    ]
     assert rec.meta.loads[2].key == hash_bytes(b.block_hashes[4])
     assert rec.computed_before["b"] == shared
     run_checked(engine_b, client)
@@ -310,10 +320,11 @@ def test_part_keys_raise_the_pool_hit_rate_on_the_chat_workload(new_sim, client)
             admitted = next(rec for rec in sim.steps if rid in rec.allocs)
             local += admitted.match[rid].local_tokens
             pool += admitted.allocs[rid]
-        supplied[parts] = {"local": local, "pool": pool,
-                           "computed": workload.total_prompt_tokens - local - pool}
-    print(f"workload of {workload.total_prompt_tokens} prompt tokens: whole chunks {supplied[False]}, "
-          f"with part keys {supplied[True]}")
+        supplied[parts] = {"local": local, "pool": pool, "computed": workload.total_prompt_tokens - local - pool}
+    print(
+        f"workload of {workload.total_prompt_tokens} prompt tokens: whole chunks {supplied[False]}, "
+        f"with part keys {supplied[True]}"
+    )
     assert supplied[True]["pool"] > supplied[False]["pool"]
     assert supplied[True]["computed"] < supplied[False]["computed"]
 
@@ -511,8 +522,9 @@ def _break(sim: Sim, fault: str) -> None:
         raise AssertionError(fault)
 
 
-@pytest.mark.parametrize("fault", ["update_state_after_alloc-raises", "build_connector_meta-raises",
-                                   "plan-forgets-a-chunk"])
+@pytest.mark.parametrize(
+    "fault", ["update_state_after_alloc-raises", "build_connector_meta-raises", "plan-forgets-a-chunk"]
+)
 def test_failed_load_hook_fails_every_granted_block(new_sim, client, fault):
     sim = new_sim()
     req = make_request("hf", tokens(70, 1400), max_tokens=3)

@@ -21,8 +21,15 @@ def make_worker(address: str, seed: int) -> tuple[MaruWorkerSide, dict[str, torc
     torch.manual_seed(seed)
     # vLLM 0.31 CPU layout: [num_blocks, kv_heads, block_size, 2 * head_size]
     caches = {f"layer{i}": torch.randn(16, 2, 8, 32).to(torch.bfloat16) for i in range(3)}
-    side = MaruWorkerSide(namespace=NS, rank=0, pool=PoolAccess(address, None, 5.0, True, "test"), block_size=8,
-                          num_blocks=16, use_lmcache_kernels=False, enable_fused_load=False)
+    side = MaruWorkerSide(
+        namespace=NS,
+        rank=0,
+        pool=PoolAccess(address, None, 5.0, True, "test"),
+        block_size=8,
+        num_blocks=16,
+        use_lmcache_kernels=False,
+        enable_fused_load=False,
+    )
     side.register_kv_caches(caches, "CPU_ATTN")
     return side, caches
 
@@ -40,11 +47,13 @@ def test_store_then_load_into_another_instance(pool: PoolProcess) -> None:
 
 
 def test_failed_load_blocks_are_reported_and_that_requests_stores_are_dropped(pool: PoolProcess) -> None:
-    w, kv = make_worker(pool.address, 3)
+    w, _kv = make_worker(pool.address, 3)
     step = MaruConnectorMetadata(
         loads=[ChunkLoad("r1", b"never-stored", [0, 1])],
-        stores=[ChunkStore("r1", b"r1-chunk-1", [2, 3], chunk_meta(1)),  # computed over missing KV
-                ChunkStore("r2", b"r2-chunk-0", [4, 5], chunk_meta(0))],
+        stores=[
+            ChunkStore("r1", b"r1-chunk-1", [2, 3], chunk_meta(1)),  # computed over missing KV
+            ChunkStore("r2", b"r2-chunk-0", [4, 5], chunk_meta(0)),
+        ],
     )
     w.load(step)
     assert w.take_failed_blocks() == {0, 1}
@@ -71,10 +80,18 @@ def test_pool_down_means_misses_and_skipped_stores_never_errors(tmp_path: Path) 
     assert all(torch.equal(before[k], kv[k]) for k in kv)
 
 
-def test_unsupported_layout_disables_the_connector_instead_of_the_engine(pool: PoolProcess,
-                                                                         caplog: pytest.LogCaptureFixture) -> None:
-    side = MaruWorkerSide(namespace=NS, rank=0, pool=PoolAccess(pool.address, None, 5.0, True, "test"),
-                          block_size=8, num_blocks=16, use_lmcache_kernels=False, enable_fused_load=False)
+def test_unsupported_layout_disables_the_connector_instead_of_the_engine(
+    pool: PoolProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    side = MaruWorkerSide(
+        namespace=NS,
+        rank=0,
+        pool=PoolAccess(pool.address, None, 5.0, True, "test"),
+        block_size=8,
+        num_blocks=16,
+        use_lmcache_kernels=False,
+        enable_fused_load=False,
+    )
     side.register_kv_caches({"l0": torch.zeros(7, 3)}, None)  # no dimension of 16 blocks: unsupported
     assert side.codec is None
     side.load(MaruConnectorMetadata(loads=[ChunkLoad("r1", b"k", [0, 1])]))
@@ -102,13 +119,19 @@ def settle(w: MaruWorkerSide) -> None:
 
 def step_with_a_pool_hit(w: MaruWorkerSide) -> MaruConnectorMetadata:
     """r1 loads two stored chunks and stores a third it computes on top; r2 only stores."""
-    w.store(MaruConnectorMetadata(stores=[ChunkStore("r0", b"fc-0", [0, 1], chunk_meta(0)),
-                                          ChunkStore("r0", b"fc-1", [2, 3], chunk_meta(1))]))
+    w.store(
+        MaruConnectorMetadata(
+            stores=[ChunkStore("r0", b"fc-0", [0, 1], chunk_meta(0)), ChunkStore("r0", b"fc-1", [2, 3], chunk_meta(1))]
+        )
+    )
     settle(w)
     w.take_counters()
     return MaruConnectorMetadata(
         loads=[ChunkLoad("r1", b"fc-0", [4, 5]), ChunkLoad("r1", b"fc-1", [6, 7])],
-        stores=[ChunkStore("r1", b"fc-r1-2", [8, 9], chunk_meta(2)), ChunkStore("r2", b"fc-r2-0", [10, 11], chunk_meta(0))],
+        stores=[
+            ChunkStore("r1", b"fc-r1-2", [8, 9], chunk_meta(2)),
+            ChunkStore("r2", b"fc-r2-0", [10, 11], chunk_meta(0)),
+        ],
     )
 
 
@@ -184,8 +207,7 @@ def test_a_chunk_shared_in_part_loads_its_leading_blocks(pool: PoolProcess) -> N
     b, b_kv = make_worker(pool.address, 6)
     before = {k: v.clone() for k, v in b_kv.items()}
     # a stores a 4-block chunk whose blocks hash h0..h3: part keys h0, h1, h2, key h3.
-    a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"h3", [3, 4, 5, 6], chunk_meta(0),
-                                                     [b"h0", b"h1", b"h2"])]))
+    a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"h3", [3, 4, 5, 6], chunk_meta(0), [b"h0", b"h1", b"h2"])]))
     settle(a)
     assert a.take_counters().chunks_stored == 1
     # b has block 0 locally and shares blocks 1..2 of the chunk: it loads exactly those two.
@@ -201,9 +223,15 @@ def test_a_chunk_shared_in_part_loads_its_leading_blocks(pool: PoolProcess) -> N
     b.load(MaruConnectorMetadata(loads=[ChunkLoad("r9", b"h1", [12, 13], skip_blocks=1, chunk_blocks=4)]))
     assert b.take_failed_blocks() == {12, 13}
     # Whole chunks and parts in one step; an unknown part key is a miss for its blocks only.
-    b.load(MaruConnectorMetadata(loads=[ChunkLoad("r9", b"h3", [0, 1, 2, 3]),
-                                        ChunkLoad("r9", b"nope", [14], chunk_blocks=4),
-                                        ChunkLoad("r8", b"h0", [15], chunk_blocks=4)]))
+    b.load(
+        MaruConnectorMetadata(
+            loads=[
+                ChunkLoad("r9", b"h3", [0, 1, 2, 3]),
+                ChunkLoad("r9", b"nope", [14], chunk_blocks=4),
+                ChunkLoad("r8", b"h0", [15], chunk_blocks=4),
+            ]
+        )
+    )
     assert b.take_failed_blocks() == {14}
     for name in a_kv:
         assert torch.equal(b_kv[name][0:4], a_kv[name][3:7]) and torch.equal(b_kv[name][15], a_kv[name][3])
@@ -216,8 +244,11 @@ def test_corrupt_payload_is_a_miss_recomputed_and_removed_from_the_pool(pool: Po
     the corrupt object so nobody loads it again."""
     a, a_kv = make_worker(pool.address, 5)
     b, b_kv = make_worker(pool.address, 6)
-    a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"good", [1, 2], chunk_meta(0)),
-                                          ChunkStore("r1", b"bad", [3, 4], chunk_meta(1))]))
+    a.store(
+        MaruConnectorMetadata(
+            stores=[ChunkStore("r1", b"good", [1, 2], chunk_meta(0)), ChunkStore("r1", b"bad", [3, 4], chunk_meta(1))]
+        )
+    )
     settle(a)
     assert a.take_counters().chunks_stored == 2
     client = a.pool.client

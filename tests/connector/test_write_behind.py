@@ -15,23 +15,38 @@ from maru_vllm.connector.chunks import chunk_key
 from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
-from maru_vllm.pool import PoolClient
 from maru_vllm.launch.stack import PoolProcess
-from tests.connector.sched_harness import BLOCK_SIZE, Sim, make_request, make_scheduler, pool_keys, tokens
+from maru_vllm.pool import PoolClient
 from tests.connector.chunk_meta import chunk_meta
+from tests.connector.sched_harness import BLOCK_SIZE, Sim, make_request, make_scheduler, pool_keys, tokens
 
 NUM_BLOCKS = 64
 
 
-def make_worker(address: str, namespace: str, *, block_size: int = BLOCK_SIZE, write_behind: bool = True,
-                num_blocks: int = NUM_BLOCKS) -> tuple[MaruWorkerSide, dict[str, torch.Tensor]]:
+def make_worker(
+    address: str,
+    namespace: str,
+    *,
+    block_size: int = BLOCK_SIZE,
+    write_behind: bool = True,
+    num_blocks: int = NUM_BLOCKS,
+) -> tuple[MaruWorkerSide, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     # vLLM 0.31 CPU layout: [num_blocks, kv_heads, block_size, 2 * head_size]
-    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(num_blocks, 2, block_size, 128).to(torch.bfloat16)
-              for i in range(2)}
-    side = MaruWorkerSide(namespace=namespace, rank=0, pool=PoolAccess(address, None, 5.0, True, "test"),
-                          block_size=block_size, num_blocks=num_blocks, use_lmcache_kernels=False,
-                          enable_fused_load=False, write_behind=write_behind)
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.randn(num_blocks, 2, block_size, 128).to(torch.bfloat16)
+        for i in range(2)
+    }
+    side = MaruWorkerSide(
+        namespace=namespace,
+        rank=0,
+        pool=PoolAccess(address, None, 5.0, True, "test"),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        use_lmcache_kernels=False,
+        enable_fused_load=False,
+        write_behind=write_behind,
+    )
     side.register_kv_caches(caches, "CPU_ATTN")
     return side, caches
 
@@ -58,10 +73,16 @@ class Gate:
 
 
 def test_finished_request_keeps_its_blocks_until_its_copy_is_done_and_is_invisible_until_then(
-        tiny_model: Path, pool: PoolProcess, client: PoolClient) -> None:
-    sched = make_scheduler(tiny_model, pool.address, num_blocks=NUM_BLOCKS, max_num_batched_tokens=1024,
-                           extra={"maru_namespace": "wb-hold"})
-    worker, caches = make_worker(pool.address, sched.connector.namespace)
+    tiny_model: Path, pool: PoolProcess, client: PoolClient
+) -> None:
+    sched = make_scheduler(
+        tiny_model,
+        pool.address,
+        num_blocks=NUM_BLOCKS,
+        max_num_batched_tokens=1024,
+        extra={"maru_namespace": "wb-hold"},
+    )
+    worker, _caches = make_worker(pool.address, sched.connector.namespace)
     gate = Gate(worker)
     sim = Sim(sched, worker=worker)
     req = make_request("r", tokens(7, 600), max_tokens=1)  # two full chunks, done after one step
@@ -91,7 +112,7 @@ def test_finished_request_keeps_its_blocks_until_its_copy_is_done_and_is_invisib
         for c, pin in enumerate(pins):
             assert pin is not None
             expect = bytearray(worker.codec.chunk_nbytes(2))
-            worker.codec.pack(held_blocks[2 * c:2 * c + 2], memoryview(expect))
+            worker.codec.pack(held_blocks[2 * c : 2 * c + 2], memoryview(expect))
             assert bytes(pin.data) == bytes(expect)
     finally:
         client.release(pins)
@@ -106,8 +127,9 @@ def test_preemption_waits_for_the_preempted_requests_copies_only(pool: PoolProce
     # Another request's preemption does not wait for this copy.
     worker.handle_preemptions(MaruConnectorMetadata(preempted_req_ids={"other"}))
     returned = threading.Event()
-    t = threading.Thread(target=lambda: (worker.handle_preemptions(
-        MaruConnectorMetadata(preempted_req_ids={"victim"})), returned.set()))
+    t = threading.Thread(
+        target=lambda: (worker.handle_preemptions(MaruConnectorMetadata(preempted_req_ids={"victim"})), returned.set())
+    )
     t.start()
     assert not returned.wait(0.5), "the forward may overwrite the victim's freed blocks while they are read"
     gate.open()
@@ -157,7 +179,8 @@ def test_inline_mode_stores_before_the_step_returns(pool: PoolProcess, client: P
 def test_shutdown_finishes_queued_stores(pool: PoolProcess, client: PoolClient) -> None:
     worker, _ = make_worker(pool.address, "wb-shutdown", block_size=8)
     for i in range(4):
-        worker.store(MaruConnectorMetadata(stores=[ChunkStore(f"r{i}", f"s{i}".encode(), [2 * i, 2 * i + 1],
-                                                              chunk_meta(0))]))
+        worker.store(
+            MaruConnectorMetadata(stores=[ChunkStore(f"r{i}", f"s{i}".encode(), [2 * i, 2 * i + 1], chunk_meta(0))])
+        )
     worker.shutdown()
     assert client.lookup([chunk_key(f"s{i}".encode(), 0) for i in range(4)], "wb-shutdown") == [True] * 4

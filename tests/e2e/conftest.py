@@ -9,14 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port
-from maru_vllm.launch import stack
+from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port, stack
 
 
-def start_pool(group: ProcessGroup, log_dir: Path, name: str, size: str = "256M",
-               extra: list[str] | None = None) -> stack.PoolProcess:
-    pool = stack.PoolProcess(name, size, log_dir / f"pool-{name}.log", listen=[f"unix:///tmp/maru-test-{name}.sock"],
-                             extra_args=extra or [], name=f"pool-{name}")
+def start_pool(
+    group: ProcessGroup, log_dir: Path, name: str, size: str = "256M", extra: list[str] | None = None
+) -> stack.PoolProcess:
+    pool = stack.PoolProcess(
+        name,
+        size,
+        log_dir / f"pool-{name}.log",
+        listen=[f"unix:///tmp/maru-test-{name}.sock"],
+        extra_args=extra or [],
+        name=f"pool-{name}",
+    )
     group.add(pool)
     return pool.serve()
 
@@ -51,11 +57,24 @@ def module_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("logs")
 
 
-def start_engine(group: ProcessGroup, name: str, model: Path, core: int, log_dir: Path, kv: dict | None,
-                 tmp: Path, extra_args: list[str] | None = None) -> str:
+def start_engine(
+    group: ProcessGroup,
+    name: str,
+    model: Path,
+    core: int,
+    log_dir: Path,
+    kv: dict | None,
+    tmp: Path,
+    extra_args: list[str] | None = None,
+) -> str:
     env = stack.StackEnv(discovery_dir=tmp / "discovery").build(cpu_thread=core)
     proc, url = stack.vllm_openai_server(
-        name, model, env, log_dir, port=free_port(), kv_transfer_config=kv,
+        name,
+        model,
+        env,
+        log_dir,
+        port=free_port(),
+        kv_transfer_config=kv,
         extra_args=["--max-num-batched-tokens", "512", *(extra_args or [])],
     )
     group.start(proc)
@@ -68,13 +87,32 @@ def wait_engines(group: ProcessGroup, urls: dict[str, str]) -> None:
         by_name[name].wait_for_http(f"{url}/v1/models", timeout=300)
 
 
-def maru_worker(name: str, model: Path, env: dict[str, str], log_dir: Path, pool: stack.PoolProcess,
-                extra_args: list[str] | None = None) -> ManagedProcess:
+def maru_worker(
+    name: str,
+    model: Path,
+    env: dict[str, str],
+    log_dir: Path,
+    pool: stack.PoolProcess,
+    extra_args: list[str] | None = None,
+) -> ManagedProcess:
     """A Maru worker component (`dynamo.vllm` + MaruKVConnector + pool events for the router)."""
     return ManagedProcess(
         name,
-        [sys.executable, "-m", "maru_dynamo.components.maru_worker", "--model", str(model),
-         "--maru-pool-address", pool.address, "--maru-pool-name", pool.pool_name,
-         "--max-model-len", "4096", "--enforce-eager", *(extra_args or [])],
-        log_path=log_dir / f"{name}.log", env=env,
+        [
+            sys.executable,
+            "-m",
+            "maru_dynamo.components.maru_worker",
+            "--model",
+            str(model),
+            "--maru-pool-address",
+            pool.address,
+            "--maru-pool-name",
+            pool.pool_name,
+            "--max-model-len",
+            "4096",
+            "--enforce-eager",
+            *(extra_args or []),
+        ],
+        log_path=log_dir / f"{name}.log",
+        env=env,
     )

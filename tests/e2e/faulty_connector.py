@@ -26,8 +26,7 @@ from typing import Any
 
 from maru_vllm.connector import MaruKVConnector
 
-SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                   "request_finished")
+SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished")
 WORKER_HOOKS = ("start_load_kv", "get_block_ids_with_load_errors", "wait_for_save")
 
 
@@ -63,7 +62,8 @@ class FaultyMaruKVConnector(MaruKVConnector):
         def load(meta: Any) -> Any:
             if self.armed("get_block_ids_with_load_errors"):
                 meta = dataclasses.replace(
-                    meta, loads=[dataclasses.replace(ld, key=b"missing:" + ld.key) for ld in meta.loads])
+                    meta, loads=[dataclasses.replace(ld, key=b"missing:" + ld.key) for ld in meta.loads]
+                )
             return real_load(meta)
 
         return load

@@ -20,8 +20,9 @@ def get_json(url: str, timeout: float = 30.0) -> Any:
         return json.loads(resp.read())
 
 
-def completion(base_url: str, model: str, prompt: str | list[int], max_tokens: int = 8, logprobs: int | None = None,
-               **extra: Any) -> dict[str, Any]:
+def completion(
+    base_url: str, model: str, prompt: str | list[int], max_tokens: int = 8, logprobs: int | None = None, **extra: Any
+) -> dict[str, Any]:
     payload: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
     if logprobs is not None:
         payload["logprobs"] = logprobs

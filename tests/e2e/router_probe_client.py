@@ -23,7 +23,11 @@ class RouterProbe:
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "maru_vllm.events.router_probe", "--block-size", str(BLOCK)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log_path, "ab"), text=True, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(log_path, "ab"),
+            text=True,
+            env=env,
             start_new_session=True,
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
@@ -60,8 +64,11 @@ class RouterProbe:
         """worker_id -> (device_blocks, host_pinned_blocks, host_pinned_extension_blocks)."""
         rows = self.scores(tokens).get("workers") or []
         return {
-            int(r["worker_id"]): (int(r.get("device_blocks") or 0), int(r.get("host_pinned_blocks") or 0),
-                                  int(r.get("host_pinned_extension_blocks") or 0))
+            int(r["worker_id"]): (
+                int(r.get("device_blocks") or 0),
+                int(r.get("host_pinned_blocks") or 0),
+                int(r.get("host_pinned_extension_blocks") or 0),
+            )
             for r in rows
         }
 
@@ -84,8 +91,11 @@ class RouterProbe:
         if not rows:
             return (0, 0, 0)
         row = rows[0]
-        return (int(row.get("device_blocks") or 0), int(row.get("host_pinned_blocks") or 0),
-                int(row.get("host_pinned_extension_blocks") or 0))
+        return (
+            int(row.get("device_blocks") or 0),
+            int(row.get("host_pinned_blocks") or 0),
+            int(row.get("host_pinned_extension_blocks") or 0),
+        )
 
     def wait_tiers(self, tokens: list[int], want: tuple[int, int, int], timeout: float = 60.0) -> tuple[int, int, int]:
         deadline = time.monotonic() + timeout

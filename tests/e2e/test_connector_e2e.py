@@ -33,8 +33,15 @@ OBJ_HEADER = 64  # maru_vllm.pool.objects.OBJ_HEADER_SIZE
 
 
 class Stack:
-    def __init__(self, pool: PoolProcess, urls: dict[str, str], models: dict[str, str], group: ProcessGroup,
-                 log_dir: Path, tmp: Path) -> None:
+    def __init__(
+        self,
+        pool: PoolProcess,
+        urls: dict[str, str],
+        models: dict[str, str],
+        group: ProcessGroup,
+        log_dir: Path,
+        tmp: Path,
+    ) -> None:
         self.pool, self.urls, self.models, self.group, self.log_dir, self.tmp = pool, urls, models, group, log_dir, tmp
 
     def ask(self, engine: str, prompt: list[int], max_tokens: int = 8) -> dict:
@@ -52,7 +59,7 @@ class Stack:
                 continue
             start = c_idx * CHUNK
             flat = [t for block in meta["token_ids"] for t in block]
-            if flat == prompt[start:start + CHUNK]:
+            if flat == prompt[start : start + CHUNK]:
                 found[c_idx] = o
         return found
 
@@ -96,12 +103,12 @@ def corrupt_chunk(stack: Stack, prompt: list[int], chunk: int, *, keep_checksum:
         c.release([pin])
     with open(stack.pool.region_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
         at = mm.find(payload[:4096])
-        assert at > 0 and mm[at:at + len(payload)] == payload
+        assert at > 0 and mm[at : at + len(payload)] == payload
         middle = at + len(payload) // 2
-        mm[middle:middle + 4096] = bytes(b ^ 0x5A for b in mm[middle:middle + 4096])
+        mm[middle : middle + 4096] = bytes(b ^ 0x5A for b in mm[middle : middle + 4096])
         if not keep_checksum:
             crc_at = at - OBJ_HEADER + 40  # magic u32, version u16, flags u16, oid u64, length u64, digest 16s
-            struct.pack_into("<I", mm, crc_at, payload_checksum(bytes(mm[at:at + len(payload)])))
+            struct.pack_into("<I", mm, crc_at, payload_checksum(bytes(mm[at : at + len(payload)])))
 
 
 def test_cross_instance_pool_hit_equals_local_prefix_hit(maru: Stack) -> None:

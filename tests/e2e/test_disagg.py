@@ -36,10 +36,9 @@ from pathlib import Path
 
 import pytest
 
-from maru_vllm.launch import ManagedProcess, ProcessGroup
+from maru_vllm.launch import ManagedProcess, ProcessGroup, stack
 from maru_vllm.launch.engine_metrics import metric_total
 from maru_vllm.launch.ports import free_system_port
-from maru_vllm.launch import stack
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import start_pool, token_prompt
 from tests.e2e.openai_client import cached_tokens, completion
@@ -52,13 +51,25 @@ MAX_TOKENS = 8
 PREFILL_CORE, DECODE_CORE = 0, 1
 
 
-def maru_worker(name: str, model: Path, env: dict[str, str], log_dir: Path, *, pool_address: str, pool_name: str,
-                mode: str) -> ManagedProcess:
-    argv = [sys.executable, "-m", "maru_dynamo.components.maru_worker",
-            "--model", str(model),
-            "--maru-pool-address", pool_address, "--maru-pool-name", pool_name,
-            "--disaggregation-mode", mode,
-            "--max-model-len", "4096", "--enforce-eager"]
+def maru_worker(
+    name: str, model: Path, env: dict[str, str], log_dir: Path, *, pool_address: str, pool_name: str, mode: str
+) -> ManagedProcess:
+    argv = [
+        sys.executable,
+        "-m",
+        "maru_dynamo.components.maru_worker",
+        "--model",
+        str(model),
+        "--maru-pool-address",
+        pool_address,
+        "--maru-pool-name",
+        pool_name,
+        "--disaggregation-mode",
+        mode,
+        "--max-model-len",
+        "4096",
+        "--enforce-eager",
+    ]
     return ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env)
 
 
@@ -107,7 +118,7 @@ def chunks_of(address: str, prompt: list[int]) -> list[int]:
     for o in objs:
         meta = o.get("meta") or {}
         idx = meta.get("chunk")
-        if idx is not None and [t for b in meta["token_ids"] for t in b] == prompt[idx * CHUNK:(idx + 1) * CHUNK]:
+        if idx is not None and [t for b in meta["token_ids"] for t in b] == prompt[idx * CHUNK : (idx + 1) * CHUNK]:
             found.append(idx)
     return sorted(found)
 
@@ -151,7 +162,8 @@ def serve_when_ready(url: str, model: Path, worker_logs: list[ManagedProcess], t
 
 @pytest.mark.timeout(1500)
 def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
-        tiny_model: Path, procs: ProcessGroup, log_dir: Path, tmp_path: Path, nats) -> None:
+    tiny_model: Path, procs: ProcessGroup, log_dir: Path, tmp_path: Path, nats
+) -> None:
     _, nats_url = nats
     pool = start_pool(procs, log_dir, f"pd{uuid.uuid4().hex[:8]}", extra=["--nats", nats_url])
     env_factory = stack.StackEnv(discovery_dir=tmp_path / "discovery", nats_url=nats_url)
@@ -160,15 +172,22 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
 
     # Prefill worker (core 0) and frontend boot while the reference runs on core 1.
     prefill_port = free_system_port()
-    prefill = maru_worker("prefill", tiny_model,
-                          env_factory.build(cpu_thread=PREFILL_CORE, DYN_SYSTEM_PORT=str(prefill_port)),
-                          log_dir, pool_address=pool.address, pool_name=pool.pool_name, mode="prefill")
+    prefill = maru_worker(
+        "prefill",
+        tiny_model,
+        env_factory.build(cpu_thread=PREFILL_CORE, DYN_SYSTEM_PORT=str(prefill_port)),
+        log_dir,
+        pool_address=pool.address,
+        pool_name=pool.pool_name,
+        mode="prefill",
+    )
     procs.start(prefill)
     frontend, url = stack.dynamo_frontend(env_factory.build(), log_dir)
     procs.start(frontend)
 
-    ref_proc, ref_url = stack.vllm_openai_server("reference", tiny_model, env_factory.build(cpu_thread=DECODE_CORE),
-                                                 log_dir)
+    ref_proc, ref_url = stack.vllm_openai_server(
+        "reference", tiny_model, env_factory.build(cpu_thread=DECODE_CORE), log_dir
+    )
     procs.start(ref_proc)
     ref_proc.wait_for_http(f"{ref_url}/v1/models", timeout=400)
     ref_cold = ask(ref_url, tiny_model, prompt)
@@ -181,8 +200,9 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
 
     decode_port = free_system_port()
     decode_env = env_factory.build(cpu_thread=DECODE_CORE, DYN_SYSTEM_PORT=str(decode_port))
-    decode = maru_worker("decode", tiny_model, decode_env, log_dir,
-                         pool_address=pool.address, pool_name=pool.pool_name, mode="decode")
+    decode = maru_worker(
+        "decode", tiny_model, decode_env, log_dir, pool_address=pool.address, pool_name=pool.pool_name, mode="decode"
+    )
     procs.start(decode)
     serve_when_ready(url, tiny_model, [prefill, decode], timeout=400)
 
@@ -212,9 +232,11 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     decode_loaded = metric_total(dm, loaded_name) - metric_total(decode_before, loaded_name)
     decode_external_hits = metric_total(dm, hits_name) - metric_total(decode_before, hits_name)
     pm = metrics(prefill_port)
-    print(f"pool: stores +{after['stores'] - before['stores']} hits +{after['hits'] - before['hits']}; "
-          f"decode: chunks loaded +{decode_loaded}, external prefix-cache hit tokens +{decode_external_hits}; "
-          f"prefill: chunks stored {metric_total(pm, 'vllm:maru_connector_chunks_stored_total')}")
+    print(
+        f"pool: stores +{after['stores'] - before['stores']} hits +{after['hits'] - before['hits']}; "
+        f"decode: chunks loaded +{decode_loaded}, external prefix-cache hit tokens +{decode_external_hits}; "
+        f"prefill: chunks stored {metric_total(pm, 'vllm:maru_connector_chunks_stored_total')}"
+    )
     assert decode_loaded == 3
     assert metric_total(dm, "vllm:maru_connector_chunks_stored_total") == 0  # kv_consumer
     assert decode_external_hits == 3 * CHUNK
@@ -231,8 +253,9 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     # A decode worker that cannot reach the pool still answers: local prefill, same output.
     assert decode.stop() is not None
     missing = f"unix:///tmp/maru-absent-{uuid.uuid4().hex[:8]}.sock"
-    decode2 = maru_worker("decode-nopool", tiny_model, decode_env, log_dir,
-                          pool_address=missing, pool_name=pool.pool_name, mode="decode")
+    decode2 = maru_worker(
+        "decode-nopool", tiny_model, decode_env, log_dir, pool_address=missing, pool_name=pool.pool_name, mode="decode"
+    )
     procs.start(decode2)
     serve_when_ready(url, tiny_model, [prefill, decode2])
     before = pool_stats(pool.address)
@@ -242,12 +265,20 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     # The prefill worker still stored the chunks; the decode worker could not fetch them.
     assert chunks_of(pool.address, prompt_miss) == [0, 1, 2]
     assert after["hits"] == before["hits"], (before, after)
-    d2 = wait_metric(decode_port, "vllm:prompt_tokens_total", metric_total(d2_before, "vllm:prompt_tokens_total")
-                     + PROMPT_LEN)
+    d2 = wait_metric(
+        decode_port, "vllm:prompt_tokens_total", metric_total(d2_before, "vllm:prompt_tokens_total") + PROMPT_LEN
+    )
     assert metric_total(d2, loaded_name) == 0
     assert metric_total(d2, hits_name) == 0
-    print("decode without pool:", repr(text(out_miss)), logprobs(out_miss), "usage:", out_miss["usage"],
-          "reference:", logprobs(ref_miss))
+    print(
+        "decode without pool:",
+        repr(text(out_miss)),
+        logprobs(out_miss),
+        "usage:",
+        out_miss["usage"],
+        "reference:",
+        logprobs(ref_miss),
+    )
     assert "serving without the pool cache" in decode2.log_text()  # the connector saw the pool down
     assert out_miss["usage"]["completion_tokens"] == MAX_TOKENS
     assert text(out_miss) == text(ref_miss)

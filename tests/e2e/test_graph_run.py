@@ -25,8 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(not (ROOT / "components" / "maru_worker.py").exists(),
-                       reason="components/maru_worker.py (the Maru worker component) is not there yet"),
+    pytest.mark.skipif(
+        not (ROOT / "components" / "maru_worker.py").exists(),
+        reason="components/maru_worker.py (the Maru worker component) is not there yet",
+    ),
 ]
 
 
@@ -63,8 +65,13 @@ def alive(pid: int) -> bool:
 
 
 def test_graph_run_serves_and_stops_cleanly(tiny_model: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "maru_vllm.cli", "graph", "run", "graphs/agg.yaml"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "maru_vllm.cli", "graph", "run", "graphs/agg.yaml"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: queue.Queue[str] = queue.Queue()
     output: list[str] = []
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_vllm.launch import ManagedProcess, ProcessGroup
-from maru_vllm.launch import stack
+from maru_vllm.launch import ManagedProcess, ProcessGroup, stack
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import maru_worker, start_pool, token_prompt
 from tests.e2e.openai_client import cached_tokens, completion
@@ -28,8 +27,18 @@ PROMPT_LEN = 3 * 256 + 1
 
 
 class Graph:
-    def __init__(self, group: ProcessGroup, env: stack.StackEnv, log_dir: Path, model: Path, pool: stack.PoolProcess,
-                 nats: ManagedProcess, frontend: ManagedProcess, url: str, probe: RouterProbe) -> None:
+    def __init__(
+        self,
+        group: ProcessGroup,
+        env: stack.StackEnv,
+        log_dir: Path,
+        model: Path,
+        pool: stack.PoolProcess,
+        nats: ManagedProcess,
+        frontend: ManagedProcess,
+        url: str,
+        probe: RouterProbe,
+    ) -> None:
         self.group, self.env, self.log_dir, self.model = group, env, log_dir, model
         self.pool, self.nats, self.frontend, self.url, self.probe = pool, nats, frontend, url, probe
         self.workers: dict[str, ManagedProcess] = {}
@@ -62,15 +71,17 @@ class Graph:
 
 
 @pytest.fixture(scope="module")
-def graph(module_procs: ProcessGroup, module_log_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-          tiny_model: Path) -> Graph:
+def graph(
+    module_procs: ProcessGroup, module_log_dir: Path, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
+) -> Graph:
     tmp = tmp_path_factory.mktemp("routing")
     nats, nats_url = stack.nats_server(module_log_dir)
     module_procs.start(nats).wait_for_log(stack.NATS_READY_PATTERN, timeout=30)
     pool = start_pool(module_procs, module_log_dir, f"rt{tmp.name[-6:]}", extra=["--nats", nats_url])
     env = stack.StackEnv(discovery_dir=tmp / "discovery", nats_url=nats_url)
-    frontend, url = stack.dynamo_frontend(env.build(), module_log_dir,
-                                          extra_args=["--router-host-cache-hit-weight", "0.75"])
+    frontend, url = stack.dynamo_frontend(
+        env.build(), module_log_dir, extra_args=["--router-host-cache-hit-weight", "0.75"]
+    )
     probe = RouterProbe(env.build(), module_log_dir / "probe.log")
     g = Graph(module_procs, env, module_log_dir, tiny_model, pool, nats, frontend, url, probe)
     g.start_worker("worker-a", 0)
@@ -120,7 +131,7 @@ def _chunk_of(obj: dict, prompt: list[int]) -> bool:
     if "chunk" not in meta:
         return False
     start = meta["chunk"] * 256
-    return [t for b in meta["token_ids"] for t in b] == prompt[start:start + 256]
+    return [t for b in meta["token_ids"] for t in b] == prompt[start : start + 256]
 
 
 def test_nats_outage_keeps_serving_and_the_router_view_converges_after(graph: Graph) -> None:
@@ -134,8 +145,9 @@ def test_nats_outage_keeps_serving_and_the_router_view_converges_after(graph: Gr
     after = token_prompt(34, PROMPT_LEN)
     graph.ask(after)
     for prompt in (during, after):  # both converge: the relay resyncs from the pool snapshot
-        view = graph.probe.wait_for(prompt, lambda v: len(v) == 2 and all(t[1] == BLOCKS for t in v.values()),
-                                    timeout=90)
+        view = graph.probe.wait_for(
+            prompt, lambda v: len(v) == 2 and all(t[1] == BLOCKS for t in v.values()), timeout=90
+        )
         assert sorted(t[1] for t in view.values()) == [BLOCKS, BLOCKS], view
 
 
@@ -148,7 +160,7 @@ def test_prompt_sharing_part_of_a_chunk_is_credited_exactly_the_blocks_it_loads(
     peer = next(w for w in graph.wait_workers(2) if w != served_by)
     graph.probe.wait_for(prompt, lambda v: v.get(peer, (0, 0, 0))[1] == BLOCKS)
     shared = BLOCKS - 1
-    partial = prompt[:shared * 128] + token_prompt(37, PROMPT_LEN - shared * 128)
+    partial = prompt[: shared * 128] + token_prompt(37, PROMPT_LEN - shared * 128)
     view = graph.probe.wait_for(partial, lambda v: v.get(peer, (0, 0, 0))[1] == shared)
     assert view[peer] == (0, shared, shared)  # the router's credit: 5 blocks at the host tier
     assert view[served_by][0] == shared  # the serving worker holds them in its own cache

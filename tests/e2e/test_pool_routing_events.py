@@ -17,7 +17,6 @@ prompt), and a `router_probe` (a second KvRouter) that reports per-tier overlap 
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 import time
@@ -28,12 +27,11 @@ from typing import Any
 import pytest
 
 from maru_vllm.events.vllm_format import external_hash
-from tests.e2e.router_probe_client import RouterProbe, selected_lines
-from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port
-from maru_vllm.launch import stack
+from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port, stack
 from maru_vllm.launch.argv import kv_events_args
 from maru_vllm.pool import PoolClient
 from tests.e2e.openai_client import completion
+from tests.e2e.router_probe_client import RouterProbe, selected_lines
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -71,7 +69,7 @@ def vllm_block_hashes(tokens: list[int], monkeypatch: pytest.MonkeyPatch) -> lis
         hashes: list[bytes] = []
         parent = None
         for b in range(len(tokens) // BLOCK):
-            parent = kcu.hash_block_tokens(hash_fn, parent, tokens[b * BLOCK:(b + 1) * BLOCK], None)
+            parent = kcu.hash_block_tokens(hash_fn, parent, tokens[b * BLOCK : (b + 1) * BLOCK], None)
             hashes.append(bytes(parent))
         return hashes
     finally:
@@ -79,8 +77,9 @@ def vllm_block_hashes(tokens: list[int], monkeypatch: pytest.MonkeyPatch) -> lis
             kcu.NONE_HASH, kcu._NONE_HASH_SEED = old
 
 
-def put_prompt_chunks(pool: PoolClient, namespace: str, tokens: list[int], hashes: list[bytes],
-                      chunks: range | None = None) -> list[bytes]:
+def put_prompt_chunks(
+    pool: PoolClient, namespace: str, tokens: list[int], hashes: list[bytes], chunks: range | None = None
+) -> list[bytes]:
     """Store the prompt's chunks like MaruKVConnector does (key, metadata); return the keys."""
     keys = []
     for c in chunks if chunks is not None else range(len(hashes) // CHUNK_BLOCKS):
@@ -91,7 +90,7 @@ def put_prompt_chunks(pool: PoolClient, namespace: str, tokens: list[int], hashe
             "block_size": BLOCK,
             "block_hashes": [hashes[b].hex() for b in blocks],
             "parent_block_hash": hashes[blocks[0] - 1].hex() if c > 0 else None,
-            "token_ids": [tokens[b * BLOCK:(b + 1) * BLOCK] for b in blocks],
+            "token_ids": [tokens[b * BLOCK : (b + 1) * BLOCK] for b in blocks],
             "lora_name": None,
             "rank": 0,
         }
@@ -131,12 +130,14 @@ class VllmEventTap:
 
 
 @pytest.mark.timeout(900)
-def test_router_credits_pool_blocks_at_host_tier(tiny_model: Path, procs: ProcessGroup, log_dir: Path,
-                                                 tmp_path: Path, nats, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_router_credits_pool_blocks_at_host_tier(
+    tiny_model: Path, procs: ProcessGroup, log_dir: Path, tmp_path: Path, nats, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _, nats_url = nats
     pool_name = f"ev{uuid.uuid4().hex[:8]}"
-    pool_proc = stack.PoolProcess(pool_name, "256M", log_dir / "pool.log", listen=[f"unix:///tmp/maru-{pool_name}.sock"],
-                                  nats=nats_url)
+    pool_proc = stack.PoolProcess(
+        pool_name, "256M", log_dir / "pool.log", listen=[f"unix:///tmp/maru-{pool_name}.sock"], nats=nats_url
+    )
     procs.add(pool_proc)
     address = pool_proc.serve().address
     pool = PoolClient.connect(address)
@@ -144,24 +145,45 @@ def test_router_credits_pool_blocks_at_host_tier(tiny_model: Path, procs: Proces
 
     n = PROMPT_BLOCKS
     long_a = token_prompt(1, 2 * n * BLOCK + 40)  # prompt A is its first n blocks (+ a partial one)
-    prompt_a = long_a[:n * BLOCK + 40]
+    prompt_a = long_a[: n * BLOCK + 40]
     prompt_b = token_prompt(2, n * BLOCK + 40)
     hashes_a = vllm_block_hashes(long_a, monkeypatch)
     hashes_b = vllm_block_hashes(prompt_b, monkeypatch)
-    keys_a = put_prompt_chunks(pool, namespace, long_a, hashes_a, chunks=range(0, n // CHUNK_BLOCKS))
+    keys_a = put_prompt_chunks(pool, namespace, long_a, hashes_a, chunks=range(n // CHUNK_BLOCKS))
     pool.put(b"not-a-chunk", b"x", namespace=namespace, meta={"something": "else"})  # ignored
-    pool.put(b"other-model", b"x", namespace="kv:other-model:abc",  # other namespace: ignored
-             meta={"v": 1, "chunk": 0, "block_size": BLOCK, "block_hashes": ["ab" * 32, "cd" * 32],
-                   "parent_block_hash": None, "token_ids": [[1] * BLOCK, [2] * BLOCK], "lora_name": None})
+    pool.put(
+        b"other-model",
+        b"x",
+        namespace="kv:other-model:abc",  # other namespace: ignored
+        meta={
+            "v": 1,
+            "chunk": 0,
+            "block_size": BLOCK,
+            "block_hashes": ["ab" * 32, "cd" * 32],
+            "parent_block_hash": None,
+            "token_ids": [[1] * BLOCK, [2] * BLOCK],
+            "lora_name": None,
+        },
+    )
 
     env_factory = stack.StackEnv(discovery_dir=tmp_path / "discovery", nats_url=nats_url)
     kv_port = free_port()
     worker_env = env_factory.build(cpu_thread=0, MARU_TEST_POOL_NAME=pool_name, MARU_TEST_POOL_ADDRESS=address)
     worker = ManagedProcess(
         "worker",
-        [sys.executable, "-c", WORKER_BOOT, "--model", str(tiny_model), "--max-model-len", "4096",
-         "--enforce-eager", *kv_events_args(kv_port)],
-        log_path=log_dir / "worker.log", env=worker_env,
+        [
+            sys.executable,
+            "-c",
+            WORKER_BOOT,
+            "--model",
+            str(tiny_model),
+            "--max-model-len",
+            "4096",
+            "--enforce-eager",
+            *kv_events_args(kv_port),
+        ],
+        log_path=log_dir / "worker.log",
+        env=worker_env,
     )
     frontend, url = stack.dynamo_frontend(env_factory.build(), log_dir)
     procs.start(worker)
@@ -190,8 +212,9 @@ def test_router_credits_pool_blocks_at_host_tier(tiny_model: Path, procs: Proces
         assert probe.wait_tiers(prompt_a, (n, n, 0)) == (n, n, 0)
 
         # Pool chunks chained on blocks the engine holds extend its prefix at the host tier.
-        keys_a += put_prompt_chunks(pool, namespace, long_a, hashes_a, chunks=range(n // CHUNK_BLOCKS,
-                                                                                      2 * n // CHUNK_BLOCKS))
+        keys_a += put_prompt_chunks(
+            pool, namespace, long_a, hashes_a, chunks=range(n // CHUNK_BLOCKS, 2 * n // CHUNK_BLOCKS)
+        )
         assert probe.wait_tiers(long_a, (n, 2 * n, n)) == (n, 2 * n, n)
 
         # Removing the objects withdraws the host credit; A keeps what is on the device.

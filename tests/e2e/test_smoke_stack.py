@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_vllm.launch import ProcessGroup
-from maru_vllm.launch import stack
+from maru_vllm.launch import ProcessGroup, stack
 from tests.e2e.openai_client import completion, get_json, post_json
 
 pytestmark = [pytest.mark.e2e]
@@ -28,17 +27,16 @@ def test_vllm_cpu_greedy_is_repeatable(tiny_model: Path, procs: ProcessGroup, lo
     assert first["choices"][0]["logprobs"]["tokens"] == second["choices"][0]["logprobs"]["tokens"]
 
 
-def test_dynamo_frontend_and_worker_serve(tiny_model: Path, procs: ProcessGroup, log_dir: Path, tmp_path: Path,
-                                          nats) -> None:
+def test_dynamo_frontend_and_worker_serve(
+    tiny_model: Path, procs: ProcessGroup, log_dir: Path, tmp_path: Path, nats
+) -> None:
     _, nats_url = nats
     env_factory = stack.StackEnv(discovery_dir=tmp_path / "discovery", nats_url=nats_url)
     worker = stack.dynamo_vllm_worker("worker", tiny_model, env_factory.build(cpu_thread=0), log_dir)
     frontend, url = stack.dynamo_frontend(env_factory.build(), log_dir)
     procs.start(worker)
     procs.start(frontend)
-    frontend.wait_for_http(
-        f"{url}/v1/models", timeout=240, accept=lambda body: str(tiny_model).encode() in body
-    )
+    frontend.wait_for_http(f"{url}/v1/models", timeout=240, accept=lambda body: str(tiny_model).encode() in body)
     models = get_json(f"{url}/v1/models")
     assert [m["id"] for m in models["data"]] == [str(tiny_model)]
 
@@ -48,8 +46,12 @@ def test_dynamo_frontend_and_worker_serve(tiny_model: Path, procs: ProcessGroup,
 
     chat = post_json(
         f"{url}/v1/chat/completions",
-        {"model": str(tiny_model), "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 5,
-         "temperature": 0},
+        {
+            "model": str(tiny_model),
+            "messages": [{"role": "user", "content": "hi there"}],
+            "max_tokens": 5,
+            "temperature": 0,
+        },
     )
     assert chat["choices"][0]["message"]["role"] == "assistant"
     assert chat["usage"]["completion_tokens"] == 5

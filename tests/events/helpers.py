@@ -14,8 +14,9 @@ def block_hash(prefix_id: int, block: int) -> bytes:
     return hashlib.sha256(f"{prefix_id}/{block}".encode()).digest()
 
 
-def chunk_meta(prefix_id: int, chunk: int, blocks_per_chunk: int = 2, block_size: int = BLOCK,
-               rank: int = 0) -> dict[str, Any]:
+def chunk_meta(
+    prefix_id: int, chunk: int, blocks_per_chunk: int = 2, block_size: int = BLOCK, rank: int = 0
+) -> dict[str, Any]:
     blocks = range(chunk * blocks_per_chunk, (chunk + 1) * blocks_per_chunk)
     return {
         "v": 1,
@@ -34,5 +35,6 @@ def chunk_key(prefix_id: int, chunk: int, blocks_per_chunk: int = 2, rank: int =
 
 
 def obj(prefix_id: int, chunk: int, namespace: str = "kv:m:1", rank: int = 0, **kw: Any) -> PoolObject:
-    return PoolObject(namespace, chunk_key(prefix_id, chunk, rank=rank).hex(), 100,
-                      chunk_meta(prefix_id, chunk, rank=rank, **kw))
+    return PoolObject(
+        namespace, chunk_key(prefix_id, chunk, rank=rank).hex(), 100, chunk_meta(prefix_id, chunk, rank=rank, **kw)
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import types
+from typing import ClassVar
 
 import pytest
 
@@ -19,8 +20,7 @@ def test_installed_dynamo_is_the_pinned_version() -> None:
 
 def test_other_dynamo_versions_are_refused_with_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version",
-                        lambda d: "1.7.0" if d == "ai-dynamo" else real(d))
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "1.7.0" if d == "ai-dynamo" else real(d))
     with pytest.raises(dynamo_hook.DynamoVersionError, match=r"ai-dynamo==1\.6\.1.*installed: ai-dynamo==1\.7\.0"):
         dynamo_hook.check_dynamo_version()
     with pytest.raises(dynamo_hook.DynamoVersionError):
@@ -32,7 +32,7 @@ def test_hash_seed_check() -> None:
 
     check_hash_seed({})
     check_hash_seed({"PYTHONHASHSEED": "0"})
-    with pytest.raises(RuntimeError, match="PYTHONHASHSEED='1'.*PYTHONHASHSEED=0"):
+    with pytest.raises(RuntimeError, match=r"PYTHONHASHSEED='1'.*PYTHONHASHSEED=0"):
         check_hash_seed({"PYTHONHASHSEED": "1"})
 
 
@@ -52,7 +52,7 @@ def test_seam_exists_in_dynamo_1_6_1() -> None:
 
 
 class FakePublisher:
-    made: list[dict] = []
+    made: ClassVar[list[dict]] = []
 
     def __init__(self, **kwargs):
         FakePublisher.made.append(kwargs)
@@ -61,19 +61,24 @@ class FakePublisher:
 def _fake_config(endpoint: str, model: str = "/m/tiny"):
     kv = types.SimpleNamespace(endpoint=endpoint, enable_kv_cache_events=True)
     config = types.SimpleNamespace(engine_args=types.SimpleNamespace(enable_prefix_caching=True, kv_events_config=kv))
-    vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(model=model),
-                                        cache_config=types.SimpleNamespace(block_size=16))
+    vllm_config = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(model=model), cache_config=types.SimpleNamespace(block_size=16)
+    )
     return config, vllm_config
 
 
 def test_install_repoints_dynamos_publisher_at_the_relay(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = types.ModuleType("dynamo.vllm.main")
 
-    def setup_kv_event_publisher(config, generate_endpoint, vllm_config, consolidator_enabled=False,
-                                 consolidator_port=5558):
+    def setup_kv_event_publisher(
+        config, generate_endpoint, vllm_config, consolidator_enabled=False, consolidator_port=5558
+    ):
         ep = config.engine_args.kv_events_config.endpoint.replace("*", "127.0.0.1")
-        return [fake.KvEventPublisher(endpoint=generate_endpoint, kv_block_size=16, zmq_endpoint=ep, zmq_topic="",
-                                      dp_rank=0)]
+        return [
+            fake.KvEventPublisher(
+                endpoint=generate_endpoint, kv_block_size=16, zmq_endpoint=ep, zmq_topic="", dp_rank=0
+            )
+        ]
 
     fake.setup_kv_event_publisher = setup_kv_event_publisher
     fake.KvEventPublisher = FakePublisher
@@ -95,8 +100,9 @@ def test_install_repoints_dynamos_publisher_at_the_relay(monkeypatch: pytest.Mon
         assert relay.view.block_size == 16 and relay.view.namespaces.accepts("kv:tiny:abc")
         assert not relay.view.namespaces.accepts("kv:other:abc") and relay.medium == "CPU_PINNED"
         # installing again replaces the options, and wraps Dynamo's original, not our wrapper
-        inst2 = dynamo_hook.install_pool_event_relay(pool_name="q", nats_url="nats://127.0.0.1:1",
-                                                     namespace="kv:tiny:exact", medium="CPU")
+        inst2 = dynamo_hook.install_pool_event_relay(
+            pool_name="q", nats_url="nats://127.0.0.1:1", namespace="kv:tiny:exact", medium="CPU"
+        )
         assert inst2.original is setup_kv_event_publisher
         fake.setup_kv_event_publisher(config, "EP", vllm_config)
         [relay2] = inst2.relays
@@ -122,8 +128,18 @@ def test_relay_failure_falls_back_to_vllms_endpoint(monkeypatch: pytest.MonkeyPa
 def test_maru_worker_fills_in_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     from maru_dynamo.components import maru_worker
 
-    ours, rest = maru_worker.build(["--model", "m", "--maru-pool-address", "unix:///tmp/p.sock",
-                                    "--maru-pool-name", "kv", "--disaggregation-mode", "prefill"])
+    ours, rest = maru_worker.build(
+        [
+            "--model",
+            "m",
+            "--maru-pool-address",
+            "unix:///tmp/p.sock",
+            "--maru-pool-name",
+            "kv",
+            "--disaggregation-mode",
+            "prefill",
+        ]
+    )
     assert ours.maru_pool_name == "kv" and ours.maru_event_medium == "CPU_PINNED" and ours.maru_chunk_tokens == 256
     assert rest[:4] == ["--model", "m", "--disaggregation-mode", "prefill"]
     kvt = json.loads(rest[rest.index("--kv-transfer-config") + 1])
@@ -132,14 +148,33 @@ def test_maru_worker_fills_in_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     kve = json.loads(rest[rest.index("--kv-events-config") + 1])
     assert kve["enable_kv_cache_events"] and kve["endpoint"].startswith("tcp://*:")
 
-    _, rest = maru_worker.build(["--maru-pool-address", "a", "--maru-pool-name", "kv", "--disaggregation-mode=decode",
-                                 "--maru-chunk-tokens", "512"])
+    _, rest = maru_worker.build(
+        [
+            "--maru-pool-address",
+            "a",
+            "--maru-pool-name",
+            "kv",
+            "--disaggregation-mode=decode",
+            "--maru-chunk-tokens",
+            "512",
+        ]
+    )
     kvt = json.loads(rest[rest.index("--kv-transfer-config") + 1])
     assert kvt["kv_role"] == "kv_consumer" and kvt["kv_connector_extra_config"]["maru_kv_chunk_tokens"] == 512
     monkeypatch.delenv("DYN_VLLM_DISAGGREGATION_MODE", raising=False)
-    _, rest = maru_worker.build(["--maru-pool-address", "a", "--maru-pool-name", "kv",
-                                 "--kv-events-config", "{}", "--kv-transfer-config", "{\"x\": 1}"])
-    assert rest == ["--kv-events-config", "{}", "--kv-transfer-config", "{\"x\": 1}"]
+    _, rest = maru_worker.build(
+        [
+            "--maru-pool-address",
+            "a",
+            "--maru-pool-name",
+            "kv",
+            "--kv-events-config",
+            "{}",
+            "--kv-transfer-config",
+            '{"x": 1}',
+        ]
+    )
+    assert rest == ["--kv-events-config", "{}", "--kv-transfer-config", '{"x": 1}']
     _, rest = maru_worker.build(["--maru-pool-address", "a", "--maru-pool-name", "kv"])
     assert json.loads(rest[rest.index("--kv-transfer-config") + 1])["kv_role"] == "kv_both"
 

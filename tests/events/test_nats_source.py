@@ -14,8 +14,8 @@ from maru_vllm.events.types import BlocksRemoved, BlocksStored
 from maru_vllm.launch import stack
 from maru_vllm.pool import PoolClient, events_subject
 from tests.events.conftest import restart_pool
-from tests.waiting import wait_until
 from tests.events.helpers import BLOCK, block_hash, chunk_key, chunk_meta
+from tests.waiting import wait_until
 
 NS = "kv:m:1"
 
@@ -49,11 +49,13 @@ class Follower:
     def keys(self) -> set[str]:
         async def get():
             return {k for _, k in self.view.objects}
+
         return self.thread.call(get())
 
     def blocks(self) -> frozenset[bytes]:
         async def get():
             return self.view.blocks
+
         return self.thread.call(get())
 
     def close(self) -> None:
@@ -90,8 +92,11 @@ def test_late_start_then_live_events(pool_service, follower_factory, nats, via_s
     with PoolClient.connect(pool_service.address) as c:
         early = {put(c, 1, 0), put(c, 1, 1)}
         c.put(b"other", b"x", namespace="kv:other:1", meta=chunk_meta(7, 0))
-        f = follower_factory(nats_url=nats[1], pool_name=pool_service.pool_name,
-                             pool_address=pool_service.address if via_socket else None)
+        f = follower_factory(
+            nats_url=nats[1],
+            pool_name=pool_service.pool_name,
+            pool_address=pool_service.address if via_socket else None,
+        )
         wait_until(lambda: f.keys() == early, what="snapshot applied")
         assert f.snapshots == 1 and f.source.last_seq == c.stats()["event_seq"]
         # stored announcements came parent-first from the snapshot
@@ -99,8 +104,7 @@ def test_late_start_then_live_events(pool_service, follower_factory, nats, via_s
         late = put(c, 2, 0)
         wait_until(lambda: f.keys() == early | {late}, what="live stored event applied")
         c.remove([chunk_key(1, 1)], namespace=NS)
-        wait_until(lambda: f.keys() == (early | {late}) - {chunk_key(1, 1).hex()},
-                 what="live removed event applied")
+        wait_until(lambda: f.keys() == (early | {late}) - {chunk_key(1, 1).hex()}, what="live removed event applied")
         assert f.announced[-1] == BlocksRemoved((block_hash(1, 2), block_hash(1, 3)))
         assert f.snapshots == 1 and f.source.stats.gaps == 0
 
@@ -116,8 +120,16 @@ def test_gap_triggers_resync(pool_service, follower_factory, nats) -> None:
         wait_until(lambda: f.keys() == {k}, what="synced")
         st = c.stats()
         # an event from the future of this incarnation: events in between went missing
-        fake = {"type": "stored", "seq": st["event_seq"] + 5, "incarnation": st["incarnation"],
-                "pool": pool_service.pool_name, "namespace": NS, "key": "ff", "size": 1, "meta": chunk_meta(9, 0)}
+        fake = {
+            "type": "stored",
+            "seq": st["event_seq"] + 5,
+            "incarnation": st["incarnation"],
+            "pool": pool_service.pool_name,
+            "namespace": NS,
+            "key": "ff",
+            "size": 1,
+            "meta": chunk_meta(9, 0),
+        }
 
         async def publish():
             nc = await nats_py.connect(nats[1])

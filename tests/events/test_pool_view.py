@@ -36,14 +36,17 @@ def test_removed_withdraws_blocks_only_when_the_last_object_holding_them_goes() 
     assert len(v) == 0 and not v.blocks
 
 
-@pytest.mark.parametrize("o", [
-    obj(1, 0, namespace="kv:other:1"),                                 # another model's namespace
-    PoolObject("kv:m:1", "aa", 1, {"block": 3}),                        # not chunk metadata
-    PoolObject("kv:m:1", "aa", 1, None),
-    PoolObject("kv:m:1", "aa", 1, {**chunk_meta(1, 0), "v": 99}),       # unknown metadata version
-    PoolObject("kv:m:1", "aa", 1, {**chunk_meta(1, 0), "token_ids": [[1, 2]]}),  # tokens do not fit
-    obj(1, 0, block_size=8),                                           # another block size
-])
+@pytest.mark.parametrize(
+    "o",
+    [
+        obj(1, 0, namespace="kv:other:1"),  # another model's namespace
+        PoolObject("kv:m:1", "aa", 1, {"block": 3}),  # not chunk metadata
+        PoolObject("kv:m:1", "aa", 1, None),
+        PoolObject("kv:m:1", "aa", 1, {**chunk_meta(1, 0), "v": 99}),  # unknown metadata version
+        PoolObject("kv:m:1", "aa", 1, {**chunk_meta(1, 0), "token_ids": [[1, 2]]}),  # tokens do not fit
+        obj(1, 0, block_size=8),  # another block size
+    ],
+)
 def test_foreign_or_malformed_objects_are_never_announced(o: PoolObject) -> None:
     v = view()
     assert v.stored(o) == [] and len(v) == 0
@@ -53,8 +56,9 @@ def test_apply_routes_events() -> None:
     v = view()
     o = obj(2, 0)
     ev = PoolEvent("stored", 1, "inc", "p", o)
-    assert v.apply(ev) and v.apply(PoolEvent("removed", 2, "inc", "p", o)) == [BlocksRemoved(
-        (block_hash(2, 0), block_hash(2, 1)))]
+    assert v.apply(ev) and v.apply(PoolEvent("removed", 2, "inc", "p", o)) == [
+        BlocksRemoved((block_hash(2, 0), block_hash(2, 1)))
+    ]
 
 
 def test_resync_announces_only_the_difference_parents_first() -> None:
@@ -64,15 +68,17 @@ def test_resync_announces_only_the_difference_parents_first() -> None:
     v.stored(obj(2, 0))
     snap = PoolSnapshot("p", "inc2", 9, (obj(3, 1), obj(1, 0), obj(3, 0), obj(9, 0, namespace="x")))
     out = v.resync(snap)
-    assert out[0] == BlocksRemoved((block_hash(1, 2), block_hash(1, 3), block_hash(2, 0), block_hash(2, 1))) or \
-        set(out[0].block_hashes) == {block_hash(1, 2), block_hash(1, 3), block_hash(2, 0), block_hash(2, 1)}
+    assert out[0] == BlocksRemoved((block_hash(1, 2), block_hash(1, 3), block_hash(2, 0), block_hash(2, 1))) or set(
+        out[0].block_hashes
+    ) == {block_hash(1, 2), block_hash(1, 3), block_hash(2, 0), block_hash(2, 1)}
     stores = out[1:]
     assert [s.block_hashes[0] for s in stores] == [block_hash(3, 0), block_hash(3, 2)]  # parent chunk first
     assert v.resync(snap) == []  # idempotent
     assert v.blocks == {block_hash(1, 0), block_hash(1, 1)} | {block_hash(3, b) for b in range(4)}
     cleared = v.clear()
     assert len(cleared) == 1 and set(cleared[0].block_hashes) == {block_hash(1, 0), block_hash(1, 1)} | {
-        block_hash(3, b) for b in range(4)}
+        block_hash(3, b) for b in range(4)
+    }
     assert not v.blocks
 
 
@@ -104,17 +110,32 @@ def test_namespace_filters() -> None:
 
 def test_model_prefix_matches_the_connector_namespace() -> None:
     ns_mod = pytest.importorskip("maru_vllm.connector.namespace")
-    ident = ns_mod.KVIdentity(model="/x/some-very-long-model-name-that-goes-beyond-forty-characters", revision=None,
-                              dtype="bf16", kv_cache_dtype="auto", block_size=128, num_layers=2, num_kv_heads=2,
-                              head_size=64, attention="FullAttentionSpec@cpu", tp_size=1, pp_size=1,
-                              hash_algo="sha256", salt="")
+    ident = ns_mod.KVIdentity(
+        model="/x/some-very-long-model-name-that-goes-beyond-forty-characters",
+        revision=None,
+        dtype="bf16",
+        kv_cache_dtype="auto",
+        block_size=128,
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=64,
+        attention="FullAttentionSpec@cpu",
+        tp_size=1,
+        pp_size=1,
+        hash_algo="sha256",
+        salt="",
+    )
     prefix = model_namespace_prefix(ident.model)
-    assert ident.namespace().startswith(prefix) and ident.namespace()[len(prefix):] == ident.digest()
+    assert ident.namespace().startswith(prefix) and ident.namespace()[len(prefix) :] == ident.digest()
 
 
 def test_chunk_meta_parsing() -> None:
     c = PoolChunk.from_meta(chunk_meta(5, 1))
-    assert c is not None and c.chunk_index == 1 and c.parent_of(0) == block_hash(5, 1) and c.parent_of(1) == \
-        block_hash(5, 2)
+    assert (
+        c is not None
+        and c.chunk_index == 1
+        and c.parent_of(0) == block_hash(5, 1)
+        and c.parent_of(1) == block_hash(5, 2)
+    )
     assert PoolChunk.from_meta({**chunk_meta(5, 0), "block_hashes": ["zz", "00"]}) is None
     assert PoolChunk.from_meta({**chunk_meta(5, 0), "lora_name": 3}) is None

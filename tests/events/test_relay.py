@@ -14,8 +14,8 @@ from maru_vllm.events.pool_view import NamespaceFilter
 from maru_vllm.events.relay import KvEventRelay, RelayThread
 from maru_vllm.launch import free_port
 from maru_vllm.pool import PoolClient
-from tests.waiting import wait_until
 from tests.events.helpers import BLOCK, block_hash, chunk_key, chunk_meta
+from tests.waiting import wait_until
 
 NS = "kv:m:1"
 pytestmark = pytest.mark.timeout(180)
@@ -35,7 +35,7 @@ class Downstream:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.sock.poll(50):
-                topic, seq, payload = self.sock.recv_multipart()
+                _topic, seq, payload = self.sock.recv_multipart()
                 self.got.append((vf.decode_seq(seq), vf.decode_batch(payload), payload))
 
     def events(self) -> list:
@@ -45,6 +45,7 @@ class Downstream:
         def check():
             self.pump()
             return pred(self)
+
         wait_until(check, timeout, what, interval=0)
 
     def close(self) -> None:
@@ -77,6 +78,7 @@ def relay_factory():
             r = KvEventRelay(**kw)
             await r.start()
             return r
+
         r = thread.call(start())
         relays.append(r)
         return r
@@ -86,9 +88,20 @@ def relay_factory():
 
 
 def gpu_batch(prefix: int, block: int):
-    return vf.KVEventBatch(ts=1.0, events=[vf.BlockStored(
-        block_hashes=[vf.external_hash(block_hash(prefix, block))], parent_block_hash=None,
-        token_ids=list(range(BLOCK)), block_size=BLOCK, lora_id=None, medium="GPU", lora_name=None)])
+    return vf.KVEventBatch(
+        ts=1.0,
+        events=[
+            vf.BlockStored(
+                block_hashes=[vf.external_hash(block_hash(prefix, block))],
+                parent_block_hash=None,
+                token_ids=list(range(BLOCK)),
+                block_size=BLOCK,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+        ],
+    )
 
 
 def test_merged_stream(pool_service, nats, vllm_pub, relay_factory) -> None:
@@ -97,7 +110,10 @@ def test_merged_stream(pool_service, nats, vllm_pub, relay_factory) -> None:
     try:
         assert c.put(chunk_key(1, 0), b"x", namespace=NS, meta=chunk_meta(1, 0))  # before the relay: snapshot
         relay = relay_factory(
-            upstream=upstream, medium="CPU_PINNED", data_parallel_rank=0, block_size=BLOCK,
+            upstream=upstream,
+            medium="CPU_PINNED",
+            data_parallel_rank=0,
+            block_size=BLOCK,
             namespaces=NamespaceFilter(prefixes=("kv:m:",)),
             pool=PoolSourceConfig(nats_url=nats[1], pool_name=pool_service.pool_name, probe_interval_s=60),
         )
@@ -138,7 +154,9 @@ def test_merged_stream(pool_service, nats, vllm_pub, relay_factory) -> None:
         late.wait(lambda d: len(d.events()) >= 1, what="re-announcement")
         [again] = late.events()
         assert isinstance(again, vf.BlockStored) and again.block_hashes == [
-            vf.external_hash(block_hash(1, 2)), vf.external_hash(block_hash(1, 3))]
+            vf.external_hash(block_hash(1, 2)),
+            vf.external_hash(block_hash(1, 3)),
+        ]
         late.close()
         down.close()
     finally:
@@ -156,7 +174,8 @@ def test_vllm_payload_is_forwarded_unchanged(vllm_pub, relay_factory) -> None:
     down.wait(lambda d: len(d.got) == 5, what="5 batches")
     raw = [p for _, _, p in down.got]
     assert [b.events[0].block_hashes for _, b, _ in down.got] == [
-        [vf.external_hash(block_hash(9, i))] for i in range(5)]
+        [vf.external_hash(block_hash(9, i))] for i in range(5)
+    ]
     # byte-identical to vLLM's own encoding (the publisher stamps the dp rank)
     for i, p in enumerate(raw):
         expect = gpu_batch(9, i)
@@ -183,8 +202,9 @@ def test_unknown_medium_is_accepted_with_a_warning(caplog, relay_factory) -> Non
     assert any("not one Dynamo's router places" in r.message for r in caplog.records)
 
 
-def test_blocks_are_announced_again_after_a_nats_outage(pool_service, nats, vllm_pub, relay_factory, procs,
-                                                        log_dir) -> None:
+def test_blocks_are_announced_again_after_a_nats_outage(
+    pool_service, nats, vllm_pub, relay_factory, procs, log_dir
+) -> None:
     """Dynamo's own NATS client may reconnect later than ours: what we announce right after an
     outage can be lost on its way to the router, so the relay repeats the pool's blocks."""
     from maru_vllm.launch import stack
@@ -194,7 +214,9 @@ def test_blocks_are_announced_again_after_a_nats_outage(pool_service, nats, vllm
     c = PoolClient.connect(pool_service.address)
     try:
         relay = relay_factory(
-            upstream=upstream, block_size=BLOCK, namespaces=NamespaceFilter(prefixes=("kv:m:",)),
+            upstream=upstream,
+            block_size=BLOCK,
+            namespaces=NamespaceFilter(prefixes=("kv:m:",)),
             pool=PoolSourceConfig(nats_url=url, pool_name=pool_service.pool_name, probe_interval_s=60),
             reannounce_after_s=(0.5,),
         )

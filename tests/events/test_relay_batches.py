@@ -10,8 +10,9 @@ from tests.events.helpers import BLOCK, block_hash
 
 def test_large_announcements_are_split_into_bounded_batches_in_order() -> None:
     relay = KvEventRelay(upstream="tcp://127.0.0.1:1")  # not started: batches are held, in order
-    stores = [BlocksStored((block_hash(i, 0), block_hash(i, 1)), None, tuple(range(2 * BLOCK)), BLOCK)
-              for i in range(1500)]
+    stores = [
+        BlocksStored((block_hash(i, 0), block_hash(i, 1)), None, tuple(range(2 * BLOCK)), BLOCK) for i in range(1500)
+    ]
     removal = BlocksRemoved(tuple(block_hash(i, 9) for i in range(2500)))
     relay._announce([removal, *stores])
     batches = [vf.decode_batch(p) for p in relay._held]

@@ -37,8 +37,7 @@ def test_announcements_round_trip_through_vllms_classes() -> None:
     assert payload == msgspec.msgpack.Encoder().encode(batch)
     # the generic msgpack shape vLLM consumers (Dynamo) parse: [ts, [events...], dp_rank], tagged events
     raw = msgspec.msgpack.decode(payload)
-    assert raw[0] == 12.5 and raw[2] == 0 and raw[1][0]["type"] == "BlockStored" and raw[1][1]["type"] == \
-        "BlockRemoved"
+    assert raw[0] == 12.5 and raw[2] == 0 and raw[1][0]["type"] == "BlockStored" and raw[1][1]["type"] == "BlockRemoved"
 
 
 def test_first_chunk_has_no_parent_and_seq_frames_are_vllms() -> None:

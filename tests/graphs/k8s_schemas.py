@@ -46,7 +46,7 @@ def _close(schema: Any) -> Any:
     return schema
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dgd_validator(version: str = "v1beta1") -> jsonschema.protocols.Validator:
     if not DGD_CRD.is_file():
         raise FileNotFoundError(f"{DGD_CRD}: the upstream DynamoGraphDeployment CRD (shared/k8s-schemas) is missing")
@@ -66,8 +66,11 @@ def validate_dgd(doc: dict[str, Any]) -> None:
     version = doc.get("apiVersion", "").rpartition("/")[2]
     errors = sorted(dgd_validator(version).iter_errors(doc), key=lambda e: list(e.absolute_path))
     if errors:
-        raise ManifestError("DynamoGraphDeployment {}: {}".format(
-            doc.get("metadata", {}).get("name"), "; ".join(f"{_where(e)}: {e.message}" for e in errors[:5])))
+        raise ManifestError(
+            "DynamoGraphDeployment {}: {}".format(
+                doc.get("metadata", {}).get("name"), "; ".join(f"{_where(e)}: {e.message}" for e in errors[:5])
+            )
+        )
 
 
 def validate_core(doc: dict[str, Any]) -> None:
@@ -77,8 +80,9 @@ def validate_core(doc: dict[str, Any]) -> None:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
             # It is a jsonschema.ValidationError carrying the failing path and message.
-            raise ManifestError(f"{doc['kind']} {doc['metadata'].get('name')} (Kubernetes {version}): "
-                                f"{_where(exc)}: {exc.message}") from exc
+            raise ManifestError(
+                f"{doc['kind']} {doc['metadata'].get('name')} (Kubernetes {version}): {_where(exc)}: {exc.message}"
+            ) from exc
 
 
 def validate_manifest(doc: dict[str, Any]) -> None:
@@ -86,9 +90,14 @@ def validate_manifest(doc: dict[str, Any]) -> None:
     if doc["kind"] == "DynamoGraphDeployment":
         validate_dgd(doc)
         for component in doc["spec"]["components"]:
-            validate_core({"apiVersion": "v1", "kind": "PodTemplate",
-                           "metadata": {"name": f"{doc['metadata']['name']}-{component['name'].lower()}"},
-                           "template": component["podTemplate"]})
+            validate_core(
+                {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": f"{doc['metadata']['name']}-{component['name'].lower()}"},
+                    "template": component["podTemplate"],
+                }
+            )
     elif doc["kind"] == "ServiceMonitor":
         # prometheus-operator's CRD is not available here; its shape is asserted by the tests.
         return

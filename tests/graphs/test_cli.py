@@ -21,8 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "maru_vllm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "maru_vllm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def sections(dry_run: str) -> dict[str, list[str]]:
@@ -87,8 +93,10 @@ def test_dry_run_lists_every_process_on_loopback() -> None:
         discovery.add(env["DYN_FILE_KV"])
     assert binds == ["0", str(1 % (os.cpu_count() or 1))]  # round-robin over the cores
     # Two CPU engines on fewer than four cores: each worker's whole process tree stays on its engine's core.
-    pinned = [next((line.removeprefix("cpus: ") for line in procs[n] if line.startswith("cpus: ")), None)
-              for n in ("worker:worker-0", "worker:worker-1")]
+    pinned = [
+        next((line.removeprefix("cpus: ") for line in procs[n] if line.startswith("cpus: ")), None)
+        for n in ("worker:worker-0", "worker:worker-1")
+    ]
     assert pinned == (binds if stack.cpu_engines() and len(os.sched_getaffinity(0)) < 4 else [None, None])
     assert not any(line.startswith("cpus: ") for n in ("pool", "frontend") for line in procs[n])
 
@@ -132,9 +140,18 @@ def test_frontend_help_passes_through_to_dynamo() -> None:
 
 def test_frontend_adds_kv_router_and_pool_weight_unless_given() -> None:
     assert build_argv(["--http-port", "9000"], {}) == [
-        "--http-port", "9000", "--router-mode", "kv", "--router-host-cache-hit-weight", repr(POOL_TIER_WEIGHT)]
+        "--http-port",
+        "9000",
+        "--router-mode",
+        "kv",
+        "--router-host-cache-hit-weight",
+        repr(POOL_TIER_WEIGHT),
+    ]
     assert build_argv(["--router-mode=round-robin"], {"MARU_POOL_TIER_WEIGHT": "0.5"}) == [
-        "--router-mode=round-robin", "--router-host-cache-hit-weight", "0.5"]
+        "--router-mode=round-robin",
+        "--router-host-cache-hit-weight",
+        "0.5",
+    ]
     given = ["--router-mode", "random", "--router-host-cache-hit-weight", "0.1"]
     assert build_argv(given, {"MARU_POOL_TIER_WEIGHT": "0.5"}) == given
     # Dynamo's own variables count as the user's choice.
@@ -142,8 +159,13 @@ def test_frontend_adds_kv_router_and_pool_weight_unless_given() -> None:
 
 
 def test_frontend_rejects_a_bad_weight() -> None:
-    res = subprocess.run([sys.executable, "-m", "maru_dynamo.components.frontend"], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "MARU_POOL_TIER_WEIGHT": "2"})
+    res = subprocess.run(
+        [sys.executable, "-m", "maru_dynamo.components.frontend"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "MARU_POOL_TIER_WEIGHT": "2"},
+    )
     assert res.returncode != 0
     assert "$MARU_POOL_TIER_WEIGHT: invalid pool tier weight '2': use a number from 0.0 to 1.0" in res.stderr
 
@@ -152,9 +174,25 @@ def test_pool_component_serves_and_stops(tmp_path: Path) -> None:
     sock = tmp_path / "p.sock"
     region = f"/dev/shm/maru-test-component-{os.getpid()}"
     log = open(tmp_path / "pool.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "maru_dynamo.components.pool", "serve", "--name", "comp",
-                             "--size", "8M", "--path", region, "--listen", f"unix://{sock}"],
-                            stdout=subprocess.PIPE, stderr=log, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "maru_dynamo.components.pool",
+            "serve",
+            "--name",
+            "comp",
+            "--size",
+            "8M",
+            "--path",
+            region,
+            "--listen",
+            f"unix://{sock}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
     log.close()
     try:
         line = proc.stdout.readline()
@@ -170,8 +208,12 @@ def test_pool_component_serves_and_stops(tmp_path: Path) -> None:
 
 
 def test_pool_component_rejects_bad_options() -> None:
-    res = subprocess.run([sys.executable, "-m", "maru_dynamo.components.pool", "--name", "x", "--size", "4X"],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "maru_dynamo.components.pool", "--name", "x", "--size", "4X"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2
     assert "maru-dynamo pool serve: error: argument --size: invalid size '4X'" in res.stderr
 

@@ -24,7 +24,7 @@ import yaml
 
 from maru_dynamo.graphs import helm
 from maru_dynamo.graphs.render import RenderOptions, chart_values, render_yaml
-from maru_dynamo.graphs.spec import GraphSpecError, load_graph, parse_graph
+from maru_dynamo.graphs.spec import load_graph, parse_graph
 from maru_vllm.hash_seed import GRAPH_HASH_SEED
 from tests.graphs.k8s_schemas import ManifestError, validate_core, validate_dgd, validate_manifest
 
@@ -35,8 +35,14 @@ IMAGE = "registry.example/maru-dynamo:0.1.0"
 
 
 def cli_render(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "maru_vllm.cli", "graph", "render", *args],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT, input=stdin)
+    return subprocess.run(
+        [sys.executable, "-m", "maru_vllm.cli", "graph", "render", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        input=stdin,
+    )
 
 
 def docs_of(text: str) -> list[dict[str, Any]]:
@@ -81,12 +87,29 @@ def rendered() -> dict[str, dict[str, dict[str, Any]]]:
 # -- the objects ----------------------------------------------------------------------------------
 def test_every_rendered_object_passes_its_real_schema(rendered: dict[str, Any]) -> None:
     variants = [list(rendered["agg"].values()), list(rendered["disagg"].values())]
-    variants.append(render_values({"image": IMAGE, "metrics": {"serviceMonitor": {"enabled": True}},
-                                   "nodeSelector": {"maru.io/pool": "true"},
-                                   "tolerations": [{"key": "gpu", "operator": "Exists"}]}))
-    variants.append(render_values({"image": IMAGE, "pool": {"backend": "dax", "path": "/dev/dax0.0",
-                                                            "daxAccess": "devicePlugin",
-                                                            "deviceResource": "example.com/cxl-dax"}}))
+    variants.append(
+        render_values(
+            {
+                "image": IMAGE,
+                "metrics": {"serviceMonitor": {"enabled": True}},
+                "nodeSelector": {"maru.io/pool": "true"},
+                "tolerations": [{"key": "gpu", "operator": "Exists"}],
+            }
+        )
+    )
+    variants.append(
+        render_values(
+            {
+                "image": IMAGE,
+                "pool": {
+                    "backend": "dax",
+                    "path": "/dev/dax0.0",
+                    "daxAccess": "devicePlugin",
+                    "deviceResource": "example.com/cxl-dax",
+                },
+            }
+        )
+    )
     variants.append(render_values({**yaml.safe_load(CXL_EXAMPLE.read_text()), "image": IMAGE}))
     kinds = set()
     for docs in variants:
@@ -106,7 +129,10 @@ def test_dgd_is_v1beta1_with_typed_components(rendered: dict[str, Any]) -> None:
 
     assert shape(agg) == {"Frontend": ("frontend", 1), "worker": ("worker", 2)}
     assert shape(rendered["disagg"]["DynamoGraphDeployment"]) == {
-        "Frontend": ("frontend", 1), "prefill": ("prefill", 1), "decode": ("decode", 1)}
+        "Frontend": ("frontend", 1),
+        "prefill": ("prefill", 1),
+        "decode": ("decode", 1),
+    }
     for graph in ("agg", "disagg"):
         for name, comp in components(rendered[graph]["DynamoGraphDeployment"]).items():
             # Our image's tag is maru-dynamo's version: the operator is told the Dynamo runtime's.
@@ -135,7 +161,8 @@ def test_pool_daemonset_and_workers_share_the_region_socket_and_user(rendered: d
         assert address == "unix:///run/maru/kv.sock"
         assert {v["name"]: v["hostPath"] for v in pod["volumes"]} == {
             "maru-region": {"path": "/dev/shm", "type": "Directory"},
-            "maru-socket": {"path": "/run/maru", "type": "DirectoryOrCreate"}}
+            "maru-socket": {"path": "/run/maru", "type": "DirectoryOrCreate"},
+        }
         # The socket directory is handed to the pool's user before the pool starts.
         (init,) = pod["initContainers"]
         assert init["command"][-1] == "/run/maru" and init["securityContext"] == {"runAsUser": 0}
@@ -173,8 +200,11 @@ def test_workers_are_scheduled_next_to_a_pool_pod(rendered: dict[str, Any]) -> N
 
 
 def test_workers_kv_transfer_args_and_gpus(rendered: dict[str, Any]) -> None:
-    expected = {"worker": ("agg", "kv_both"), "prefill": ("prefill", "kv_producer"),
-                "decode": ("decode", "kv_consumer")}
+    expected = {
+        "worker": ("agg", "kv_both"),
+        "prefill": ("prefill", "kv_producer"),
+        "decode": ("decode", "kv_consumer"),
+    }
     maru_worker = None
     if importlib.util.find_spec("maru_dynamo.components.maru_worker") is not None:
         from maru_dynamo.components import maru_worker
@@ -219,12 +249,21 @@ def test_render_options_and_errors(tmp_path: Path) -> None:
 
 
 def test_values_files_layer_over_the_graph() -> None:
-    res = cli_render("disagg", "--image", IMAGE, "-f", "/dev/stdin",
-                     stdin="metrics: {serviceMonitor: {enabled: true}}\nnodeSelector: {pool: 'yes'}\n")
+    res = cli_render(
+        "disagg",
+        "--image",
+        IMAGE,
+        "-f",
+        "/dev/stdin",
+        stdin="metrics: {serviceMonitor: {enabled: true}}\nnodeSelector: {pool: 'yes'}\n",
+    )
     assert res.returncode == 0, res.stderr
     docs = by_kind(docs_of(res.stdout))
     assert docs["ServiceMonitor"]["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
-    assert docs["ServiceMonitor"]["spec"]["selector"]["matchLabels"].items() <= docs["Service"]["metadata"]["labels"].items()
+    assert (
+        docs["ServiceMonitor"]["spec"]["selector"]["matchLabels"].items()
+        <= docs["Service"]["metadata"]["labels"].items()
+    )
     assert docs["Service"]["spec"]["selector"] == docs["DaemonSet"]["spec"]["selector"]["matchLabels"]
     # The graph's own settings stay: its worker list, its name.
     assert set(components(docs["DynamoGraphDeployment"])) == {"Frontend", "prefill", "decode"}
@@ -232,9 +271,20 @@ def test_values_files_layer_over_the_graph() -> None:
 
 def test_numbers_become_whole_command_line_words() -> None:
     """Helm reads values' numbers as floats; 10000000 must still reach vLLM as '10000000', not '1e+07'."""
-    spec = parse_graph({"name": "g", "model": "m", "pool": {"size": "1536M", "chunk_tokens": 1000000},
-                        "workers": [{"name": "w", "args": ["--max-model-len", 10000000, "--gpu-memory-utilization", 0.9],
-                                     "env": {"BIG": 12345678}}]})
+    spec = parse_graph(
+        {
+            "name": "g",
+            "model": "m",
+            "pool": {"size": "1536M", "chunk_tokens": 1000000},
+            "workers": [
+                {
+                    "name": "w",
+                    "args": ["--max-model-len", 10000000, "--gpu-memory-utilization", 0.9],
+                    "env": {"BIG": 12345678},
+                }
+            ],
+        }
+    )
     docs = by_kind(docs_of(render_yaml(spec, RenderOptions(image=IMAGE, values=({"pool": {"size": 1 << 30}},)))))
     assert flag(docs["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]["args"], "--size") == "1073741824"
     main = main_container(components(docs["DynamoGraphDeployment"])["w"])
@@ -245,8 +295,15 @@ def test_numbers_become_whole_command_line_words() -> None:
 
 
 def test_dax_pool_mounts_the_device_privileged_or_by_device_plugin() -> None:
-    spec = parse_graph({"name": "g", "model": "m", "pool": {"backend": "dax", "path": "/dev/dax0.0", "size": "64G"},
-                        "frontend": {"pool_tier_weight": 0.6}, "workers": [{"name": "w", "env": {"A": "1"}}]})
+    spec = parse_graph(
+        {
+            "name": "g",
+            "model": "m",
+            "pool": {"backend": "dax", "path": "/dev/dax0.0", "size": "64G"},
+            "frontend": {"pool_tier_weight": 0.6},
+            "workers": [{"name": "w", "env": {"A": "1"}}],
+        }
+    )
     docs = by_kind(docs_of(render_yaml(spec, RenderOptions(image=IMAGE))))
     pool = docs["DaemonSet"]["spec"]["template"]["spec"]
     assert pool["volumes"][0] == {"name": "maru-region", "hostPath": {"path": "/dev/dax0.0", "type": "CharDevice"}}
@@ -257,8 +314,22 @@ def test_dax_pool_mounts_the_device_privileged_or_by_device_plugin() -> None:
     assert "sharedMemorySize" not in worker  # the operator's tmpfs: the region is not in /dev/shm
     assert docs["ConfigMap"]["data"]["MARU_POOL_TIER_WEIGHT"] == "0.6"
 
-    plugin = by_kind(docs_of(render_yaml(spec, RenderOptions(image=IMAGE, values=(
-        {"pool": {"daxAccess": "devicePlugin", "deviceResource": "example.com/cxl-dax"}, "sharedMemorySize": "16Gi"},)))))
+    plugin = by_kind(
+        docs_of(
+            render_yaml(
+                spec,
+                RenderOptions(
+                    image=IMAGE,
+                    values=(
+                        {
+                            "pool": {"daxAccess": "devicePlugin", "deviceResource": "example.com/cxl-dax"},
+                            "sharedMemorySize": "16Gi",
+                        },
+                    ),
+                ),
+            )
+        )
+    )
     pool = plugin["DaemonSet"]["spec"]["template"]["spec"]
     assert [v["name"] for v in pool["volumes"]] == ["maru-socket"]
     assert pool["containers"][0]["resources"] == {"limits": {"example.com/cxl-dax": "1"}}
@@ -268,8 +339,10 @@ def test_dax_pool_mounts_the_device_privileged_or_by_device_plugin() -> None:
     assert worker["sharedMemorySize"] == "16Gi"
 
     with pytest.raises(helm.ChartError, match=r"pool.path: missing; backend \"dax\""):
-        render_yaml(parse_graph({"name": "g", "model": "m", "kubernetes": {"pool_backend": "dax"},
-                                 "workers": [{"name": "w"}]}), RenderOptions(image=IMAGE))
+        render_yaml(
+            parse_graph({"name": "g", "model": "m", "kubernetes": {"pool_backend": "dax"}, "workers": [{"name": "w"}]}),
+            RenderOptions(image=IMAGE),
+        )
 
 
 # -- the chart itself: one source, linted by Helm ------------------------------------------------
@@ -294,7 +367,7 @@ def test_negative_broken_template_is_refused_by_helm(tmp_path: Path) -> None:
     chart = tmp_path / "chart"
     shutil.copytree(CHART, chart)
     template = chart / "templates" / "configmap.yaml"
-    template.write_text(template.read_text() + '  BROKEN: {{ .Values.pool.name | no_such_function }}\n')
+    template.write_text(template.read_text() + "  BROKEN: {{ .Values.pool.name | no_such_function }}\n")
     findings = helm.lint({"image": IMAGE}, chart=chart)
     assert any(f.startswith("ERROR") and "no_such_function" in f for f in findings), findings
     with pytest.raises(helm.ChartError, match="no_such_function"):
@@ -311,16 +384,22 @@ def test_negative_values_outside_the_chart_schema_are_refused() -> None:
         helm.template({"image": IMAGE, "graph": "both"}, release="r", namespace="ns")
     with pytest.raises(helm.ChartError, match="image is required"):
         helm.template({}, release="r", namespace="ns")
-    bad_mix = {"image": IMAGE, "graph": "disagg",
-               "workers": {"disagg": [{"name": "p", "type": "prefill", "replicas": 1}]}}
+    bad_mix = {
+        "image": IMAGE,
+        "graph": "disagg",
+        "workers": {"disagg": [{"name": "p", "type": "prefill", "replicas": 1}]},
+    }
     with pytest.raises(helm.ChartError, match="at least one prefill and one decode"):
         helm.template(bad_mix, release="r", namespace="ns")
     taken = {"image": IMAGE, "workers": {"agg": [{"name": "frontend", "type": "worker", "replicas": 1}]}}
     with pytest.raises(helm.ChartError, match="taken by the Frontend component"):
         helm.template(taken, release="r", namespace="ns")
-    with pytest.raises(helm.ChartError, match="pool.deviceResource: missing"):
-        helm.template({"image": IMAGE, "pool": {"backend": "dax", "path": "/dev/dax0.0", "daxAccess": "devicePlugin"}},
-                      release="r", namespace="ns")
+    with pytest.raises(helm.ChartError, match=r"pool\.deviceResource: missing"):
+        helm.template(
+            {"image": IMAGE, "pool": {"backend": "dax", "path": "/dev/dax0.0", "daxAccess": "devicePlugin"}},
+            release="r",
+            namespace="ns",
+        )
 
 
 # -- the validators refuse what they must --------------------------------------------------------
@@ -334,12 +413,16 @@ def test_negative_misspelled_dgd_keys_fail_the_crd_schema(rendered: dict[str, An
         return doc
 
     cases = {
-        "podTemplat": lambda d: d["spec"]["components"][1].__setitem__("podTemplat", d["spec"]["components"][1].pop("podTemplate")),
+        "podTemplat": lambda d: d["spec"]["components"][1].__setitem__(
+            "podTemplat", d["spec"]["components"][1].pop("podTemplate")
+        ),
         "componets": lambda d: d["spec"].__setitem__("componets", d["spec"].pop("components")),
         "volumeMount": lambda d: main_container(d["spec"]["components"][2]).__setitem__(
-            "volumeMount", main_container(d["spec"]["components"][2]).pop("volumeMounts")),
+            "volumeMount", main_container(d["spec"]["components"][2]).pop("volumeMounts")
+        ),
         "hostPth": lambda d: d["spec"]["components"][2]["podTemplate"]["spec"]["volumes"][0].__setitem__(
-            "hostPth", d["spec"]["components"][2]["podTemplate"]["spec"]["volumes"][0].pop("hostPath")),
+            "hostPth", d["spec"]["components"][2]["podTemplate"]["spec"]["volumes"][0].pop("hostPath")
+        ),
     }
     for key, edit in cases.items():
         with pytest.raises(ManifestError, match=f"'{key}' was unexpected"):
@@ -371,7 +454,9 @@ def test_negative_invalid_daemonset_fails_the_kubernetes_schema(rendered: dict[s
 def test_the_chart_ships_in_the_wheel_built_from_the_dockerfiles_inputs(tmp_path: Path) -> None:
     """The wheel built from exactly what deploy/Dockerfile copies holds the whole chart."""
     src = tmp_path / "src"
-    copies = re.findall(r"^COPY --chown=1000:0 (.+) /tmp/maru-src/(\S*)$", (ROOT / "deploy" / "Dockerfile").read_text(), re.M)
+    copies = re.findall(
+        r"^COPY --chown=1000:0 (.+) /tmp/maru-src/(\S*)$", (ROOT / "deploy" / "Dockerfile").read_text(), re.M
+    )
     assert copies
     for sources, dest in copies:
         for source in sources.split():
@@ -381,8 +466,23 @@ def test_the_chart_ships_in_the_wheel_built_from_the_dockerfiles_inputs(tmp_path
             else:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / source, target)
-    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     (wheel,) = (tmp_path / "dist").glob("maru_dynamo-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

@@ -57,7 +57,11 @@ def mixed(address: str, worker: int, nworkers: int, count: int, seed: int) -> No
                         corrupt += 1
             # batched acquire of keys other workers stored (found through the snapshot now and then)
             if i % 200 == 199:
-                others = [bytes.fromhex(o["key"]) for o in c.snapshot() if not o["key"].startswith(f"w{worker}-".encode().hex())]
+                others = [
+                    bytes.fromhex(o["key"])
+                    for o in c.snapshot()
+                    if not o["key"].startswith(f"w{worker}-".encode().hex())
+                ]
                 pins = c.acquire(others[:64])
                 for k, pin in zip(others[:64], pins):
                     reads += 1
@@ -68,8 +72,12 @@ def mixed(address: str, worker: int, nworkers: int, count: int, seed: int) -> No
                     else:
                         corrupt += 1
                 c.release(pins)
-    print(json.dumps({"puts": puts, "stored": stored, "reads": reads, "verified": verified,
-                      "corrupt": corrupt, "misses": misses}), flush=True)
+    print(
+        json.dumps(
+            {"puts": puts, "stored": stored, "reads": reads, "verified": verified, "corrupt": corrupt, "misses": misses}
+        ),
+        flush=True,
+    )
 
 
 def reserve_hang(address: str, key: bytes, size: int) -> None:

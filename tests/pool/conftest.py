@@ -29,8 +29,9 @@ def pool_factory(sockdir: Path, procs: ProcessGroup):
 
     def make(size: str = "64M", extra: list[str] | None = None, start: bool = True) -> PoolProcess:
         name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        p = PoolProcess(name, size, sockdir / f"{name}.log", listen=[f"unix://{sockdir / name}.sock"],
-                        extra_args=extra or [])
+        p = PoolProcess(
+            name, size, sockdir / f"{name}.log", listen=[f"unix://{sockdir / name}.sock"], extra_args=extra or []
+        )
         started.append(procs.add(p))
         return p.serve() if start else p
 

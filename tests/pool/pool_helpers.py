@@ -22,7 +22,11 @@ def child_env() -> dict[str, str]:
 
 def spawn_worker(*args: str) -> tuple[subprocess.Popen, StdoutLines]:
     proc = subprocess.Popen(
-        [sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        cwd=REPO, env=child_env(),
+        [sys.executable, str(WORKER), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=child_env(),
     )
     return proc, StdoutLines(proc)

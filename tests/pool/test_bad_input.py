@@ -9,11 +9,11 @@ import sys
 
 import msgspec
 import pytest
+from pool_helpers import REPO, child_env
 
+from maru_vllm.launch import free_port
 from maru_vllm.pool import PoolClient, PoolProtocolError, PoolUnavailable
 from maru_vllm.pool.protocol import PROTOCOL_VERSION
-from maru_vllm.launch import free_port
-from pool_helpers import REPO, child_env
 
 
 class Raw:
@@ -61,7 +61,7 @@ class Raw:
 
 def _err(reply):
     assert reply is not None, "connection closed instead of an error reply"
-    v, rid, ok, result, error = reply
+    _v, _rid, ok, _result, error = reply
     assert ok is False
     return error[0], error[1]
 
@@ -141,20 +141,32 @@ def test_tcp_requires_token(pool_factory, tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "maru_vllm.cli", "pool", *args], capture_output=True, text=True,
-                          cwd=REPO, env=child_env(), timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "maru_vllm.cli", "pool", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=child_env(),
+        timeout=60,
+    )
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--name", "x", "--size", "4X"], ["invalid size '4X'", "512M"]),
-    (["--name", "x", "--size=-1G"], ["invalid size '-1G'"]),
-    (["--name", "bad/name", "--size", "4M"], ["invalid pool name 'bad/name'", "letters, digits"]),
-    (["--name", "x", "--size", "4M", "--backend", "nvme"], ["invalid choice: 'nvme'", "shm", "dax", "file"]),
-    (["--name", "x", "--size", "4M", "--listen", "http://h:1"], ["invalid address 'http://h:1'", "tcp://host:port"]),
-    (["--name", "x", "--size", "4M", "--metrics-port", "70000"], ["invalid port '70000'", "0-65535"]),
-    (["--name", "x", "--size", "4M", "--nats", "localhost:4222"], ["invalid NATS URL 'localhost:4222'", "nats://"]),
-    (["--name", "x", "--size", "4M", "--lease-seconds", "0"], ["invalid duration '0'"]),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--name", "x", "--size", "4X"], ["invalid size '4X'", "512M"]),
+        (["--name", "x", "--size=-1G"], ["invalid size '-1G'"]),
+        (["--name", "bad/name", "--size", "4M"], ["invalid pool name 'bad/name'", "letters, digits"]),
+        (["--name", "x", "--size", "4M", "--backend", "nvme"], ["invalid choice: 'nvme'", "shm", "dax", "file"]),
+        (
+            ["--name", "x", "--size", "4M", "--listen", "http://h:1"],
+            ["invalid address 'http://h:1'", "tcp://host:port"],
+        ),
+        (["--name", "x", "--size", "4M", "--metrics-port", "70000"], ["invalid port '70000'", "0-65535"]),
+        (["--name", "x", "--size", "4M", "--nats", "localhost:4222"], ["invalid NATS URL 'localhost:4222'", "nats://"]),
+        (["--name", "x", "--size", "4M", "--lease-seconds", "0"], ["invalid duration '0'"]),
+    ],
+)
 def test_bad_cli_values_get_clear_messages(args, needle):
     out = _cli("serve", *args)
     assert out.returncode == 2

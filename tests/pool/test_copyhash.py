@@ -6,6 +6,7 @@ the segmentation of the copy, the direction or the CPU implementation; its copie
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import xxhash
 
 from maru_vllm import native
 from maru_vllm.native import _copyhash
-from maru_vllm.pool.objects import payload_checksum, payload_hasher, checksum_of, write_header, OBJ_HEADER_SIZE
+from maru_vllm.pool.objects import OBJ_HEADER_SIZE, checksum_of, payload_checksum, payload_hasher, write_header
 
 ISAS = [isa for isa in ("avx512f", "avx2", "portable") if _copyhash.use_isa(isa)]
 _copyhash.use_isa(native.copy_kernel().isa() if native.copy_kernel() else "portable")
@@ -36,7 +37,7 @@ def _bytes(n: int, seed: int) -> np.ndarray:
 
 def test_hash_equals_xxh3_64_for_every_length_around_stripe_and_block_boundaries(isa: str) -> None:
     data = _bytes(20_000, 1)
-    for n in range(0, 20_000):
+    for n in range(20_000):
         got = _copyhash.hash(data[:n])
         if n <= 240:
             assert got is None, n  # the long-input algorithm only; the package hashes short ones
@@ -50,7 +51,7 @@ def test_hash_equals_xxh3_64_on_random_multi_mib_payloads_at_any_alignment(isa: 
     for _ in range(6):
         start = rng.randrange(0, 4096)
         n = rng.randrange(1 << 20, (9 << 20) - start)
-        assert _copyhash.hash(big[start:start + n]) == xxhash.xxh3_64_intdigest(big[start:start + n])
+        assert _copyhash.hash(big[start : start + n]) == xxhash.xxh3_64_intdigest(big[start : start + n])
 
 
 def _cut(n: int, rng: random.Random, pieces: int) -> list[int]:
@@ -59,8 +60,11 @@ def _cut(n: int, rng: random.Random, pieces: int) -> list[int]:
 
 def _segments(bounds: list[int], memory: np.ndarray, keep: set[int] | None = None) -> np.ndarray:
     """Segments mapping payload [a, b) to memory [a, b); only the pieces in `keep` (all when None)."""
-    rows = [(a, memory.ctypes.data + a, b - a) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
-            if keep is None or i in keep]
+    rows = [
+        (a, memory.ctypes.data + a, b - a)
+        for i, (a, b) in enumerate(itertools.pairwise(bounds))
+        if keep is None or i in keep
+    ]
     return np.array(rows, dtype=np.uint64).reshape(-1, 3)
 
 
@@ -91,11 +95,11 @@ def test_bytes_outside_every_segment_are_hashed_but_not_copied(isa: str, n: int)
     keep = {i for i in range(1, 10) if i % 3}  # piece 0 (leading) and every third piece only hashed
     memory = np.zeros(n, dtype=np.uint8)
     assert _copyhash.copy(payload, _segments(bounds, memory, keep), True) == xxhash.xxh3_64_intdigest(payload)
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
         assert np.array_equal(memory[a:b], payload[a:b] if i in keep else np.zeros(b - a, np.uint8)), i
     # Storing: the payload already holds the uncopied ranges; the hash covers them and the copies.
     out = payload.copy()
-    out[np.concatenate([np.arange(a, b) for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if i in keep])] = 0
+    out[np.concatenate([np.arange(a, b) for i, (a, b) in enumerate(itertools.pairwise(bounds)) if i in keep])] = 0
     assert _copyhash.copy(out, _segments(bounds, payload, keep), False) == xxhash.xxh3_64_intdigest(payload)
     assert np.array_equal(out, payload)
 
@@ -108,11 +112,14 @@ def test_short_payloads_are_copied_and_left_to_the_package_to_hash() -> None:
     assert payload_checksum(memoryview(payload)) == xxhash.xxh3_64_intdigest(payload) & 0xFFFFFFFF
 
 
-@pytest.mark.parametrize("rows, what", [
-    ([(0, 0, 10), (5, 0, 10)], "overlapping"),
-    ([(10, 0, 10), (0, 0, 5)], "out of order"),
-    ([(990, 0, 20)], "past the payload"),
-])
+@pytest.mark.parametrize(
+    "rows, what",
+    [
+        ([(0, 0, 10), (5, 0, 10)], "overlapping"),
+        ([(10, 0, 10), (0, 0, 5)], "out of order"),
+        ([(990, 0, 20)], "past the payload"),
+    ],
+)
 def test_bad_segments_are_refused_with_the_reason(rows, what) -> None:
     with pytest.raises(ValueError, match="out of order, overlapping or past the payload's 1000 bytes"):
         _copyhash.copy(np.zeros(1000, np.uint8), np.array(rows, dtype=np.uint64), True)
@@ -133,7 +140,7 @@ def test_payload_checksum_and_streamed_hasher_agree_on_both_paths(monkeypatch: p
     assert payload_checksum(payload) == want
     h = payload_hasher()
     for i in range(0, len(payload), 4096):
-        h.update(payload[i:i + 4096])
+        h.update(payload[i : i + 4096])
     assert checksum_of(h) == want
     monkeypatch.setenv(native.ENV_NATIVE_COPY, "0")
     assert native.copy_kernel() is None and native.path_name() == "pure"

@@ -34,9 +34,11 @@ def test_events_gap_free_with_meta_and_snapshot_matches_live_set(pool_factory, n
         c = PoolClient.connect(p.address)
         try:
             await _wait(lambda: c.stats()["nats_connected"], what="pool connected to NATS")
+
             def work():
                 for i in range(40):  # 40 x 300K into 4M: stores and evictions
                     assert c.put(b"blk%d" % i, bytes([i]) * 300_000, namespace="m", meta={"block": i, "model": "x"})
+
             await asyncio.to_thread(work)
             st = c.stats()
             await _wait(lambda: len(events) >= st["event_seq"], what="all events delivered")
@@ -100,9 +102,11 @@ def test_ops_continue_while_nats_is_down_and_events_resume(pool_factory, nats):
             nc, events = await _subscribe(nats_url, p.pool_name)
             await _wait(lambda: c.stats()["nats_connected"], timeout=30, what="pool reconnected to NATS")
             await asyncio.to_thread(c.put, b"after", b"2")
-            await _wait(lambda: any(e["type"] == "stored" and e["key"] == b"after".hex() for e in events),
-                        what="event after reconnect")
-            after = [e for e in events if e["key"] == b"after".hex()][0]
+            await _wait(
+                lambda: any(e["type"] == "stored" and e["key"] == b"after".hex() for e in events),
+                what="event after reconnect",
+            )
+            after = next(e for e in events if e["key"] == b"after".hex())
             assert after["seq"] == 22  # numbering continued across the outage
             # a subscriber that missed events resyncs from the snapshot and its seq
             snap = json.loads((await nc.request(snapshot_subject(p.pool_name), b"", timeout=10)).data)

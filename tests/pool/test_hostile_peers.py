@@ -13,12 +13,12 @@ import sys
 import time
 
 import pytest
+from test_bad_input import Raw, _err
 
+from maru_vllm.launch import free_port
 from maru_vllm.pool import PoolClient, PoolProtocolError, PoolUnavailable
 from maru_vllm.pool import protocol as P
-from maru_vllm.launch import free_port
 from tests.waiting import wait_until
-from test_bad_input import Raw, _err
 
 TOKEN = "t" * 24
 
@@ -123,10 +123,11 @@ def _try_connect(address):
         return None
 
 
-def test_idle_sockets_with_a_low_file_limit_neither_block_clients_nor_flood_the_log(pool_factory, tmp_path,
-                                                                                    monkeypatch):
+def test_idle_sockets_with_a_low_file_limit_neither_block_clients_nor_flood_the_log(
+    pool_factory, tmp_path, monkeypatch
+):
     limited = tmp_path / "python-nofile-64"  # the service runs with `ulimit -n 64`
-    limited.write_text(f"#!/bin/sh\nulimit -n 64\nexec {sys.executable} \"$@\"\n")
+    limited.write_text(f'#!/bin/sh\nulimit -n 64\nexec {sys.executable} "$@"\n')
     limited.chmod(0o755)
     with monkeypatch.context() as m:
         m.setattr(sys, "executable", str(limited))

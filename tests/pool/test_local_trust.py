@@ -11,12 +11,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from test_bad_input import _cli
 
+from maru_vllm.launch import free_port
 from maru_vllm.pool import PoolClient, PoolError, PoolUnavailable
 from maru_vllm.pool import address as address_mod
 from maru_vllm.pool import client as client_mod
-from maru_vllm.launch import free_port
-from test_bad_input import _cli
 
 TOKEN = "k" * 32
 
@@ -27,8 +27,19 @@ def test_serve_refuses_to_replace_a_file_that_is_not_a_region(backend, tmp_path,
     path = Path(f"/dev/shm/not-a-region-{os.getpid()}") if backend == "shm" else tmp_path / "precious"
     path.write_bytes(b"precious data\n" * 1000)
     try:
-        args = ["serve", "--name", "x", "--size", "4M", "--backend", backend, "--path", str(path),
-                "--listen", f"{sockdir}/r.sock"]
+        args = [
+            "serve",
+            "--name",
+            "x",
+            "--size",
+            "4M",
+            "--backend",
+            backend,
+            "--path",
+            str(path),
+            "--listen",
+            f"{sockdir}/r.sock",
+        ]
         out = _cli(*args)
         assert out.returncode == 1
         err = out.stderr.strip().splitlines()
@@ -88,17 +99,21 @@ def test_client_reads_the_servers_uid_and_refuses_a_stranger(pool, monkeypatch):
 
 
 # -- token files ----------------------------------------------------------------------------
-@pytest.mark.parametrize("content,mode,needle", [
-    ("short", 0o600, "at least 16"),
-    (TOKEN, 0o644, "readable by group or others"),
-    (TOKEN, 0o640, "readable by group or others"),
-])
+@pytest.mark.parametrize(
+    "content,mode,needle",
+    [
+        ("short", 0o600, "at least 16"),
+        (TOKEN, 0o644, "readable by group or others"),
+        (TOKEN, 0o640, "readable by group or others"),
+    ],
+)
 def test_weak_or_exposed_token_files_are_refused(tmp_path, sockdir, content, mode, needle):
     f = tmp_path / "token"
     f.write_text(content + "\n")
     f.chmod(mode)
-    out = _cli("serve", "--name", "x", "--size", "4M", "--listen", f"tcp://127.0.0.1:{free_port()}",
-               "--token-file", str(f))
+    out = _cli(
+        "serve", "--name", "x", "--size", "4M", "--listen", f"tcp://127.0.0.1:{free_port()}", "--token-file", str(f)
+    )
     assert out.returncode == 1
     err = out.stderr.strip().splitlines()
     assert len(err) == 1 and str(f) in err[0] and needle in err[0], out.stderr

@@ -8,16 +8,19 @@ import signal
 import time
 
 import pytest
+from pool_helpers import spawn_worker
 
 from maru_vllm.pool import PoolClient, PoolUnavailable
-from pool_helpers import spawn_worker
 from tests.waiting import wait_until
 
 
 def _leak_free(st: dict) -> bool:
     return (
-        st["reserved"] == 0 and st["reserved_bytes"] == 0 and st["pins"] == 0
-        and st["allocated_bytes"] == st["live_object_alloc_bytes"] and st["allocator_consistent"]
+        st["reserved"] == 0
+        and st["reserved_bytes"] == 0
+        and st["pins"] == 0
+        and st["allocated_bytes"] == st["live_object_alloc_bytes"]
+        and st["allocator_consistent"]
     )
 
 
@@ -42,10 +45,11 @@ def test_concurrent_client_processes_mixed_sizes_no_corruption_no_leak(pool_fact
         assert st["evictions"] > 0 and st["stores"] == n * count
         # the surviving objects are intact, byte for byte
         from _worker import payload, size_of
+
         keys = [bytes.fromhex(o["key"]) for o in c.snapshot()]
         assert len(keys) == st["objects"] > 0
         for i in range(0, len(keys), 8):  # in batches: one session may pin at most half the pool
-            batch = keys[i:i + 8]
+            batch = keys[i : i + 8]
             pins = c.acquire(batch)
             assert all(pin is not None and bytes(pin.data) == payload(k, size_of(k)) for k, pin in zip(batch, pins))
             c.release(pins)
@@ -113,6 +117,7 @@ def test_service_restart_clients_recover_without_stale_reads(pool):
         old_inc = c.incarnation
         held = c.acquire([b"old"])[0]
         pool.serve()
+
         # the next call either fails with PoolUnavailable or reconnects; it never returns old data
         def recovered():
             try:
@@ -120,6 +125,7 @@ def test_service_restart_clients_recover_without_stale_reads(pool):
                     return ("ok", None if v is None else bytes(v))
             except PoolUnavailable:
                 return None
+
         assert wait_until(recovered, what="client reconnect") == ("ok", None)
         assert c.incarnation != old_inc
         assert bytes(held.data) == b"from-incarnation-1"  # an old pin still sees the old bytes

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from maru_vllm.pool import PoolClient
-from maru_vllm.pool.allocator import Allocator
 from maru_vllm.pool import index as index_mod
+from maru_vllm.pool.allocator import Allocator
 
 K300 = 300_000
 
@@ -64,8 +64,12 @@ def test_pins_per_object_are_capped(pool_factory):
 
 
 def test_index_quota_accounting_returns_to_zero():
-    idx = index_mod.PoolIndex(Allocator(64 << 20), 4096, None, index_mod.SessionLimits(reserve_bytes=1 << 20, pin_bytes=1 << 20,
-                                                                       pins_per_object=2))
+    idx = index_mod.PoolIndex(
+        Allocator(64 << 20),
+        4096,
+        None,
+        index_mod.SessionLimits(reserve_bytes=1 << 20, pin_bytes=1 << 20, pins_per_object=2),
+    )
     s = idx.open_session()
     objs = idx.reserve(s, "ns", [(b"k%d" % i, 400_000) for i in range(4)])
     assert [o is not None for o in objs] == [True, True, False, False]
@@ -102,9 +106,8 @@ def test_connector_always_writes_checksums(pool, checksum):
         assert access.client.put(b"from-connector", b"c" * 4096)
     finally:
         access.close()
-    with PoolClient.connect(pool.address, checksum=True) as strict:
-        with strict.get(b"from-connector") as v:
-            assert v is not None and bytes(v) == b"c" * 4096
+    with PoolClient.connect(pool.address, checksum=True) as strict, strict.get(b"from-connector") as v:
+        assert v is not None and bytes(v) == b"c" * 4096
 
 
 def test_a_stale_writer_cannot_hand_a_checksum_reader_bad_bytes(pool_factory):
@@ -121,10 +124,9 @@ def test_a_stale_writer_cannot_hand_a_checksum_reader_bad_bytes(pool_factory):
         wait_until(lambda: watcher.stats()["sessions_expired"] >= 1, what="the stale writer's lease expired")
         assert writer.client.put(b"new", b"N" * 1_000_000)
         old.buffer[:] = b"S" * 1_000_000  # resumed: it still writes where its reservation was
-        with PoolClient.connect(p.address, checksum=True) as reader:
-            with reader.get(b"new") as v:
-                assert v is None or bytes(v) == b"N" * 1_000_000
-                assert v is None  # the overwrite is detected, not served
+        with PoolClient.connect(p.address, checksum=True) as reader, reader.get(b"new") as v:
+            assert v is None or bytes(v) == b"N" * 1_000_000
+            assert v is None  # the overwrite is detected, not served
     finally:
         stale.close()
         watcher.close()

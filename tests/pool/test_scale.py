@@ -8,6 +8,7 @@ import sys
 
 import msgspec
 import pytest
+from pool_helpers import REPO, child_env
 
 from maru_vllm.launch import stack
 from maru_vllm.pool import PoolClient, PoolProtocolError
@@ -15,15 +16,20 @@ from maru_vllm.pool import protocol as P
 from maru_vllm.pool.allocator import Allocator
 from maru_vllm.pool.index import PoolIndex
 from maru_vllm.pool.messages import ChunkMeta, decode_snapshot_page, encode_meta_json
-from pool_helpers import REPO, child_env
 
 BLOCK = 16
 
 
 def _meta(i: int, blocks: int = 16) -> ChunkMeta:
     """Connector-shaped chunk metadata (~2.5 KiB as JSON: 16 blocks of 16 tokens)."""
-    return ChunkMeta(v=1, chunk=0, block_size=BLOCK, block_hashes=[f"{i:08x}{b:024x}" for b in range(blocks)],
-                     parent_block_hash=None, token_ids=[[100_000 + i + t for t in range(BLOCK)] for _ in range(blocks)])
+    return ChunkMeta(
+        v=1,
+        chunk=0,
+        block_size=BLOCK,
+        block_hashes=[f"{i:08x}{b:024x}" for b in range(blocks)],
+        parent_block_hash=None,
+        token_ids=[[100_000 + i + t for t in range(BLOCK)] for _ in range(blocks)],
+    )
 
 
 def _fill(c: PoolClient, n: int, ns: str = "default", batch: int = 500, start: int = 0) -> int:
@@ -53,8 +59,14 @@ def test_snapshot_larger_than_a_frame_is_paged_and_the_connection_stays_usable(p
         assert len(c.snapshot("b")) == 4000  # the dict form still works, namespace-filtered
         assert c.stats()["objects"] == 8000  # same connection, still in step
     # `pool clear --all` lists namespaces from the paged snapshot
-    out = subprocess.run([sys.executable, "-m", "maru_vllm.cli", "pool", "clear", "--address", p.address, "--all"],
-                         capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "maru_vllm.cli", "pool", "clear", "--address", p.address, "--all"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=child_env(),
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "removed 8000 objects from 2 namespace(s)" in out.stdout
 
@@ -65,8 +77,9 @@ def test_socket_resync_of_the_event_source_reads_every_page(pool_factory) -> Non
     p = pool_factory(size="64M")
     with PoolClient.connect(p.address, heartbeat=False) as c:
         assert _fill(c, 7000, "kv:m:1") == 7000
-    src = PoolEventSource(PoolSourceConfig("nats://127.0.0.1:1", "x", pool_address=p.address),
-                          lambda s: None, lambda e: None)
+    src = PoolEventSource(
+        PoolSourceConfig("nats://127.0.0.1:1", "x", pool_address=p.address), lambda s: None, lambda e: None
+    )
     snap = src._socket_snapshot(None)
     assert len(snap.objects) == 7000
     from maru_vllm.events.types import PoolChunk
@@ -83,7 +96,9 @@ def test_a_frame_the_client_cannot_accept_drops_the_connection_and_the_next_call
         _fill(c, 50)
         session = c.hello["session"]
         monkeypatch.setattr(P, "MAX_FRAME", 1000)  # this client now refuses the page the pool sends
-        with pytest.raises(PoolProtocolError, match=r"reply frame of \d+ bytes to snapshot exceeds 1000; connection dropped"):
+        with pytest.raises(
+            PoolProtocolError, match=r"reply frame of \d+ bytes to snapshot exceeds 1000; connection dropped"
+        ):
             c.snapshot_full()
         assert not c.connected
         monkeypatch.setattr(P, "MAX_FRAME", 16 * 1024 * 1024)
@@ -100,8 +115,11 @@ def test_a_reply_of_the_wrong_shape_is_refused_with_a_clear_error_and_the_connec
     with PoolClient.connect(p.address, heartbeat=False) as c:
         # a client built against another definition of the stats reply (a drifted field)
         monkeypatch.setitem(M._result_decoders, "stats", msgspec.msgpack.Decoder(list[int]))
-        with pytest.raises(PoolProtocolError, match=r"malformed 'stats' reply from the pool: Expected `array`, "
-                                                    r"got `object`; connection dropped"):
+        with pytest.raises(
+            PoolProtocolError,
+            match=r"malformed 'stats' reply from the pool: Expected `array`, "
+            r"got `object`; connection dropped",
+        ):
             c.stats()
         assert not c.connected
         monkeypatch.undo()
@@ -221,13 +239,22 @@ def test_service_reports_budget_and_cap_in_stats_and_metrics(pool_factory) -> No
     assert "maru_pool_metadata_bytes{" in text and "maru_pool_metadata_budget_refusals_total{" in text
 
 
-@pytest.mark.parametrize("flag,value,why", [
-    ("--max-objects", "0", "use an integer >= 1"),
-    ("--metadata-budget", "12Q", "invalid size"),
-])
+@pytest.mark.parametrize(
+    "flag,value,why",
+    [
+        ("--max-objects", "0", "use an integer >= 1"),
+        ("--metadata-budget", "12Q", "invalid size"),
+    ],
+)
 def test_bad_budget_flags_are_refused_in_one_line(flag: str, value: str, why: str) -> None:
-    out = subprocess.run(stack.pool_command("x", "4M", extra_args=[flag, value]),
-                         capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=60)
+    out = subprocess.run(
+        stack.pool_command("x", "4M", extra_args=[flag, value]),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=child_env(),
+        timeout=60,
+    )
     assert out.returncode == 2 and why in out.stderr and value in out.stderr
 
 
@@ -244,7 +271,9 @@ def test_nats_snapshot_pages_fit_the_max_payload(pool_factory, nats) -> None:
         try:
             keys, after, pages = set(), 0, 0
             while True:
-                reply = await nc.request(f"maru.{p.pool_name}.snapshot", msgspec.json.encode({"after": after}), timeout=10)
+                reply = await nc.request(
+                    f"maru.{p.pool_name}.snapshot", msgspec.json.encode({"after": after}), timeout=10
+                )
                 assert len(reply.data) <= nc.max_payload
                 page = decode_snapshot_page(reply.data)
                 keys |= {o.key for o in page.objects}

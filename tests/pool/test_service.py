@@ -10,9 +10,9 @@ import threading
 import urllib.request
 
 import pytest
+from pool_helpers import REPO, child_env
 
 from maru_vllm.launch import free_port
-from pool_helpers import REPO, child_env
 from maru_vllm.pool import InvalidArgument, PoolClient, PoolError
 
 
@@ -149,21 +149,33 @@ def test_metrics_and_status_cli(pool_factory):
     assert f'maru_pool_hits_total{{pool="{p.pool_name}"}} 1.0' in text
     out = subprocess.run(
         [sys.executable, "-m", "maru_vllm.cli", "pool", "status", "--address", p.address, "--json"],
-        capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=60,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=child_env(),
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     st = json.loads(out.stdout)
     assert st["pool"] == p.pool_name and st["objects"] == 1
     out = subprocess.run(
         [sys.executable, "-m", "maru_vllm.cli", "pool", "status", "--address", p.address],
-        capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=60,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=child_env(),
+        timeout=60,
     )
     assert out.returncode == 0 and "capacity" in out.stdout and "64.0 MiB" in out.stdout
     with PoolClient.connect(p.address) as c:
         c.put(b"other", b"2" * 10, namespace="ns2")
     out = subprocess.run(
         [sys.executable, "-m", "maru_vllm.cli", "pool", "clear", "--address", p.address, "--namespace", "default"],
-        capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=60,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=child_env(),
+        timeout=60,
     )
     assert out.returncode == 0 and "removed 1 objects from 1 namespace(s)" in out.stdout, out.stderr
     with PoolClient.connect(p.address) as c:
@@ -185,6 +197,7 @@ def test_serve_cleans_up_region_and_socket_on_sigterm_and_keep_region(pool_facto
 def test_one_client_shared_by_threads(pool):
     errors = []
     with PoolClient.connect(pool.address) as c:
+
         def work(t):
             try:
                 for i in range(150):
@@ -195,6 +208,7 @@ def test_one_client_shared_by_threads(pool):
                         assert v is not None and bytes(v) == data
             except Exception as exc:  # reported below
                 errors.append(exc)
+
         threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
         for t in threads:
             t.start()
@@ -220,7 +234,7 @@ def test_parts_lookup_and_acquire_through_the_service(pool):
         assert c.lookup_parts([b"h0", b"h1"], namespace="p") == [1, 0]
         # part keys count against the per-object metadata budget: a clear one-line refusal
         (res,) = c.reserve([(b"chunk-c", 10)], namespace="p")
-        with pytest.raises(PoolError, match="part keys of .* bytes exceed 16384 bytes per object"):
+        with pytest.raises(PoolError, match=r"part keys of .* bytes exceed 16384 bytes per object"):
             c.commit([res], None, [[b"k" * 200] * 100])
         with pytest.raises(InvalidArgument, match="at most 256"):
             c.commit([res], None, [[b"k"] * 300])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import uuid
 from pathlib import Path
@@ -19,8 +20,9 @@ from maru_vllm.pool.region import Region, RegionError, dax_geometry, parse_size,
 
 
 # -- sizes and addresses ----------------------------------------------------------------------
-@pytest.mark.parametrize("text,value", [("4G", 4 << 30), ("512M", 512 << 20), ("2097152", 2 << 20),
-                                        ("1.5G", 3 << 29), ("64MiB", 64 << 20)])
+@pytest.mark.parametrize(
+    "text,value", [("4G", 4 << 30), ("512M", 512 << 20), ("2097152", 2 << 20), ("1.5G", 3 << 29), ("64MiB", 64 << 20)]
+)
 def test_parse_size_accepts_suffixes(text, value):
     assert parse_size(text) == value
 
@@ -90,7 +92,7 @@ def test_allocator_mixed_sizes_returns_empty_slabs_and_blocks_do_not_overlap():
                 assert x.capacity >= size
                 live[object()] = x
     spans = sorted((x.offset, x.offset + x.capacity) for x in live.values())
-    for (s1, e1), (s2, _) in zip(spans, spans[1:]):
+    for (_, e1), (s2, _) in itertools.pairwise(spans):
         assert e1 <= s2, "two live blocks overlap"
     assert spans[-1][1] <= a.capacity
     a.check()
@@ -113,6 +115,7 @@ def _index(capacity=1 << 20, events=None):
     def sink(kind, obj):
         if events is not None:
             events.append((kind, obj.key))
+
     return PoolIndex(Allocator(capacity), 4096, sink)
 
 
@@ -131,7 +134,8 @@ def test_index_write_once_and_duplicate_frees_space():
     assert idx.alloc.allocated_bytes < used
     assert idx.reserve(s2, "ns", [(b"k", 10)]) == [None]  # already committed
     assert [(o.namespace, o.key, o.size, bytes(o.meta)) for o in idx.snapshot()] == [
-        ("ns", b"k".hex(), 1000, b'{"m":1}')]
+        ("ns", b"k".hex(), 1000, b'{"m":1}')
+    ]
 
 
 def test_index_lru_evicts_oldest_unpinned_and_never_pinned():
@@ -158,7 +162,7 @@ def test_index_lru_evicts_oldest_unpinned_and_never_pinned():
 def test_index_session_close_releases_reservations_and_pins():
     idx = _index()
     s = idx.open_session()
-    (o,) = idx.reserve(s, "d", [(b"a", 5000)])
+    (_o,) = idx.reserve(s, "d", [(b"a", 5000)])
     w = idx.open_session()
     (c,) = idx.reserve(w, "d", [(b"b", 5000)])
     idx.commit(w, [c.oid], [None], _ok)
@@ -245,7 +249,7 @@ def test_protocol_validates_args():
         P.decode_args("frobnicate", msgspec.Raw(msgspec.msgpack.encode({})))
     assert e.value.code == "unknown_op"
     raw = msgspec.msgpack.encode({"keys": [b"x" * 257]})
-    with pytest.raises(P.FrameError, match="257|256"):
+    with pytest.raises(P.FrameError, match=r"257|256"):
         P.decode_args("lookup", msgspec.Raw(raw))
 
 

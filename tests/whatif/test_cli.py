@@ -11,8 +11,17 @@ from maru_vllm.calibration import Calibration, write_calibration
 from maru_vllm.cli import main
 from maru_vllm.whatif.spec import CONFIGS, parse_size
 
-RESULT_KEYS = {"workers", "config", "ttft_p50_ms", "ttft_p90_ms", "prefill_tokens", "input_tokens",
-               "output_tokens_per_s", "runs", "failed_runs"}
+RESULT_KEYS = {
+    "workers",
+    "config",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "prefill_tokens",
+    "input_tokens",
+    "output_tokens_per_s",
+    "runs",
+    "failed_runs",
+}
 
 
 def test_json_has_exactly_the_documented_schema_and_progress_goes_to_stderr(synthetic_trace: Path, capsys) -> None:
@@ -33,20 +42,47 @@ def test_json_has_exactly_the_documented_schema_and_progress_goes_to_stderr(synt
 
 
 def test_repeats_report_the_median_over_runs(synthetic_trace: Path, capsys) -> None:
-    rc = main(["whatif", str(synthetic_trace), "--requests", "40", "--workers", "2", "--configs", "kv-pool",
-               "--repeats", "3", "--json"])
+    rc = main(
+        [
+            "whatif",
+            str(synthetic_trace),
+            "--requests",
+            "40",
+            "--workers",
+            "2",
+            "--configs",
+            "kv-pool",
+            "--repeats",
+            "3",
+            "--json",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0
     (row,) = json.loads(out)["results"]
     assert row["runs"] == 3 and row["failed_runs"] == 0
-    runs = [int(line.split("prefill ")[1].split(" of")[0].replace(",", "")) for line in err.splitlines() if "run " in line]
+    runs = [
+        int(line.split("prefill ")[1].split(" of")[0].replace(",", "")) for line in err.splitlines() if "run " in line
+    ]
     assert len(runs) == 3 and row["prefill_tokens"] == sorted(runs)[1]
 
 
 def test_dynamo_simulator_counts_its_shared_tier_abort_as_a_failed_run(synthetic_trace: Path, capsys) -> None:
     """Dynamo 1.6.1's cluster_shared replay aborts on GPU eviction; the row says so instead of crashing."""
-    rc = main(["whatif", str(synthetic_trace), "--requests", "300", "--workers", "8", "--configs", "kv-gpu,kv-pool",
-               "--simulator", "dynamo"])
+    rc = main(
+        [
+            "whatif",
+            str(synthetic_trace),
+            "--requests",
+            "300",
+            "--workers",
+            "8",
+            "--configs",
+            "kv-gpu,kv-pool",
+            "--simulator",
+            "dynamo",
+        ]
+    )
     out, _ = capsys.readouterr()
     assert rc == 0
     pool_row = next(line for line in out.splitlines() if line.split()[1:2] == ["kv-pool"])
@@ -56,15 +92,28 @@ def test_dynamo_simulator_counts_its_shared_tier_abort_as_a_failed_run(synthetic
 
 def test_plot_writes_a_png(synthetic_trace: Path, tmp_path: Path, capsys) -> None:
     png = tmp_path / "whatif.png"
-    rc = main(["whatif", str(synthetic_trace), "--requests", "30", "--workers", "1,2", "--configs", "kv-gpu,kv-pool",
-               "--plot", str(png)])
+    rc = main(
+        [
+            "whatif",
+            str(synthetic_trace),
+            "--requests",
+            "30",
+            "--workers",
+            "1,2",
+            "--configs",
+            "kv-gpu,kv-pool",
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_sweep_weight_reports_the_best_weight_per_worker_count(synthetic_trace: Path, capsys) -> None:
-    rc = main(["whatif", str(synthetic_trace), "--requests", "60", "--workers", "2,4", "--sweep-weight", "0,0.5,1",
-               "--json"])
+    rc = main(
+        ["whatif", str(synthetic_trace), "--requests", "60", "--workers", "2,4", "--sweep-weight", "0,0.5,1", "--json"]
+    )
     out, _ = capsys.readouterr()
     assert rc == 0
     doc = json.loads(out)
@@ -75,14 +124,25 @@ def test_sweep_weight_reports_the_best_weight_per_worker_count(synthetic_trace: 
         assert min(r["ttft_p90_ms"] for r in rows) == next(r["ttft_p90_ms"] for r in rows if r["host_weight"] == weight)
 
 
-def test_calibration_sets_pool_bandwidth_and_scales_the_mockers_prefill(synthetic_trace: Path, tmp_path: Path, capsys) -> None:
-    from maru_vllm.whatif.timing import mocker_prefill_tokens_per_s
+def test_calibration_sets_pool_bandwidth_and_scales_the_mockers_prefill(
+    synthetic_trace: Path, tmp_path: Path, capsys
+) -> None:
     from maru_vllm.whatif.spec import ClusterSpec
+    from maru_vllm.whatif.timing import mocker_prefill_tokens_per_s
 
     base_tps = mocker_prefill_tokens_per_s(ClusterSpec(kv_bytes_per_token=131072))
     cal = tmp_path / "cal.json"
-    write_calibration(cal, Calibration(model="m", kv_bytes_per_token=131072, load_gbps=12.5, store_gbps=10.0,
-                                       prefill_tokens_per_s=base_tps / 4, memcpy_gbps=20.0))
+    write_calibration(
+        cal,
+        Calibration(
+            model="m",
+            kv_bytes_per_token=131072,
+            load_gbps=12.5,
+            store_gbps=10.0,
+            prefill_tokens_per_s=base_tps / 4,
+            memcpy_gbps=20.0,
+        ),
+    )
     args = ["whatif", str(synthetic_trace), "--requests", "40", "--workers", "2", "--configs", "kv-gpu", "--json"]
     assert main(args + ["--kv-bytes-per-token", "131072"]) == 0
     fast = json.loads(capsys.readouterr()[0])["results"][0]
@@ -95,14 +155,20 @@ def test_calibration_sets_pool_bandwidth_and_scales_the_mockers_prefill(syntheti
     assert slow["ttft_p50_ms"] > 2.5 * fast["ttft_p50_ms"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["/nonexistent/trace.jsonl"], "trace /nonexistent/trace.jsonl: No such file or directory"),
-    (["TRACE", "--configs", "kv-gpu,kv-magic"], "unknown config 'kv-magic': use round-robin, kv-gpu, kv-host, kv-pool"),
-    (["TRACE", "--workers", "4,x"], "--workers '4,x': 'x' is not a worker count"),
-    (["TRACE", "--pool-size", "lots"], "invalid size 'lots'"),
-    (["TRACE", "--host-weight", "1.5"], "--host-weight: invalid pool tier weight '1.5'"),
-    (["TRACE", "--calibration", "/nonexistent/cal.json"], "calibration file /nonexistent/cal.json"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["/nonexistent/trace.jsonl"], "trace /nonexistent/trace.jsonl: No such file or directory"),
+        (
+            ["TRACE", "--configs", "kv-gpu,kv-magic"],
+            "unknown config 'kv-magic': use round-robin, kv-gpu, kv-host, kv-pool",
+        ),
+        (["TRACE", "--workers", "4,x"], "--workers '4,x': 'x' is not a worker count"),
+        (["TRACE", "--pool-size", "lots"], "invalid size 'lots'"),
+        (["TRACE", "--host-weight", "1.5"], "--host-weight: invalid pool tier weight '1.5'"),
+        (["TRACE", "--calibration", "/nonexistent/cal.json"], "calibration file /nonexistent/cal.json"),
+    ],
+)
 def test_bad_input_is_a_one_line_error(argv, message, synthetic_trace: Path, capsys) -> None:
     argv = [str(synthetic_trace) if a == "TRACE" else a for a in argv]
     assert main(["whatif", *argv]) == 2
@@ -114,7 +180,9 @@ def test_bad_input_is_a_one_line_error(argv, message, synthetic_trace: Path, cap
 def test_a_malformed_trace_line_is_named_by_its_number(tmp_path: Path, capsys) -> None:
     trace = tmp_path / "t.jsonl"
     good = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]})
-    trace.write_text(good + "\n" + good + "\n" + '{"timestamp": 5, "input_length": 600, "output_length": 5, "hash_ids": [1]}\n')
+    trace.write_text(
+        good + "\n" + good + "\n" + '{"timestamp": 5, "input_length": 600, "output_length": 5, "hash_ids": [1]}\n'
+    )
     assert main(["whatif", str(trace)]) == 2
     err = capsys.readouterr()[1]
     assert f"trace {trace} line 3:" in err and "input_length is 600" in err
@@ -134,10 +202,18 @@ def test_model_config_gives_kv_bytes_per_token(tmp_path: Path) -> None:
     from maru_vllm.whatif.spec import DEFAULT_KV_BYTES_PER_TOKEN, kv_bytes_per_token_of_model
 
     # Qwen2.5-32B's geometry: 64 layers, 40 query heads, 8 KV heads, hidden 5120, bf16.
-    (tmp_path / "config.json").write_text(json.dumps({
-        "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "hidden_size": 5120,
-        "torch_dtype": "bfloat16"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 64,
+                "num_attention_heads": 40,
+                "num_key_value_heads": 8,
+                "hidden_size": 5120,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
     assert kv_bytes_per_token_of_model(str(tmp_path)) == DEFAULT_KV_BYTES_PER_TOKEN == 262144
+    (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="lacks"):
-        (tmp_path / "config.json").write_text("{}")
         kv_bytes_per_token_of_model(str(tmp_path))

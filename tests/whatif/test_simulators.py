@@ -12,7 +12,10 @@ from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, Cluster
 from maru_vllm.whatif.timing import mocker_timing
 from maru_vllm.whatif.trace import read_trace, unique_prefix_tokens
 from maru_vllm.whatif.validation import (
-    REAL_BLOCK_TOKENS, routing_comparison_trace, validation_itl_ms, validation_spec,
+    REAL_BLOCK_TOKENS,
+    routing_comparison_trace,
+    validation_itl_ms,
+    validation_spec,
 )
 
 # The real stack's numbers are in the README's routing table (benchmarks/routing_comparison.py,

@@ -12,8 +12,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 #: The four transfer kernels every generation has.
-KERNELS = ("multi_layer_kv_transfer", "single_layer_kv_transfer", "load_and_reshape_flash",
-           "reshape_and_cache_back_flash")
+KERNELS = (
+    "multi_layer_kv_transfer",
+    "single_layer_kv_transfer",
+    "load_and_reshape_flash",
+    "reshape_and_cache_back_flash",
+)
 
 
 class EngineKVFormat(enum.IntEnum):

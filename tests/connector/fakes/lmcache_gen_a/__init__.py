@@ -1,2 +1,3 @@
 """FAKE lmcache package (lmcache_gen_a) for tests; not LMCache code."""
+
 FAKE_NAME = "lmcache_gen_a"

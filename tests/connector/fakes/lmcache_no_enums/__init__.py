@@ -1,2 +1,3 @@
 """FAKE lmcache package (lmcache_no_enums) for tests; not LMCache code."""
+
 FAKE_NAME = "lmcache_no_enums"

@@ -1,2 +1,3 @@
 """FAKE lmcache_native without the enums."""
+
 Bitmap = object
