@@ -336,7 +336,6 @@ def run_config(
     log: Callable[[str], None] = print,
 ) -> ConfigResult:
     """Start pool, frontend and workers for `config`, send `workload`, stop everything."""
-    py = sys.executable
     run_dir = work_dir / config.name
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -363,24 +362,20 @@ def run_config(
             core = stack.cpu_thread_for(i)
             wenv = env.build(cpu_thread=core, DYN_SYSTEM_PORT=str(metric_ports[i]))
             if config.pool:
-                argv = [
-                    py,
-                    "-m",
-                    "maru_dynamo.components.maru_worker",
-                    "--model",
+                argv = stack.maru_worker_command(
                     model,
-                    "--maru-pool-address",
                     address,
-                    "--maru-pool-name",
                     pool_name,
-                    "--maru-chunk-tokens",
-                    str(CHUNK_TOKENS),
-                    *([] if config.pool_events else ["--no-maru-pool-events"]),
-                    "--max-model-len",
-                    str(MAX_MODEL_LEN),
-                    "--enforce-eager",
-                    *stream_args,
-                ]
+                    [
+                        "--maru-chunk-tokens",
+                        str(CHUNK_TOKENS),
+                        *([] if config.pool_events else ["--no-maru-pool-events"]),
+                        "--max-model-len",
+                        str(MAX_MODEL_LEN),
+                        "--enforce-eager",
+                        *stream_args,
+                    ],
+                )
                 proc = ManagedProcess(f"worker{i}", argv, log_path=logs / f"worker{i}.log", env=wenv, cpus=[core])
             else:
                 proc = stack.dynamo_vllm_worker(

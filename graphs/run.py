@@ -135,22 +135,18 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
     engines = sum(worker.replicas for worker in spec.workers)
     for worker in spec.workers:
         for replica in range(worker.replicas):
-            argv = [
-                py,
-                "-m",
-                "maru_dynamo.components.maru_worker",
-                "--model",
+            argv = stack.maru_worker_command(
                 model,
-                "--maru-pool-address",
                 pool_address,
-                "--maru-pool-name",
                 spec.pool.name,
-                "--maru-chunk-tokens",
-                str(spec.pool.chunk_tokens),
-                "--disaggregation-mode",
-                worker.role,
-                *_with_defaults(worker.args),
-            ]
+                [
+                    "--maru-chunk-tokens",
+                    str(spec.pool.chunk_tokens),
+                    "--disaggregation-mode",
+                    worker.role,
+                    *_with_defaults(worker.args),
+                ],
+            )
             env = env_for(cpu_thread=stack.cpu_thread_for(engine), **worker.env)
             add(f"worker:{worker.name}-{replica}", argv, env, cpus=stack.worker_cpus(engine, engines))
             engine += 1

@@ -58,6 +58,21 @@ run_logged() {
     "$@" >"$LAST_LOG" 2>&1
 }
 
+# Install Debian packages $2... (through sudo when not root); $1 says what is missing, for the
+# one-line error when neither root nor sudo can install them.
+apt_install() {
+    local missing=$1
+    shift
+    if [[ $(id -u) -ne 0 ]] && ! command -v sudo >/dev/null; then
+        echo "[setup] $missing and we are not root: install with apt-get install $*" >&2
+        false
+    fi
+    local sudo=""
+    [[ $(id -u) -ne 0 ]] && sudo="sudo"
+    run_logged $sudo apt-get update
+    run_logged env DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends "$@"
+}
+
 pip_() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 
 # True when distribution $1 is installed at exactly version $2 (local version labels ignored).
@@ -107,13 +122,7 @@ has_build_tools() {
 if has_build_tools; then
     done_step "present: $("${CC:-gcc}" --version | head -n1)"
 else
-    if [[ $(id -u) -ne 0 ]] && ! command -v sudo >/dev/null; then
-        echo "[setup] a C compiler or the Python $PYVER headers are missing and we are not root: install them (apt-get install build-essential python$PYVER-dev)" >&2
-        false
-    fi
-    SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
-    run_logged $SUDO apt-get update
-    run_logged env DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends build-essential "python$PYVER-dev"
+    apt_install "a C compiler or the Python $PYVER headers are missing" build-essential "python$PYVER-dev"
     has_build_tools
     done_step "installed: build-essential python$PYVER-dev"
 fi
@@ -123,13 +132,7 @@ step "nats-server (Debian package) for Dynamo's event plane and pool events"
 if command -v nats-server >/dev/null 2>&1; then
     done_step "present: $(nats-server --version 2>&1 | head -n1)"
 else
-    if [[ $(id -u) -ne 0 ]] && ! command -v sudo >/dev/null; then
-        echo "[setup] nats-server is missing and we are not root: install it (apt-get install nats-server)" >&2
-        false
-    fi
-    SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
-    run_logged $SUDO apt-get update
-    run_logged env DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends nats-server
+    apt_install "nats-server is missing" nats-server
     done_step "installed: $(nats-server --version 2>&1 | head -n1)"
 fi
 

@@ -1,9 +1,9 @@
 """Command lines and environments for the real services of a local graph.
 
 One place that knows how to start nats-server, the pool service, a vLLM OpenAI server, Dynamo's
-frontend and a Dynamo vLLM worker on this machine: loopback addresses only, one pinned CPU thread per vLLM
-engine (two engines on two cores otherwise thrash, and greedy output is bit-exact only with a
-fixed thread count), and the same PYTHONHASHSEED everywhere (vLLM's block hashes, and so the
+frontend, a Dynamo vLLM worker and a Maru worker on this machine: loopback addresses only, one
+pinned CPU thread per vLLM engine (two engines on two cores otherwise thrash, and greedy output is
+bit-exact only with a fixed thread count), and the same PYTHONHASHSEED everywhere (vLLM's block hashes, and so the
 pool keys and the router's view, match across instances only then).
 """
 
@@ -268,6 +268,28 @@ def dynamo_frontend(
         *extra_args,
     ]
     return ManagedProcess("frontend", argv, log_path=log_dir / "frontend.log", env=env), f"http://{LOOPBACK}:{port}"
+
+
+MARU_WORKER_MODULE = "maru_dynamo.components.maru_worker"  # dynamo.vllm + MaruKVConnector + pool events
+
+
+def maru_worker_command(
+    model: str | Path, pool_address: str, pool_name: str, extra_args: Sequence[str] = ()
+) -> list[str]:
+    """A Maru worker component's command line: the engine on `model`, its KV in the pool
+    `pool_name` served at `pool_address`, then `extra_args` (worker or vLLM flags)."""
+    return [
+        sys.executable,
+        "-m",
+        MARU_WORKER_MODULE,
+        "--model",
+        str(model),
+        "--maru-pool-address",
+        pool_address,
+        "--maru-pool-name",
+        pool_name,
+        *extra_args,
+    ]
 
 
 def dynamo_vllm_worker(

@@ -9,7 +9,7 @@ import pytest
 
 from maru_vllm.connector.chunks import ChunkGeometry, chunk_key
 from maru_vllm.connector.config import MaruConfigError, parse_config
-from maru_vllm.connector.namespace import KVIdentity
+from tests.connector.identity import IDENTITY
 
 POOL = {"maru_pool_address": "unix:///tmp/pool.sock"}
 
@@ -61,23 +61,6 @@ def test_token_file_and_env_address(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("MARU_POOL_ADDRESS", "tcp://127.0.0.1:9999")
     cfg = parse_config({"maru_pool_token_file": str(token), "maru_checksum": "false"}, block_size=16)
     assert (cfg.pool_address, cfg.pool_token, cfg.checksum) == ("tcp://127.0.0.1:9999", "s3cret-s3cret-s3cret", False)
-
-
-IDENTITY = KVIdentity(
-    model="/models/llama",
-    revision=None,
-    dtype="torch.bfloat16",
-    kv_cache_dtype="auto",
-    block_size=128,
-    num_layers=2,
-    num_kv_heads=2,
-    head_size=64,
-    attention="FullAttentionSpec@cpu",
-    tp_size=1,
-    pp_size=1,
-    hash_algo="sha256",
-    salt="",
-)
 
 
 @pytest.mark.parametrize(

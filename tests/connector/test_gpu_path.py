@@ -20,12 +20,11 @@ from maru_vllm.connector import transfer
 from maru_vllm.connector.cuda_host import HOST_REGISTER_FLAGS, HostRegistry, buffer_address
 from maru_vllm.connector.layouts import KVCacheSet
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
-from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier, make_copier
-from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.pool import PoolClient
 from tests.connector.chunk_meta import chunk_meta
+from tests.connector.worker_side import worker_side
 from tests.running_pool import running_pool
 
 L, NB, H, BS, C = 4, 16, 2, 8, 64  # layers, blocks, kv heads, block size, 2 * head size
@@ -154,17 +153,16 @@ def test_cpu_caches_always_use_torch_pages_even_when_kernels_resolve(monkeypatch
 
 
 def test_worker_whose_copier_does_not_match_its_namespace_stays_off_the_pool(tmp_path: Path) -> None:
-    side = MaruWorkerSide(
-        namespace="ns",
-        rank=0,
-        pool=PoolAccess(f"unix://{tmp_path}/x.sock", None, 1.0, True, "t"),
+    side = worker_side(
+        f"unix://{tmp_path}/x.sock",
+        "ns",
+        caches(1),
         block_size=BS,
         num_blocks=NB,
-        use_lmcache_kernels=False,
-        enable_fused_load=False,
+        timeout_s=1.0,
+        who="t",
         expected_format=transfer.FORMAT_LMCACHE_BLOCK,
     )
-    side.register_kv_caches(caches(1), "CPU_ATTN")
     assert side.codec is None and side.writer is None
     side.load(MaruConnectorMetadata(loads=[ChunkLoad("r", b"k", [0, 1])]))
     assert side.take_failed_blocks() == {0, 1}
@@ -236,18 +234,19 @@ def test_cuda_store_and_load_through_the_registered_region(pool: PoolProcess) ->
         fmt = transfer.copy_format("cuda", use_kernels)
         sides = []
         for kv in (kv_a, kv_b):
-            side = MaruWorkerSide(
-                namespace=ns,
-                rank=0,
-                pool=PoolAccess(pool.address, None, 5.0, True, "t"),
+            side = worker_side(
+                pool.address,
+                ns,
+                kv,
                 block_size=BS,
                 num_blocks=NB,
+                backend="FLASH_ATTN",
+                who="t",
                 use_lmcache_kernels=use_kernels,
                 enable_fused_load=use_kernels,
                 blocks_per_chunk=BPC,
                 expected_format=fmt,
             )
-            side.register_kv_caches(kv, "FLASH_ATTN")
             assert side.codec is not None and side.host_registry is not None
             sides.append(side)
         a, b = sides
@@ -266,17 +265,7 @@ def test_cuda_store_and_load_through_the_registered_region(pool: PoolProcess) ->
 def test_load_waits_for_the_copies_before_unpinning_the_objects(pool: PoolProcess) -> None:
     # An asynchronous kernel reads the pinned objects after its launch returns: the pins may only
     # go once the copier says the reads are done.
-    side = MaruWorkerSide(
-        namespace="order",
-        rank=0,
-        pool=PoolAccess(pool.address, None, 5.0, True, "t"),
-        block_size=BS,
-        num_blocks=NB,
-        use_lmcache_kernels=False,
-        enable_fused_load=False,
-        blocks_per_chunk=BPC,
-    )
-    side.register_kv_caches(caches(1), "CPU_ATTN")
+    side = worker_side(pool.address, "order", caches(1), block_size=BS, num_blocks=NB, who="t", blocks_per_chunk=BPC)
     side.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"o0", [0, 1], chunk_meta(0))]))
     assert side.writer.wait(timeout=30)
     events: list[str] = []

@@ -5,25 +5,15 @@ from __future__ import annotations
 import torch
 
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
-from maru_vllm.connector.pool_access import PoolAccess
-from maru_vllm.connector.worker import MaruWorkerSide
 from tests.connector.chunk_meta import chunk_meta
+from tests.connector.worker_side import worker_side
 from tests.running_pool import running_pool
 
 
 def test_stores_past_the_session_quota_are_skipped_and_the_rest_load() -> None:
     with running_pool("2M") as svc:  # default quota: half the pool per session
         caches = {f"layer{i}": torch.randn(16, 2, 8, 32).to(torch.bfloat16) for i in range(3)}
-        side = MaruWorkerSide(
-            namespace="kv:quota",
-            rank=0,
-            pool=PoolAccess(svc.address, None, 5.0, True, "test"),
-            block_size=8,
-            num_blocks=16,
-            use_lmcache_kernels=False,
-            enable_fused_load=False,
-        )
-        side.register_kv_caches(caches, "CPU_ATTN")
+        side = worker_side(svc.address, "kv:quota", caches, block_size=8, num_blocks=16)
         stores = [
             ChunkStore(f"r{i}", b"chunk-%d" % i, [2 * (i % 8), 2 * (i % 8) + 1], chunk_meta(i)) for i in range(300)
         ]  # 300 x ~6 KiB in one step: more than 1 MiB

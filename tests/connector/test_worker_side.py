@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
-from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.launch.stack import PoolProcess
 from tests.connector.chunk_meta import chunk_meta
+from tests.connector.worker_side import worker_side
 
 NS = "kv:test:worker"
 
@@ -21,17 +21,7 @@ def make_worker(address: str, seed: int) -> tuple[MaruWorkerSide, dict[str, torc
     torch.manual_seed(seed)
     # vLLM 0.31 CPU layout: [num_blocks, kv_heads, block_size, 2 * head_size]
     caches = {f"layer{i}": torch.randn(16, 2, 8, 32).to(torch.bfloat16) for i in range(3)}
-    side = MaruWorkerSide(
-        namespace=NS,
-        rank=0,
-        pool=PoolAccess(address, None, 5.0, True, "test"),
-        block_size=8,
-        num_blocks=16,
-        use_lmcache_kernels=False,
-        enable_fused_load=False,
-    )
-    side.register_kv_caches(caches, "CPU_ATTN")
-    return side, caches
+    return worker_side(address, NS, caches, block_size=8, num_blocks=16), caches
 
 
 def test_store_then_load_into_another_instance(pool: PoolProcess) -> None:
@@ -83,16 +73,8 @@ def test_pool_down_means_misses_and_skipped_stores_never_errors(tmp_path: Path) 
 def test_unsupported_layout_disables_the_connector_instead_of_the_engine(
     pool: PoolProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
-    side = MaruWorkerSide(
-        namespace=NS,
-        rank=0,
-        pool=PoolAccess(pool.address, None, 5.0, True, "test"),
-        block_size=8,
-        num_blocks=16,
-        use_lmcache_kernels=False,
-        enable_fused_load=False,
-    )
-    side.register_kv_caches({"l0": torch.zeros(7, 3)}, None)  # no dimension of 16 blocks: unsupported
+    # no dimension of 16 blocks: unsupported
+    side = worker_side(pool.address, NS, {"l0": torch.zeros(7, 3)}, block_size=8, num_blocks=16, backend=None)
     assert side.codec is None
     side.load(MaruConnectorMetadata(loads=[ChunkLoad("r1", b"k", [0, 1])]))
     assert side.take_failed_blocks() == {0, 1}  # recomputed, never loaded into an unknown layout

@@ -13,12 +13,12 @@ import torch
 
 from maru_vllm.connector.chunks import chunk_key
 from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata
-from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.pool import PoolClient
 from tests.connector.chunk_meta import chunk_meta
 from tests.connector.sched_harness import BLOCK_SIZE, Sim, make_request, make_scheduler, pool_keys, tokens
+from tests.connector.worker_side import worker_side
 
 NUM_BLOCKS = 64
 
@@ -37,17 +37,9 @@ def make_worker(
         f"model.layers.{i}.self_attn.attn": torch.randn(num_blocks, 2, block_size, 128).to(torch.bfloat16)
         for i in range(2)
     }
-    side = MaruWorkerSide(
-        namespace=namespace,
-        rank=0,
-        pool=PoolAccess(address, None, 5.0, True, "test"),
-        block_size=block_size,
-        num_blocks=num_blocks,
-        use_lmcache_kernels=False,
-        enable_fused_load=False,
-        write_behind=write_behind,
+    side = worker_side(
+        address, namespace, caches, block_size=block_size, num_blocks=num_blocks, write_behind=write_behind
     )
-    side.register_kv_caches(caches, "CPU_ATTN")
     return side, caches
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,21 +97,9 @@ def maru_worker(
     """A Maru worker component (`dynamo.vllm` + MaruKVConnector + pool events for the router)."""
     return ManagedProcess(
         name,
-        [
-            sys.executable,
-            "-m",
-            "maru_dynamo.components.maru_worker",
-            "--model",
-            str(model),
-            "--maru-pool-address",
-            pool.address,
-            "--maru-pool-name",
-            pool.pool_name,
-            "--max-model-len",
-            "4096",
-            "--enforce-eager",
-            *(extra_args or []),
-        ],
+        stack.maru_worker_command(
+            model, pool.address, pool.pool_name, ["--max-model-len", "4096", "--enforce-eager", *(extra_args or [])]
+        ),
         log_path=log_dir / f"{name}.log",
         env=env,
     )

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import re
 import struct
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -54,22 +53,9 @@ PREFILL_CORE, DECODE_CORE = 0, 1
 def maru_worker(
     name: str, model: Path, env: dict[str, str], log_dir: Path, *, pool_address: str, pool_name: str, mode: str
 ) -> ManagedProcess:
-    argv = [
-        sys.executable,
-        "-m",
-        "maru_dynamo.components.maru_worker",
-        "--model",
-        str(model),
-        "--maru-pool-address",
-        pool_address,
-        "--maru-pool-name",
-        pool_name,
-        "--disaggregation-mode",
-        mode,
-        "--max-model-len",
-        "4096",
-        "--enforce-eager",
-    ]
+    argv = stack.maru_worker_command(
+        model, pool_address, pool_name, ["--disaggregation-mode", mode, "--max-model-len", "4096", "--enforce-eager"]
+    )
     return ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env)
 
 

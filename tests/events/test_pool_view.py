@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from maru_vllm.events.pool_view import NamespaceFilter, PoolView, model_namespace_prefix
 from maru_vllm.events.types import BlocksRemoved, BlocksStored, PoolChunk, PoolEvent, PoolObject, PoolSnapshot
+from tests.connector.identity import IDENTITY
 from tests.events.helpers import BLOCK, block_hash, chunk_meta, obj
 
 
@@ -109,22 +112,7 @@ def test_namespace_filters() -> None:
 
 
 def test_model_prefix_matches_the_connector_namespace() -> None:
-    ns_mod = pytest.importorskip("maru_vllm.connector.namespace")
-    ident = ns_mod.KVIdentity(
-        model="/x/some-very-long-model-name-that-goes-beyond-forty-characters",
-        revision=None,
-        dtype="bf16",
-        kv_cache_dtype="auto",
-        block_size=128,
-        num_layers=2,
-        num_kv_heads=2,
-        head_size=64,
-        attention="FullAttentionSpec@cpu",
-        tp_size=1,
-        pp_size=1,
-        hash_algo="sha256",
-        salt="",
-    )
+    ident = dataclasses.replace(IDENTITY, model="/x/some-very-long-model-name-that-goes-beyond-forty-characters")
     prefix = model_namespace_prefix(ident.model)
     assert ident.namespace().startswith(prefix) and ident.namespace()[len(prefix) :] == ident.digest()
 

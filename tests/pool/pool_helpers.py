@@ -20,6 +20,18 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def pool_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`maru-dynamo pool ARGS...` in a child process; its exit status and output."""
+    return subprocess.run(
+        [sys.executable, "-m", "maru_vllm.cli", "pool", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=child_env(),
+        timeout=timeout,
+    )
+
+
 def spawn_worker(*args: str) -> tuple[subprocess.Popen, StdoutLines]:
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), *args],

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import socket
 import struct
-import subprocess
-import sys
 
 import msgspec
 import pytest
-from pool_helpers import REPO, child_env
+from pool_helpers import pool_cli
 
 from maru_vllm.launch import free_port
 from maru_vllm.pool import PoolClient, PoolProtocolError, PoolUnavailable
@@ -140,17 +138,6 @@ def test_tcp_requires_token(pool_factory, tmp_path):
     assert p.proc.poll() is None
 
 
-def _cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "maru_vllm.cli", "pool", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=child_env(),
-        timeout=60,
-    )
-
-
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -168,20 +155,22 @@ def _cli(*args):
     ],
 )
 def test_bad_cli_values_get_clear_messages(args, needle):
-    out = _cli("serve", *args)
+    out = pool_cli("serve", *args)
     assert out.returncode == 2
     for n in needle:
         assert n in out.stderr, out.stderr
 
 
 def test_cli_runtime_errors_are_clear(tmp_path, sockdir):
-    out = _cli("serve", "--name", "x", "--size", "4M", "--listen", f"tcp://127.0.0.1:{free_port()}")
+    out = pool_cli("serve", "--name", "x", "--size", "4M", "--listen", f"tcp://127.0.0.1:{free_port()}")
     assert out.returncode == 1 and "needs a shared-secret token (--token-file)" in out.stderr
-    out = _cli("serve", "--name", "x", "--size", "4M", "--path", "../../etc/passwd", "--listen", f"{sockdir}/a.sock")
+    out = pool_cli(
+        "serve", "--name", "x", "--size", "4M", "--path", "../../etc/passwd", "--listen", f"{sockdir}/a.sock"
+    )
     assert out.returncode == 1 and "invalid shm path '../../etc/passwd'" in out.stderr
-    out = _cli("serve", "--name", "x", "--size", "4M", "--token-file", str(tmp_path / "none"))
+    out = pool_cli("serve", "--name", "x", "--size", "4M", "--token-file", str(tmp_path / "none"))
     assert out.returncode == 1 and "cannot read token file" in out.stderr
-    out = _cli("status", "--address", f"unix://{sockdir}/nobody.sock")
+    out = pool_cli("status", "--address", f"unix://{sockdir}/nobody.sock")
     assert out.returncode == 1 and "cannot connect to pool" in out.stderr
 
 

@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_bad_input import _cli
+from pool_helpers import pool_cli
 
 from maru_vllm.launch import free_port
 from maru_vllm.pool import PoolClient, PoolError, PoolUnavailable
@@ -40,7 +40,7 @@ def test_serve_refuses_to_replace_a_file_that_is_not_a_region(backend, tmp_path,
             "--listen",
             f"{sockdir}/r.sock",
         ]
-        out = _cli(*args)
+        out = pool_cli(*args)
         assert out.returncode == 1
         err = out.stderr.strip().splitlines()
         assert len(err) == 1 and str(path) in err[0] and "not a maru pool region" in err[0] and "--force" in err[0]
@@ -111,13 +111,13 @@ def test_weak_or_exposed_token_files_are_refused(tmp_path, sockdir, content, mod
     f = tmp_path / "token"
     f.write_text(content + "\n")
     f.chmod(mode)
-    out = _cli(
+    out = pool_cli(
         "serve", "--name", "x", "--size", "4M", "--listen", f"tcp://127.0.0.1:{free_port()}", "--token-file", str(f)
     )
     assert out.returncode == 1
     err = out.stderr.strip().splitlines()
     assert len(err) == 1 and str(f) in err[0] and needle in err[0], out.stderr
-    out = _cli("status", "--address", f"unix://{sockdir}/none.sock", "--token-file", str(f))
+    out = pool_cli("status", "--address", f"unix://{sockdir}/none.sock", "--token-file", str(f))
     assert out.returncode == 1 and needle in out.stderr
 
 
@@ -147,7 +147,7 @@ def test_bind_errors_name_the_address(sockdir, what):
         else:
             extra = ["--listen", f"{sockdir}/m.sock", "--metrics-port", str(port)]
             needle = f"127.0.0.1:{port}"
-        out = _cli("serve", "--name", f"bind{os.getpid()}", "--size", "4M", *extra)
+        out = pool_cli("serve", "--name", f"bind{os.getpid()}", "--size", "4M", *extra)
     assert out.returncode == 1
     assert needle in out.stderr and "in use" in out.stderr, out.stderr
     assert not Path(f"/dev/shm/maru-bind{os.getpid()}").exists()

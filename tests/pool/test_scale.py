@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 
 import msgspec
 import pytest
-from pool_helpers import REPO, child_env
+from pool_helpers import REPO, child_env, pool_cli
 
 from maru_vllm.launch import stack
 from maru_vllm.pool import PoolClient, PoolProtocolError
@@ -59,14 +58,7 @@ def test_snapshot_larger_than_a_frame_is_paged_and_the_connection_stays_usable(p
         assert len(c.snapshot("b")) == 4000  # the dict form still works, namespace-filtered
         assert c.stats()["objects"] == 8000  # same connection, still in step
     # `pool clear --all` lists namespaces from the paged snapshot
-    out = subprocess.run(
-        [sys.executable, "-m", "maru_vllm.cli", "pool", "clear", "--address", p.address, "--all"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=child_env(),
-        timeout=120,
-    )
+    out = pool_cli("clear", "--address", p.address, "--all", timeout=120)
     assert out.returncode == 0, out.stderr
     assert "removed 8000 objects from 2 namespace(s)" in out.stdout
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import urllib.request
 
 import pytest
-from pool_helpers import REPO, child_env
+from pool_helpers import pool_cli
 
 from maru_vllm.launch import free_port
 from maru_vllm.pool import InvalidArgument, PoolClient, PoolError
@@ -147,36 +145,15 @@ def test_metrics_and_status_cli(pool_factory):
     assert f'maru_pool_capacity_bytes{{pool="{p.pool_name}"}}' in text
     assert 'maru_pool_op_latency_seconds_count{op="lookup"' in text or 'op="lookup",pool=' in text
     assert f'maru_pool_hits_total{{pool="{p.pool_name}"}} 1.0' in text
-    out = subprocess.run(
-        [sys.executable, "-m", "maru_vllm.cli", "pool", "status", "--address", p.address, "--json"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=child_env(),
-        timeout=60,
-    )
+    out = pool_cli("status", "--address", p.address, "--json")
     assert out.returncode == 0, out.stderr
     st = json.loads(out.stdout)
     assert st["pool"] == p.pool_name and st["objects"] == 1
-    out = subprocess.run(
-        [sys.executable, "-m", "maru_vllm.cli", "pool", "status", "--address", p.address],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=child_env(),
-        timeout=60,
-    )
+    out = pool_cli("status", "--address", p.address)
     assert out.returncode == 0 and "capacity" in out.stdout and "64.0 MiB" in out.stdout
     with PoolClient.connect(p.address) as c:
         c.put(b"other", b"2" * 10, namespace="ns2")
-    out = subprocess.run(
-        [sys.executable, "-m", "maru_vllm.cli", "pool", "clear", "--address", p.address, "--namespace", "default"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=child_env(),
-        timeout=60,
-    )
+    out = pool_cli("clear", "--address", p.address, "--namespace", "default")
     assert out.returncode == 0 and "removed 1 objects from 1 namespace(s)" in out.stdout, out.stderr
     with PoolClient.connect(p.address) as c:
         assert c.lookup([b"m"]) == [False] and c.lookup([b"other"], namespace="ns2") == [True]
