@@ -501,7 +501,7 @@ class PoolClient:
         with self._lock:
             self._ensure()
             result = self._roundtrip(op, {"keys": keys, "ns": ns})
-            view = self._region.view  # type: ignore[union-attr]
+            view = self._region.view  # type: ignore[union-attr]  # _ensure() connected: the region is mapped
             out: list[ReadPin | None] = []
             bad: list[int] = []
             for key, r in zip(keys, result):

@@ -17,7 +17,9 @@ from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMet
 from maru_vllm.pool import objects
 from maru_vllm.pool.objects import checksum_of, payload_checksum, payload_hasher
 from tests.connector.chunk_meta import chunk_meta
-from tests.connector.test_worker_side import _address, make_worker
+from tests.connector.worker_side import buffer_address, small_worker
+
+NS = "kv:test:native"
 
 NB, BS, H, D, L = 12, 16, 2, 32, 5
 
@@ -143,27 +145,27 @@ def test_store_checksum_is_computed_in_the_copy_and_not_again_at_commit(
     hashed: list[int] = []
     real = objects.payload_checksum
     monkeypatch.setattr(objects, "payload_checksum", lambda p: hashed.append(len(p)) or real(p))
-    a, _a_kv = make_worker(pool.address, 7)
+    a, _a_kv = small_worker(pool.address, 7, NS)
     a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", f"cs-{path}".encode(), [1, 2], chunk_meta(0))]))
     assert a.writer.wait(timeout=30)
     assert a.take_counters().chunks_stored == 1
     assert hashed == ([] if path == "native" else [a.codec.chunk_nbytes(2)])
-    (pin,) = a.pool.client.acquire([f"cs-{path}/r0".encode()], "kv:test:worker", verify_payload=False)
+    (pin,) = a.pool.client.acquire([f"cs-{path}/r0".encode()], NS, verify_payload=False)
     assert pin is not None and pin.checksum == real(pin.data)
     a.pool.client.release([pin])
 
 
 def test_corrupt_object_is_a_miss_on_both_paths(pool, path: str) -> None:
-    a, _a_kv = make_worker(pool.address, 8)
-    b, b_kv = make_worker(pool.address, 9)
+    a, _a_kv = small_worker(pool.address, 8, NS)
+    b, b_kv = small_worker(pool.address, 9, NS)
     before = {n: t.clone() for n, t in b_kv.items()}
     key = f"bad-{path}".encode()
     a.store(MaruConnectorMetadata(stores=[ChunkStore("r1", key, [3, 4], chunk_meta(1))]))
     assert a.writer.wait(timeout=30)
     client = a.pool.client
-    (pin,) = client.acquire([key + b"/r0"], "kv:test:worker", verify_payload=False)
+    (pin,) = client.acquire([key + b"/r0"], NS, verify_payload=False)
     region = client._region.view
-    start = _address(pin.data) - _address(region)
+    start = buffer_address(pin.data) - buffer_address(region)
     region[start + 700] = region[start + 700] ^ 0x10
     client.release([pin])
     b.load(MaruConnectorMetadata(loads=[ChunkLoad("r9", key, [12, 13])]))

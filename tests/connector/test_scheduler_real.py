@@ -376,10 +376,10 @@ def test_preemption_and_aborts_with_a_real_write_behind_worker(new_sim, client, 
     # The worker side copies real pages behind every step; preempted requests' copies finish
     # before their freed blocks can be reused, finished and aborted ones hold their blocks until
     # reported, and in the end every request and block is released (check_run).
-    from tests.connector.test_write_behind import make_worker
+    from tests.connector.worker_side import model_worker
 
     sim = new_sim(num_blocks=24, max_num_seqs=8)
-    worker, _ = make_worker(pool.address, sim.namespace, num_blocks=24)
+    worker, _ = model_worker(pool.address, sim.namespace, num_blocks=24)
     sim.worker = worker
     waited: list[set[str]] = []
     real_wait = worker.writer.wait

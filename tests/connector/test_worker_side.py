@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,16 +11,13 @@ from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMet
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.launch.stack import PoolProcess
 from tests.connector.chunk_meta import chunk_meta
-from tests.connector.worker_side import worker_side
+from tests.connector.worker_side import buffer_address, small_worker, worker_side
 
 NS = "kv:test:worker"
 
 
 def make_worker(address: str, seed: int) -> tuple[MaruWorkerSide, dict[str, torch.Tensor]]:
-    torch.manual_seed(seed)
-    # vLLM 0.31 CPU layout: [num_blocks, kv_heads, block_size, 2 * head_size]
-    caches = {f"layer{i}": torch.randn(16, 2, 8, 32).to(torch.bfloat16) for i in range(3)}
-    return worker_side(address, NS, caches, block_size=8, num_blocks=16), caches
+    return small_worker(address, seed, NS)
 
 
 def test_store_then_load_into_another_instance(pool: PoolProcess) -> None:
@@ -237,7 +233,7 @@ def test_corrupt_payload_is_a_miss_recomputed_and_removed_from_the_pool(pool: Po
     (pin,) = client.acquire([b"bad/r0"], NS, verify_payload=False)
     assert pin is not None and pin.checksum is not None
     region = client._region.view  # flip one byte of the committed payload in the shared region
-    start = _address(pin.data) - _address(region)
+    start = buffer_address(pin.data) - buffer_address(region)
     region[start + 1000] = region[start + 1000] ^ 0x40
     client.release([pin])
     b.load(MaruConnectorMetadata(loads=[ChunkLoad("r9", b"good", [10, 11]), ChunkLoad("r9", b"bad", [12, 13])]))
@@ -247,7 +243,3 @@ def test_corrupt_payload_is_a_miss_recomputed_and_removed_from_the_pool(pool: Po
     for name in a_kv:
         assert torch.equal(b_kv[name][10], a_kv[name][1])
     assert client.lookup([b"good/r0", b"bad/r0"], namespace=NS) == [True, False]
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])

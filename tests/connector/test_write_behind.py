@@ -9,38 +9,16 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import torch
-
 from maru_vllm.connector.chunks import chunk_key
 from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.pool import PoolClient
 from tests.connector.chunk_meta import chunk_meta
-from tests.connector.sched_harness import BLOCK_SIZE, Sim, make_request, make_scheduler, pool_keys, tokens
-from tests.connector.worker_side import worker_side
+from tests.connector.sched_harness import Sim, make_request, make_scheduler, pool_keys, tokens
+from tests.connector.worker_side import model_worker
 
 NUM_BLOCKS = 64
-
-
-def make_worker(
-    address: str,
-    namespace: str,
-    *,
-    block_size: int = BLOCK_SIZE,
-    write_behind: bool = True,
-    num_blocks: int = NUM_BLOCKS,
-) -> tuple[MaruWorkerSide, dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    # vLLM 0.31 CPU layout: [num_blocks, kv_heads, block_size, 2 * head_size]
-    caches = {
-        f"model.layers.{i}.self_attn.attn": torch.randn(num_blocks, 2, block_size, 128).to(torch.bfloat16)
-        for i in range(2)
-    }
-    side = worker_side(
-        address, namespace, caches, block_size=block_size, num_blocks=num_blocks, write_behind=write_behind
-    )
-    return side, caches
 
 
 class Gate:
@@ -74,7 +52,7 @@ def test_finished_request_keeps_its_blocks_until_its_copy_is_done_and_is_invisib
         max_num_batched_tokens=1024,
         extra={"maru_namespace": "wb-hold"},
     )
-    worker, _caches = make_worker(pool.address, sched.connector.namespace)
+    worker, _caches = model_worker(pool.address, sched.connector.namespace)
     gate = Gate(worker)
     sim = Sim(sched, worker=worker)
     req = make_request("r", tokens(7, 600), max_tokens=1)  # two full chunks, done after one step
@@ -112,7 +90,7 @@ def test_finished_request_keeps_its_blocks_until_its_copy_is_done_and_is_invisib
 
 
 def test_preemption_waits_for_the_preempted_requests_copies_only(pool: PoolProcess) -> None:
-    worker, _ = make_worker(pool.address, "wb-preempt", block_size=8)
+    worker, _ = model_worker(pool.address, "wb-preempt", block_size=8)
     gate = Gate(worker)
     worker.store(MaruConnectorMetadata(stores=[ChunkStore("victim", b"v0", [1, 2], chunk_meta(0))]))
     assert gate.entered.wait(30)
@@ -132,7 +110,7 @@ def test_preemption_waits_for_the_preempted_requests_copies_only(pool: PoolProce
 
 
 def test_held_request_is_reported_once_and_only_after_vllm_said_it_finished(pool: PoolProcess) -> None:
-    worker, _ = make_worker(pool.address, "wb-report", block_size=8)
+    worker, _ = model_worker(pool.address, "wb-report", block_size=8)
     worker.store(MaruConnectorMetadata(stores=[ChunkStore("a", b"a0", [1, 2], chunk_meta(0))]))
     assert worker.writer.wait(timeout=30)
     # Announced but not yet in vLLM's finished ids: not reported (vLLM's contract).
@@ -142,7 +120,7 @@ def test_held_request_is_reported_once_and_only_after_vllm_said_it_finished(pool
 
 
 def test_failed_copy_is_aborted_and_never_visible(pool: PoolProcess, client: PoolClient) -> None:
-    worker, _ = make_worker(pool.address, "wb-fail", block_size=8)
+    worker, _ = model_worker(pool.address, "wb-fail", block_size=8)
 
     def broken(block_ids, out) -> None:
         raise RuntimeError("copy engine error")
@@ -163,13 +141,13 @@ def test_failed_copy_is_aborted_and_never_visible(pool: PoolProcess, client: Poo
 
 def test_inline_mode_stores_before_the_step_returns(pool: PoolProcess, client: PoolClient) -> None:
     # A producer-only engine (disaggregated prefill): the decode engine looks right after the response.
-    worker, _ = make_worker(pool.address, "wb-inline", block_size=8, write_behind=False)
+    worker, _ = model_worker(pool.address, "wb-inline", block_size=8, write_behind=False)
     worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"i0", [1, 2], chunk_meta(0))]))
     assert client.lookup([chunk_key(b"i0", 0)], "wb-inline") == [True]
 
 
 def test_shutdown_finishes_queued_stores(pool: PoolProcess, client: PoolClient) -> None:
-    worker, _ = make_worker(pool.address, "wb-shutdown", block_size=8)
+    worker, _ = model_worker(pool.address, "wb-shutdown", block_size=8)
     for i in range(4):
         worker.store(
             MaruConnectorMetadata(stores=[ChunkStore(f"r{i}", f"s{i}".encode(), [2 * i, 2 * i + 1], chunk_meta(0))])
