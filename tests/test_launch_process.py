@@ -45,3 +45,20 @@ def test_pinning_to_a_core_that_is_not_usable_is_a_clear_error(tmp_path: Path) -
         ManagedProcess("probe", [sys.executable, "-c", "pass"], log_path=tmp_path / "p.log", cpus=[missing])
     assert f"cannot pin to cores [{missing}]" in str(err.value)
     assert f"may use cores {sorted(os.sched_getaffinity(0))}" in str(err.value)
+
+
+def test_failure_report_shows_the_first_traceback_even_when_the_tail_does_not(tmp_path: Path) -> None:
+    # An engine core's root cause comes long before its parent's traceback and shutdown noise.
+    script = (
+        "import traceback\n"
+        "try:\n    raise OSError('Address already in use (root cause)')\n"
+        "except OSError:\n    traceback.print_exc()\n"
+        "for i in range(200):\n    print('noise', i)\n"
+        "raise SystemExit(3)\n"
+    )
+    proc = ManagedProcess("crash", [sys.executable, "-c", script], log_path=tmp_path / "crash.log").start()
+    assert proc.proc is not None and proc.proc.wait(timeout=60) == 3
+    assert "root cause" not in proc.log_tail(60)
+    report = proc.failure_report(tail=60)
+    assert "Address already in use (root cause)" in report
+    assert report.rstrip().endswith("noise 199")

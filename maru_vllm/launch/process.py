@@ -157,8 +157,22 @@ class ManagedProcess:
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
+    def failure_report(self, tail: int = 60, first_error_lines: int = 40) -> str:
+        """This start's first traceback (a root cause: vLLM's engine core prints it long before its
+        parent's own traceback fills the tail) followed by the last `tail` lines of the log."""
+        lines = self.output().splitlines()
+        first = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+        report = ""
+        if first is not None and first < len(lines) - tail:
+            report = (
+                f"--- first traceback in {self.log_path} ---\n"
+                + "\n".join(lines[first : first + first_error_lines])
+                + "\n"
+            )
+        return report + f"--- last lines of {self.log_path} ---\n" + "\n".join(lines[-tail:])
+
     def _fail(self, why: str) -> ProcessFailed:
-        return ProcessFailed(f"{self.name}: {why}\n--- last lines of {self.log_path} ---\n{self.log_tail()}")
+        return ProcessFailed(f"{self.name}: {why}\n{self.failure_report()}")
 
     def wait_until(self, check: Callable[[], bool], timeout: float, what: str, poll_s: float = 0.2) -> None:
         """Poll `check` until it returns True; fail early when the process exits."""

@@ -58,6 +58,9 @@ class StackEnv:
                 "TRANSFORMERS_OFFLINE": "1",
             }
         )
+        # vLLM binds its internal ports (torch.distributed's store) seconds after choosing them;
+        # a base below the ephemeral range keeps outgoing connections off them (see ports.py).
+        env.setdefault("VLLM_PORT", str(free_port()))
         if self.nats_url:
             env["NATS_SERVER"] = self.nats_url
             env["DYN_EVENT_PLANE"] = "nats"

@@ -133,7 +133,7 @@ def serve_when_ready(url: str, model: Path, worker_logs: list[ManagedProcess], t
     while True:
         for w in worker_logs:
             if w.proc is not None and w.proc.poll() is not None:
-                raise AssertionError(f"{w.name} exited:\n{w.log_tail(60)}")
+                raise AssertionError(f"{w.name} exited:\n{w.failure_report()}")
         try:
             out = completion(url, str(model), token_prompt(99, 40), max_tokens=2)
             if out["usage"]["completion_tokens"] == 2:
