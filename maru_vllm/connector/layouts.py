@@ -470,6 +470,11 @@ class KVCacheSet:
         kernel = self._kernel()
         return "torch" if kernel is None else f"native-{kernel.isa()}"
 
+    def fused_plan(self) -> tuple[Any, PageSegments] | None:
+        """The fused copy kernel and this cache set's segment planner, when its copies use them."""
+        kernel = self._kernel()
+        return None if kernel is None or self._segments is None else (kernel, self._segments)
+
     def _kernel(self) -> Any | None:
         """The fused copy kernel when this cache set can use it (host memory, one page geometry)."""
         return copy_kernel() if self._segments is not None else None

@@ -64,24 +64,38 @@ class PageSegments:
         """``[k, 3]`` uint64 (payload offset, address, length) for blocks ``skip_blocks ..`` of a chunk
         of ``n_blocks`` going to / coming from ``block_ids``; payload bytes outside them are not copied."""
         ids = np.asarray(block_ids, dtype=np.int64)
-        m = ids.size
-        if m == 0:
+        if ids.size == 0:
             return np.zeros((0, 3), dtype=np.uint64)
+        return self.segments_many(ids[None, :], n_blocks, skip_blocks)[0]
+
+    def segments_many(self, block_ids: np.ndarray, n_blocks: int, skip_blocks: int = 0) -> list[np.ndarray]:
+        """`segments` of ``C`` chunks in one vectorised pass: ``block_ids`` is ``[C, m]``, one row per
+        chunk, every chunk ``n_blocks`` long with the same ``skip_blocks`` (a step's whole chunks)."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        chunks, m = ids.shape
         layers = self.bases.size
+        pieces = self.piece_offsets.size
         plen = self.piece_nbytes
         addr = (
-            self.bases[:, None, None] + ids[None, :, None] * self.block_stride + self.piece_offsets[None, None, :]
+            self.bases[None, :, None, None]
+            + ids[:, None, :, None] * self.block_stride
+            + self.piece_offsets[None, None, None, :]
         ).ravel()
         page_index = np.arange(layers, dtype=np.int64)[:, None] * n_blocks + skip_blocks + np.arange(m)[None, :]
-        poff = (
-            page_index[:, :, None] * self.page_nbytes
-            + np.arange(self.piece_offsets.size, dtype=np.int64)[None, None, :] * plen
+        poff_one = (
+            page_index[:, :, None] * self.page_nbytes + np.arange(pieces, dtype=np.int64)[None, None, :] * plen
         ).ravel()
+        poff = np.tile(poff_one, chunks)
+        per_chunk = poff_one.size
+        # A segment starts where either side is not contiguous with the previous piece, and at
+        # every chunk's first piece (segments never cross from one chunk's payload to the next).
         starts = np.ones(poff.size, dtype=bool)
         starts[1:] = (poff[1:] != poff[:-1] + plen) | (addr[1:] != addr[:-1] + plen)
+        starts[::per_chunk] = True
         first = np.flatnonzero(starts)
         out = np.empty((first.size, 3), dtype=np.int64)
         out[:, 0] = poff[first]
         out[:, 1] = addr[first]
         out[:, 2] = np.diff(np.append(first, poff.size)) * plen
-        return out.view(np.uint64)
+        bounds = np.searchsorted(first, np.arange(1, chunks) * per_chunk)
+        return np.split(out.view(np.uint64), bounds)

@@ -25,8 +25,10 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from maru_vllm.connector.kernels import LMCacheKernels, resolve_lmcache_kernels
@@ -49,6 +51,16 @@ def copy_format(device_type: str, use_lmcache_kernels: bool) -> str:
     if device_type != "cuda" or not use_lmcache_kernels:
         return FORMAT_PAGES
     return FORMAT_LMCACHE_BLOCK if block_kernel_available(resolve_lmcache_kernels(True)) else FORMAT_PAGES
+
+
+@dataclass(frozen=True)
+class WholeChunk:
+    """One whole chunk of a batched load: its blocks, its payload, and whether to hash it."""
+
+    block_ids: Sequence[int]
+    src: memoryview
+    skip_blocks: int = 0
+    hashed: bool = True
 
 
 class TorchPageCopier:
@@ -84,6 +96,40 @@ class TorchPageCopier:
     def unpack_many(self, items: Sequence[tuple[Sequence[int], Any, int]]) -> None:
         for block_ids, src, skip in items:
             self.unpack(block_ids, src, skip_blocks=skip)
+
+    def unpack_whole_many(self, items: Sequence[WholeChunk]) -> list[int | None] | None:
+        """Whole chunks into their pages through the fused kernel, the step's chunks at once.
+
+        The segments of every chunk are planned in one vectorised pass and each payload goes
+        straight to the kernel (no torch views, no per-chunk planning): per chunk, what is left
+        is one kernel call. Returns, per chunk, the XXH3-64 digest of its whole payload when
+        `hashed` (None when not hashed, or when the payload is too short for the kernel's hash:
+        verify it another way), or None when these caches cannot use the kernel (use `unpack`).
+        Sizes and block ids of every chunk are checked before anything is copied
+        (`LayoutMismatch`, `IndexError`).
+        """
+        plan = self.codec.fused_plan()
+        if plan is None:
+            return None
+        kernel, planner = plan
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, item in enumerate(items):
+            groups.setdefault((len(item.block_ids), item.skip_blocks), []).append(i)
+        planned: list[tuple[int, np.ndarray]] = []
+        for (m, skip), members in groups.items():
+            ids = np.array([items[i].block_ids for i in members], dtype=np.int64).reshape(len(members), m)
+            if ids.size and (ids.min() < 0 or ids.max() >= self.codec.num_blocks):
+                raise IndexError(f"unpack: a block id is not in [0, {self.codec.num_blocks})")
+            want = self.codec.chunk_nbytes(m + skip)
+            for i in members:
+                if items[i].src.nbytes != want:
+                    raise LayoutMismatch(f"unpack: buffer has {items[i].src.nbytes} bytes, {want} expected")
+            planned += zip(members, planner.segments_many(ids, m + skip, skip))
+        digests: list[int | None] = [None] * len(items)
+        for i, segments in planned:
+            digest = kernel.copy(items[i].src, segments, True, items[i].hashed)
+            digests[i] = digest if items[i].hashed else None
+        return digests
 
     def finish(self) -> None:
         """Torch's copies from host memory return once the source was read: nothing to wait for."""
@@ -199,6 +245,10 @@ class LMCacheBlockCopier:
                 store=False,
                 skip=0,
             )
+
+    def unpack_whole_many(self, items: Sequence[WholeChunk]) -> list[int | None] | None:
+        """No batched host path here: the kernel reads device-registered objects (use `unpack_many`)."""
+        return None
 
     def finish(self) -> None:
         """Wait until launched kernels have read the pool objects (before their pins are released)."""

@@ -39,9 +39,9 @@ from maru_vllm.connector.metadata import ChunkLoad, MaruConnectorMetadata
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.connector.stats import TransferCounters
 from maru_vllm.connector.store_writer import StoreWriter
-from maru_vllm.connector.transfer import FORMAT_PAGES, LMCacheBlockCopier, TorchPageCopier, make_copier
+from maru_vllm.connector.transfer import FORMAT_PAGES, LMCacheBlockCopier, TorchPageCopier, WholeChunk, make_copier
 from maru_vllm.pool import PartPin, ReadPin
-from maru_vllm.pool.objects import checksum_of, payload_hasher
+from maru_vllm.pool.objects import checksum_from_digest, checksum_of, payload_hasher
 
 logger = init_logger(__name__)
 
@@ -195,8 +195,7 @@ class MaruWorkerSide:
             if self.fused_load:
                 loaded_bytes = self._load_fused(meta, pins, bad)
             else:
-                for load, pin in zip(meta.loads, pins):
-                    loaded_bytes += self._load_one(load, pin, bad)
+                loaded_bytes = self._load_batched(meta, pins, bad)
         finally:
             copier.finish()  # an asynchronous kernel must have read the objects before they are unpinned
             t2 = time.perf_counter()
@@ -243,6 +242,50 @@ class MaruWorkerSide:
         self.counters.chunks_loaded += 1
         self.counters.blocks_loaded += len(load.block_ids)
         return self.copier.chunk_nbytes(len(load.block_ids))
+
+    def _load_batched(self, meta: MaruConnectorMetadata, pins: list[ReadPin | None], bad: list[ReadPin]) -> int:
+        """The step's whole chunks in one batched kernel pass where the copier has one (host
+        caches with the fused kernel), each verified by the digest its copy computed; chunks
+        shared in part, misses, and every chunk when the batch cannot run go one by one."""
+        assert self.copier is not None
+        loads = meta.loads
+        whole: list[int] = []
+        items: list[WholeChunk] = []
+        for i, (load, pin) in enumerate(zip(loads, pins)):
+            if pin is not None and not isinstance(pin, PartPin) and not load.chunk_blocks:
+                whole.append(i)
+                hashed = pin.checksum is not None and not pin.payload_verified
+                items.append(WholeChunk(load.block_ids, pin.data, load.skip_blocks, hashed))
+        digests = None
+        if items:
+            try:
+                digests = self.copier.unpack_whole_many(items)
+            except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
+                # Checked before any copy: each chunk gets its own verdict one by one.
+                logger.debug("batched load not possible (%s); loading chunk by chunk", exc)
+        if digests is None:
+            return sum(self._load_one(load, pin, bad) for load, pin in zip(loads, pins))
+        batched = set(whole)
+        loaded = sum(self._load_one(loads[i], pins[i], bad) for i in range(len(loads)) if i not in batched)
+        for i, item, digest in zip(whole, items, digests):
+            load, pin = loads[i], pins[i]
+            assert pin is not None
+            if item.hashed and not self._digest_matches(pin, digest):
+                # The blocks now hold bytes that are not the chunk: report them (recomputed
+                # before any later step reads them) and drop the object.
+                bad.append(pin)
+                self._fail(load, "payload checksum mismatch")
+                continue
+            self.counters.chunks_loaded += 1
+            self.counters.blocks_loaded += len(load.block_ids)
+            loaded += self.copier.chunk_nbytes(len(load.block_ids))
+        return loaded
+
+    @staticmethod
+    def _digest_matches(pin: ReadPin, digest: int | None) -> bool:
+        """The copy's digest against the header's checksum (a payload too short for the kernel's
+        hash is verified on its own)."""
+        return pin.verify() if digest is None else checksum_from_digest(digest) == pin.checksum
 
     def _load_fused(self, meta: MaruConnectorMetadata, pins: list, bad: list[ReadPin]) -> int:
         """`maru_enable_fused_load`: every whole chunk of the step in as few kernel launches as possible

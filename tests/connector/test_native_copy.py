@@ -182,3 +182,50 @@ def test_segments_merge_contiguous_pages_into_one_copy() -> None:
     assert seg.dtype == np.uint64 and seg.shape == (2 * L, 3)  # per layer: the run 3..5, then 9
     page = codec.bytes_per_block // L
     assert seg[0, 2] == 3 * page and seg[1, 0] == 3 * page and seg[1, 2] == page
+
+
+@pytest.mark.parametrize("bad", ["corrupted", "wrong-size"])
+def test_a_steps_chunks_load_together_and_only_the_bad_one_misses(pool, path: str, bad: str) -> None:
+    """Two chunks in one step (one batched kernel pass where the kernel is built): a good one and
+    a corrupted one (the batch's own digests catch it), or one whose object does not fit the
+    blocks asked for (the batch refuses before copying; chunk by chunk instead). Only the good
+    chunk's blocks are served, byte for byte; the bad one's are reported for recomputation."""
+    a, a_kv = small_worker(pool.address, 10, NS)
+    b, b_kv = small_worker(pool.address, 11, NS)
+    keys = [f"batch-{path}-{bad}-{i}".encode() for i in range(2)]
+    a.store(
+        MaruConnectorMetadata(
+            stores=[ChunkStore("w", k, [2 * i, 2 * i + 1], chunk_meta(i)) for i, k in enumerate(keys)]
+        )
+    )
+    assert a.writer.wait(timeout=30)
+    bad_blocks = [10, 11]
+    if bad == "corrupted":
+        client = a.pool.client
+        (pin,) = client.acquire([keys[1] + b"/r0"], NS, verify_payload=False)
+        region = client._region.view
+        start = buffer_address(pin.data) - buffer_address(region)
+        region[start + 333] = region[start + 333] ^ 0x01
+        client.release([pin])
+    else:
+        bad_blocks = [10, 11, 12]  # a 2-block object asked for 3 blocks
+    before = {n: t.clone() for n, t in b_kv.items()}
+    b.load(MaruConnectorMetadata(loads=[ChunkLoad("r", keys[0], [8, 9]), ChunkLoad("r", keys[1], bad_blocks)]))
+    assert b.take_failed_blocks() == set(bad_blocks)
+    counters = b.take_counters()
+    assert counters.chunks_loaded == 1 and counters.load_failures == 1
+    for name in b_kv:
+        assert torch.equal(_bits(b_kv[name][8:10]), _bits(a_kv[name][0:2]))
+        assert torch.equal(b_kv[name][:8], before[name][:8])
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["single-allocation", "per-layer"])
+def test_segments_of_many_chunks_at_once_equal_one_by_one(stacked: bool) -> None:
+    codec = _set(_caches(stacked, 12))
+    planner = codec._segments
+    ids = np.array([[3, 4], [9, 1], [5, 6]])
+    for n, skip in ((2, 0), (3, 1), (4, 2)):
+        many = planner.segments_many(ids, n, skip)
+        assert len(many) == 3
+        for row, seg in zip(ids, many):
+            assert np.array_equal(seg, planner.segments(list(row), n, skip))

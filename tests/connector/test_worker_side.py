@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -121,21 +122,32 @@ def test_start_load_kv_error_reports_every_planned_block(pool: PoolProcess, wher
     if where == "before-copy":
         w.pool.acquire = lambda *a, **k: (_ for _ in ()).throw(KeyError("injected"))  # type: ignore[method-assign]
     else:
-        real = w.codec.unpack
+        # The second chunk's copy raises, on whichever path copies it: the batched kernel pass
+        # (host caches with the fused kernel) or chunk by chunk.
         calls = []
 
-        def unpack(*a, **k):
-            calls.append(1)
-            if len(calls) > 1:
-                raise KeyError("injected")  # not a copy error the worker expects: a bug
-            return real(*a, **k)
+        def failing_second(copy):
+            def wrapped(*a, **k):
+                calls.append(1)
+                if len(calls) > 1:
+                    raise KeyError("injected")  # not a copy error the worker expects: a bug
+                return copy(*a, **k)
 
-        w.codec.unpack = unpack  # type: ignore[method-assign]
+            return wrapped
+
+        real_plan, real_unpack = w.codec.fused_plan(), w.codec.unpack
+        if real_plan is not None:
+            kernel, planner = real_plan
+            fake_kernel = SimpleNamespace(copy=failing_second(kernel.copy))
+            w.codec.fused_plan = lambda: (fake_kernel, planner)  # type: ignore[method-assign]
+        w.codec.unpack = failing_second(real_unpack)  # type: ignore[method-assign]
     conn.bind_connector_metadata(step)
     conn.start_load_kv(None)  # contained: no exception reaches the engine
     assert conn.contained_errors == 1
     if where != "before-copy":
-        del w.codec.unpack
+        assert len(calls) == 2  # the first chunk was copied, the second raised
+        w.codec.__dict__.pop("unpack", None)
+        w.codec.__dict__.pop("fused_plan", None)
     w.pool.__dict__.pop("acquire", None)
     conn.wait_for_save()
     settle(w)
