@@ -47,8 +47,8 @@ import torch
 
 from maru_vllm.connector.chunks import chunk_key, with_rank
 from maru_vllm.connector.cuda_host import HostRegistry
-from maru_vllm.connector.layouts import LayoutError
 from maru_vllm.connector.metadata import ChunkStore
+from maru_vllm.connector.page_layout import LayoutError
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.connector.stats import TransferCounters
 from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier

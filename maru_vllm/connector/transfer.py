@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from maru_vllm.connector.kernels import LMCacheKernels, resolve_lmcache_kernels
-from maru_vllm.connector.layouts import KVCacheSet, LayoutMismatch
+from maru_vllm.connector.layouts import KVCacheSet
+from maru_vllm.connector.page_layout import LayoutMismatch
 
 logger = logging.getLogger(__name__)
 

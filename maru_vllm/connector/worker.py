@@ -34,8 +34,9 @@ from maru_vllm.connector.chunks import chunk_key
 from maru_vllm.connector.cpu_amx import request_amx_permission
 from maru_vllm.connector.cuda_host import HostRegistry
 from maru_vllm.connector.kernels import resolve_fused_load, resolve_lmcache_kernels
-from maru_vllm.connector.layouts import KVCacheSet, LayoutError
+from maru_vllm.connector.layouts import KVCacheSet
 from maru_vllm.connector.metadata import ChunkLoad, MaruConnectorMetadata
+from maru_vllm.connector.page_layout import LayoutError
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.connector.stats import TransferCounters
 from maru_vllm.connector.store_writer import StoreWriter

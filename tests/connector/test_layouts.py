@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from maru_vllm.connector.layouts import (
+from maru_vllm.connector.layouts import KVCacheSet
+from maru_vllm.connector.page_layout import (
     AmbiguousLayout,
-    KVCacheSet,
     LayoutError,
     LayoutMismatch,
     PageLayout,
     block_runs,
     layout_for_backend,
-    resolve_layer_kv,
 )
 
 NB, BS, H, D = 12, 16, 4, 32
@@ -254,25 +252,6 @@ def test_block_runs_groups_consecutive_ids():
     assert block_runs([3, 4, 5, 9]) == [(3, 0, 3), (9, 3, 1)]
     assert block_runs([7, 0, 1, 10]) == [(7, 0, 1), (0, 1, 2), (10, 3, 1)]
     assert block_runs([0, 0]) == [(0, 0, 1), (0, 1, 1)]
-
-
-def test_resolve_layer_kv_list_and_tensor_and_missing_virtual_engine():
-    t0, t1 = torch.zeros(1), torch.ones(1)
-    ctx_without_ve = SimpleNamespace()  # vLLM 0.31 ForwardContext has no virtual_engine
-    ve = getattr(ctx_without_ve, "virtual_engine", None)
-    assert resolve_layer_kv([t0, t1], ve) is t0
-    assert resolve_layer_kv((t0, t1), 1) is t1
-    assert resolve_layer_kv(t1, ve) is t1
-    assert resolve_layer_kv(t1, 3) is t1  # a plain tensor serves every engine
-    with pytest.raises(LayoutError, match="virtual_engine=2 out of range"):
-        resolve_layer_kv([t0, t1], 2)
-    with pytest.raises(LayoutError, match="dict"):
-        resolve_layer_kv({}, None)
-    with pytest.raises(LayoutError, match="NoneType"):
-        resolve_layer_kv([None], None)
-
-
-# --- against the installed vLLM 0.31 allocation code -------------------------------
 
 
 @pytest.fixture(scope="module")
