@@ -544,6 +544,7 @@ async def serve(cfg: ServiceConfig, *, print_ready: bool = True) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    logger.info("pool %s: event loop %s", cfg.name, type(loop).__module__.split(".")[0])
     if print_ready:
         for a in served:
             print(READY_LINE.format(address=a), flush=True)
