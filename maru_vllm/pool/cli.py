@@ -32,7 +32,9 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
         import uvloop
     except ImportError:
         if choice == "uvloop":
-            raise PoolError("--event-loop uvloop: uvloop is not installed (pip install uvloop, or use asyncio)") from None
+            raise PoolError(
+                "--event-loop uvloop: uvloop is not installed (pip install uvloop, or use asyncio)"
+            ) from None
         return None
     return uvloop.new_event_loop
 
