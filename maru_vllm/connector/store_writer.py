@@ -40,7 +40,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +51,8 @@ from maru_vllm.connector.metadata import ChunkStore
 from maru_vllm.connector.page_layout import LayoutError
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.connector.stats import TransferCounters
-from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier
+from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier, WholeChunk
+from maru_vllm.pool import Reservation
 
 Copier = TorchPageCopier | LMCacheBlockCopier
 
@@ -93,8 +94,11 @@ class StoreWriter:
         self.rank = rank
         self.copier = copier
         self.write_behind = write_behind
-        # Returns the payload's checksum when the copy computed it (fused kernel), else None.
+        # The copy seams (tests hold and break them). `pack_many`: a job's chunks in one batched
+        # pass (host caches with the fused kernel; None when the copier cannot), else `pack`, one
+        # by one. Both give each payload's checksum when the copy computed it, else None.
         self.pack: Callable[[list[int], Any], int | None] = copier.pack
+        self.pack_many: Callable[[Sequence[WholeChunk]], list[int | None] | None] = copier.pack_whole_many
         self.host_registry = host_registry
         self._cv = threading.Condition()
         self._queue: collections.deque[StoreJob] = collections.deque()
@@ -187,6 +191,23 @@ class StoreWriter:
                     self._inflight += collections.Counter()  # drop zero counts
                     self._cv.notify_all()
 
+    def _copy_batched(self, live: list[tuple[ChunkStore, Reservation]]) -> bool:
+        """Copy every chunk in one batched pass where the copier has one (checksums set); False
+        when it cannot: then each chunk is copied on its own, so one that cannot be copied
+        fails alone (sizes and block ids are checked before the batch copies any byte)."""
+        if not live:
+            return True
+        try:
+            checksums = self.pack_many([WholeChunk(store.block_ids, res.buffer) for store, res in live])
+        except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
+            logger.debug("batched store copy not possible (%s); copying chunk by chunk", exc)
+            return False
+        if checksums is None:
+            return False
+        for (_, res), checksum in zip(live, checksums):
+            res.payload_checksum = checksum
+        return True
+
     def _write(self, job: StoreJob) -> None:
         """Reserve, copy every page, wait for the copy, commit: visible only when complete."""
         copier = self.copier
@@ -205,17 +226,18 @@ class StoreWriter:
             with stream_ctx:
                 if job.source_ready is not None:
                     self._stream.wait_event(job.source_ready)  # type: ignore[union-attr]  # set only with a stream
-                for store, res in zip(job.stores, reservations):
-                    if res is None:
-                        counters.stores_skipped += 1  # already in the pool, or no space
-                        continue
-                    try:
-                        res.payload_checksum = self.pack(store.block_ids, res.buffer)
-                    except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
-                        logger.warning("Maru store of a chunk failed while copying (%s); skipped", exc)
-                        self.pool.abort([res])
-                        counters.store_failures += 1
-                        continue
+                live = [(store, res) for store, res in zip(job.stores, reservations) if res is not None]
+                counters.stores_skipped += len(job.stores) - len(live)  # already in the pool, or no space
+                batched = self._copy_batched(live)
+                for store, res in live:
+                    if not batched:
+                        try:
+                            res.payload_checksum = self.pack(store.block_ids, res.buffer)
+                        except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
+                            logger.warning("Maru store of a chunk failed while copying (%s); skipped", exc)
+                            self.pool.abort([res])
+                            counters.store_failures += 1
+                            continue
                     to_commit.append(res)
                     metas.append(with_rank(store.meta, self.rank))
                     parts.append([chunk_key(h, self.rank) for h in store.parts])

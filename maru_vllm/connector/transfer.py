@@ -22,10 +22,10 @@ copy differently never load each other's objects. On CPU nothing changes: ``maru
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,7 @@ import torch
 from maru_vllm.connector.kernels import LMCacheKernels, resolve_lmcache_kernels
 from maru_vllm.connector.layouts import KVCacheSet
 from maru_vllm.connector.page_layout import LayoutMismatch
+from maru_vllm.pool.objects import checksum_from_digest
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,13 @@ def copy_format(device_type: str, use_lmcache_kernels: bool) -> str:
     return FORMAT_LMCACHE_BLOCK if block_kernel_available(resolve_lmcache_kernels(True)) else FORMAT_PAGES
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class WholeChunk:
-    """One whole chunk of a batched load: its blocks, its payload, and whether to hash it."""
+    """One whole chunk of a batched copy: its blocks, its pool payload, and (loads) whether to
+    hash the payload on the way."""
 
     block_ids: Sequence[int]
-    src: memoryview
+    payload: memoryview
     skip_blocks: int = 0
     hashed: bool = True
 
@@ -109,10 +111,23 @@ class TorchPageCopier:
         Sizes and block ids of every chunk are checked before anything is copied
         (`LayoutMismatch`, `IndexError`).
         """
+        return self._whole_many(items, load=True)
+
+    def pack_whole_many(self, items: Sequence[WholeChunk]) -> list[int | None] | None:
+        """`pack` of a step's whole chunks at once, like `unpack_whole_many`: per chunk the payload's
+        checksum (`objects.payload_checksum`; None when too short for the kernel, then the pool
+        client hashes it), or None when these caches cannot use the kernel (use `pack`)."""
+        digests = self._whole_many([dataclasses.replace(item, hashed=True) for item in items], load=False)
+        if digests is None:
+            return None
+        return [None if d is None else checksum_from_digest(d) for d in digests]
+
+    def _whole_many(self, items: Sequence[WholeChunk], *, load: bool) -> list[int | None] | None:
         plan = self.codec.fused_plan()
         if plan is None:
             return None
         kernel, planner = plan
+        what = "unpack" if load else "pack"
         groups: dict[tuple[int, int], list[int]] = {}
         for i, item in enumerate(items):
             groups.setdefault((len(item.block_ids), item.skip_blocks), []).append(i)
@@ -120,15 +135,15 @@ class TorchPageCopier:
         for (m, skip), members in groups.items():
             ids = np.array([items[i].block_ids for i in members], dtype=np.int64).reshape(len(members), m)
             if ids.size and (ids.min() < 0 or ids.max() >= self.codec.num_blocks):
-                raise IndexError(f"unpack: a block id is not in [0, {self.codec.num_blocks})")
+                raise IndexError(f"{what}: a block id is not in [0, {self.codec.num_blocks})")
             want = self.codec.chunk_nbytes(m + skip)
             for i in members:
-                if items[i].src.nbytes != want:
-                    raise LayoutMismatch(f"unpack: buffer has {items[i].src.nbytes} bytes, {want} expected")
+                if items[i].payload.nbytes != want:
+                    raise LayoutMismatch(f"{what}: buffer has {items[i].payload.nbytes} bytes, {want} expected")
             planned += zip(members, planner.segments_many(ids, m + skip, skip))
         digests: list[int | None] = [None] * len(items)
         for i, segments in planned:
-            digest = kernel.copy(items[i].src, segments, True, items[i].hashed)
+            digest = kernel.copy(items[i].payload, segments, load, items[i].hashed)
             digests[i] = digest if items[i].hashed else None
         return digests
 
@@ -249,6 +264,10 @@ class LMCacheBlockCopier:
 
     def unpack_whole_many(self, items: Sequence[WholeChunk]) -> list[int | None] | None:
         """No batched host path here: the kernel reads device-registered objects (use `unpack_many`)."""
+        return None
+
+    def pack_whole_many(self, items: Sequence[WholeChunk]) -> list[int | None] | None:
+        """No batched host path here (use `pack`)."""
         return None
 
     def finish(self) -> None:

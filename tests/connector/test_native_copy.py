@@ -229,3 +229,38 @@ def test_segments_of_many_chunks_at_once_equal_one_by_one(stacked: bool) -> None
         assert len(many) == 3
         for row, seg in zip(ids, many):
             assert np.array_equal(seg, planner.segments(list(row), n, skip))
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["single-allocation", "per-layer"])
+def test_a_batched_pack_writes_what_pack_writes_chunk_by_chunk(stacked: bool) -> None:
+    from maru_vllm.connector.transfer import TorchPageCopier, WholeChunk
+
+    copier = TorchPageCopier(_set(_caches(stacked, 13)))
+    chunks = [[3, 4], [9, 0], [5, 6]]
+    one_by_one = [bytearray(copier.chunk_nbytes(2)) for _ in chunks]
+    sums = [copier.pack(ids, out) for ids, out in zip(chunks, one_by_one)]
+    batched = [bytearray(copier.chunk_nbytes(2)) for _ in chunks]
+    assert copier.pack_whole_many([WholeChunk(ids, memoryview(out)) for ids, out in zip(chunks, batched)]) == sums
+    assert batched == one_by_one
+    assert sums == [payload_checksum(memoryview(b)) for b in batched]
+
+
+def test_a_job_with_a_chunk_that_cannot_be_copied_stores_the_others(pool, path: str) -> None:
+    """The batch refuses before copying (a block id the cache does not have); chunk by chunk,
+    only that chunk fails and its reservation is aborted; the others are stored and verify."""
+    a, _ = small_worker(pool.address, 14, NS)
+    keys = [f"job-{path}-{i}".encode() for i in range(3)]
+    blocks = [[0, 1], [2, 999], [4, 5]]
+    a.store(
+        MaruConnectorMetadata(
+            stores=[ChunkStore("w", k, ids, chunk_meta(i)) for i, (k, ids) in enumerate(zip(keys, blocks))]
+        )
+    )
+    assert a.writer.wait(timeout=30)
+    counters = a.take_counters()
+    assert counters.chunks_stored == 2 and counters.store_failures == 1
+    client = a.pool.client
+    assert client.lookup([k + b"/r0" for k in keys], NS) == [True, False, True]
+    pins = client.acquire([keys[0] + b"/r0", keys[2] + b"/r0"], NS, verify_payload=True)
+    assert all(p is not None and p.payload_verified for p in pins)
+    client.release(pins)

@@ -28,15 +28,23 @@ class Gate:
         self.open_ = threading.Event()
         self.entered = threading.Event()
 
-        real = side.writer.pack
+        assert side.writer is not None
+        real, real_many = side.writer.pack, side.writer.pack_many
 
-        def gated(block_ids, out) -> None:
+        def hold() -> None:
             self.entered.set()
             assert self.open_.wait(60), "gate never opened"
-            real(block_ids, out)
 
-        assert side.writer is not None
-        side.writer.pack = gated
+        def gated(block_ids, out):
+            hold()
+            return real(block_ids, out)
+
+        def gated_many(items):
+            hold()
+            return real_many(items)
+
+        # Whichever seam the writer copies through (batched where the fused kernel is built).
+        side.writer.pack, side.writer.pack_many = gated, gated_many
 
     def open(self) -> None:
         self.open_.set()
@@ -122,18 +130,18 @@ def test_held_request_is_reported_once_and_only_after_vllm_said_it_finished(pool
 def test_failed_copy_is_aborted_and_never_visible(pool: PoolProcess, client: PoolClient) -> None:
     worker, _ = model_worker(pool.address, "wb-fail", block_size=8)
 
-    def broken(block_ids, out) -> None:
+    def broken(*args) -> None:
         raise RuntimeError("copy engine error")
 
-    real = worker.writer.pack
-    worker.writer.pack = broken
+    real, real_many = worker.writer.pack, worker.writer.pack_many
+    worker.writer.pack = worker.writer.pack_many = broken
     worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"f0", [1, 2], chunk_meta(0))]))
     assert worker.writer.wait(timeout=30)
     counters = worker.take_counters()
     assert counters.store_failures == 1 and counters.chunks_stored == 0
     assert client.lookup([chunk_key(b"f0", 0)], "wb-fail") == [False]
     # The reservation was aborted: the same chunk stores fine afterwards.
-    worker.writer.pack = real
+    worker.writer.pack, worker.writer.pack_many = real, real_many
     worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"f0", [1, 2], chunk_meta(0))]))
     assert worker.writer.wait(timeout=30)
     assert client.lookup([chunk_key(b"f0", 0)], "wb-fail") == [True]
