@@ -45,6 +45,7 @@ import torch  # noqa: E402
 from maru_vllm.connector.chunks import placeholder_meta  # noqa: E402
 from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata  # noqa: E402
 from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
+from maru_vllm.connector.transfer import WholeChunk  # noqa: E402
 from maru_vllm.connector.worker import MaruWorkerSide  # noqa: E402
 from maru_vllm.launch import ProcessGroup, free_port  # noqa: E402
 from maru_vllm.launch.stack import PoolProcess  # noqa: E402
@@ -134,13 +135,18 @@ def store_once(rig: Rig, mode: str, chunks: int) -> tuple[float, float, int]:
 def parts_once(rig: Rig, chunks: int) -> dict[str, float]:
     """The store's parts timed one by one: round trips, page copy (+ checksum, as served), commit;
     and, for comparison, the pure path's copy and a checksum as a separate pass."""
-    codec = rig.sides["inline"].codec
+    side = rig.sides["inline"]
+    codec, copier = side.codec, side.copier
     stores = rig.stores(chunks)
     t0 = time.perf_counter()
     res = rig.client.reserve([(s.key, rig.chunk_bytes) for s in stores], NS)
     t1 = time.perf_counter()
-    for s, r in zip(stores, res):
-        r.payload_checksum = codec.pack_with_checksum(s.block_ids, r.buffer)
+    # As the writer copies: the whole job in one batched pass where the kernel is built.
+    sums = copier.pack_whole_many([WholeChunk(s.block_ids, r.buffer) for s, r in zip(stores, res)])
+    if sums is None:
+        sums = [codec.pack_with_checksum(s.block_ids, r.buffer) for s, r in zip(stores, res)]
+    for r, checksum in zip(res, sums):
+        r.payload_checksum = checksum
     t2 = time.perf_counter()
     with pure_path():
         for s, r in zip(stores, res):

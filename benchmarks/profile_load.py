@@ -40,12 +40,13 @@ from maru_vllm.connector import layouts  # noqa: E402
 from maru_vllm.connector.chunks import placeholder_meta  # noqa: E402
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata  # noqa: E402
 from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
+from maru_vllm.connector.transfer import WholeChunk  # noqa: E402
 from maru_vllm.connector.worker import MaruWorkerSide  # noqa: E402
 from maru_vllm.launch import ProcessGroup, free_port  # noqa: E402
 from maru_vllm.launch.stack import PoolProcess  # noqa: E402
 from maru_vllm.models import SPECS  # noqa: E402
 from maru_vllm.native import ENV_NATIVE_COPY, copy_kernel, path_name  # noqa: E402
-from maru_vllm.pool.objects import checksum_of, payload_hasher  # noqa: E402
+from maru_vllm.pool.objects import checksum_from_digest, checksum_of, payload_hasher  # noqa: E402
 
 NS = "kv:profile"
 LOAD = "load (worker side, as served)"
@@ -147,7 +148,17 @@ def profile_load(
         ref_src = region[1 << 20 : (1 << 20) + nbytes]
         ref_dst = torch.zeros(nbytes, dtype=torch.uint8)
 
+        copier = reader.copier
+        assert copier is not None
+
         def unpack_all(pins: list[Any], hashed: bool) -> None:
+            # As the worker loads: the step's chunks in one batched pass where the kernel is built.
+            items = [WholeChunk(ld.block_ids, p.data, 0, hashed) for ld, p in zip(meta.loads, pins)]
+            digests = copier.unpack_whole_many(items)
+            if digests is not None:
+                if hashed and any(d is None or checksum_from_digest(d) != p.checksum for d, p in zip(digests, pins)):
+                    raise RuntimeError("profile_load: checksum mismatch")
+                return
             for ld, p in zip(meta.loads, pins):
                 h = payload_hasher() if hashed else None
                 codec.unpack(ld.block_ids, p.data, hasher=h)
