@@ -11,6 +11,8 @@ Options of its own (all others go to dynamo.vllm):
   --maru-pool-name NAME      pool name (its NATS subjects maru.<NAME>.*); NATS from $NATS_SERVER.
                              Default: asked from the pool service (its stats); when given, it
                              must match the pool's own name
+  --maru-pool-token-file F   file holding the token of a TCP pool (`pool serve --token-file`); mode
+                             600. The connector, the name lookup and the event relay present it
   --maru-event-medium M      tier the router credits pool blocks at (default CPU_PINNED)
   --maru-chunk-tokens N      tokens per pool object (default 256)
   --no-maru-pool-events      keep the pool connector but do not announce the pool's blocks to the
@@ -44,6 +46,7 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="maru_worker", add_help=False)
     p.add_argument("--maru-pool-address", required=True)
     p.add_argument("--maru-pool-name", default=None)
+    p.add_argument("--maru-pool-token-file", default=None)
     p.add_argument("--maru-event-medium", default=DEFAULT_MEDIUM, choices=POOL_MEDIUMS)
     p.add_argument("--maru-chunk-tokens", type=int, default=256)
     p.add_argument("--maru-pool-events", action=argparse.BooleanOptionalAction, default=True)
@@ -61,6 +64,7 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     "kv_connector_extra_config": {
                         "maru_pool_address": ours.maru_pool_address,
                         "maru_kv_chunk_tokens": ours.maru_chunk_tokens,
+                        **({"maru_pool_token_file": ours.maru_pool_token_file} if ours.maru_pool_token_file else {}),
                     },
                 }
             ),
@@ -70,7 +74,20 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return ours, rest
 
 
-def resolve_pool_name(address: str, given: str | None, *, wait_s: float = 30.0) -> str:
+def pool_token(token_file: str | None) -> str | None:
+    """The token in `token_file` (None without one); SystemExit with one line when it is unusable."""
+    if token_file is None:
+        return None
+    from maru_vllm.pool.auth import read_token_file
+    from maru_vllm.pool.errors import PoolError
+
+    try:
+        return read_token_file(token_file)
+    except PoolError as exc:
+        raise SystemExit(f"maru_worker: --maru-pool-token-file: {exc}") from None
+
+
+def resolve_pool_name(address: str, given: str | None, *, token: str | None = None, wait_s: float = 30.0) -> str:
     """The pool's name as its service reports it (stats); `given`, when set, must match it.
 
     Without `given` the pool must answer (within `wait_s`: a pool started just before its
@@ -79,14 +96,16 @@ def resolve_pool_name(address: str, given: str | None, *, wait_s: float = 30.0) 
     one line otherwise.
     """
     from maru_vllm.pool import PoolClient
-    from maru_vllm.pool.errors import PoolError
+    from maru_vllm.pool.errors import PoolError, PoolProtocolError
 
     deadline = time.monotonic() + (0.0 if given else wait_s)
     while True:
         try:
-            with PoolClient.connect(address, timeout=5.0, heartbeat=False, populate=False) as client:
+            with PoolClient.connect(address, token, timeout=5.0, heartbeat=False, populate=False) as client:
                 actual = str(client.stats()["pool"])
             break
+        except PoolProtocolError as exc:  # it answered and refused us (a wrong or missing token)
+            raise SystemExit(f"maru_worker: the pool at {address} refused this worker: {exc}") from None
         except (PoolError, OSError, ValueError) as exc:
             if given:
                 logger.warning(
@@ -132,9 +151,13 @@ def main(argv: list[str] | None = None) -> None:
     if ours.maru_pool_events:
         from maru_vllm.events import install_pool_event_relay
 
-        pool_name = resolve_pool_name(ours.maru_pool_address, ours.maru_pool_name)
+        token = pool_token(ours.maru_pool_token_file)
+        pool_name = resolve_pool_name(ours.maru_pool_address, ours.maru_pool_name, token=token)
         install_pool_event_relay(
-            pool_name=pool_name, pool_address=ours.maru_pool_address, medium=ours.maru_event_medium
+            pool_name=pool_name,
+            pool_address=ours.maru_pool_address,
+            pool_token=token,
+            medium=ours.maru_event_medium,
         )
     from maru_vllm.dynamo_pd import DynamoPdApiError, register_maru_pd_protocol
 
