@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port, stack
+from maru_vllm.pool import PoolClient
+
+CHUNK = 256  # the connector's default chunk (maru_kv_chunk_tokens)
 
 
 def start_pool(
@@ -40,6 +44,36 @@ def token_prompt(seed: int, length: int) -> list[int]:
     """A prompt of exactly `length` byte tokens (ids 32..126), reproducible from `seed`."""
     rng = random.Random(seed)
     return [rng.randrange(32, 127) for _ in range(length)]
+
+
+def pool_chunks(address: str, prompt: list[int], chunk_tokens: int = CHUNK) -> dict[int, dict]:
+    """Pool objects whose committed metadata says they hold chunk i of `prompt`, by i."""
+    with PoolClient.connect(address) as c:
+        objs = c.snapshot()
+    found = {}
+    for o in objs:
+        meta = o.get("meta") or {}
+        i = meta.get("chunk")
+        if i is None:
+            continue
+        if [t for block in meta["token_ids"] for t in block] == prompt[i * chunk_tokens : (i + 1) * chunk_tokens]:
+            found[i] = o
+    return found
+
+
+def stored_chunks(address: str, prompt: list[int], want: Iterable[int], timeout: float = 30.0) -> dict[int, dict]:
+    """`pool_chunks` once every chunk in `want` is there (or `timeout` passed; the caller asserts).
+
+    Stores are write-behind: an engine answers before its last step's chunks are committed, so a
+    test that reads the pool (or asks another engine) right after an answer waits for them here.
+    """
+    want = set(want)
+    deadline = time.monotonic() + timeout
+    while True:
+        found = pool_chunks(address, prompt)
+        if want <= found.keys() or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

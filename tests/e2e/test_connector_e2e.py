@@ -13,6 +13,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -23,12 +24,20 @@ from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.models import ensure_model
 from maru_vllm.pool import PoolClient
 from maru_vllm.pool.objects import payload_checksum
-from tests.e2e.conftest import maru_kv_config, start_engine, start_pool, token_prompt, wait_engines
+from tests.e2e.conftest import (
+    CHUNK,
+    maru_kv_config,
+    pool_chunks,
+    start_engine,
+    start_pool,
+    stored_chunks,
+    token_prompt,
+    wait_engines,
+)
 from tests.e2e.openai_client import cached_tokens, completion
 
 pytestmark = [pytest.mark.e2e]
 
-CHUNK = 256
 OBJ_HEADER = 64  # maru_vllm.pool.objects.OBJ_HEADER_SIZE
 
 
@@ -48,20 +57,12 @@ class Stack:
         return completion(self.urls[engine], self.models[engine], prompt, max_tokens=max_tokens, logprobs=1)
 
     def chunks_of(self, prompt: list[int]) -> dict[int, dict]:
-        """Pool objects whose committed metadata says they hold chunks of `prompt`."""
-        with PoolClient.connect(self.pool.address) as c:
-            objs = c.snapshot()
-        found = {}
-        for o in objs:
-            meta = o.get("meta") or {}
-            c_idx = meta.get("chunk")
-            if c_idx is None:
-                continue
-            start = c_idx * CHUNK
-            flat = [t for block in meta["token_ids"] for t in block]
-            if flat == prompt[start : start + CHUNK]:
-                found[c_idx] = o
-        return found
+        """Pool objects holding chunks of `prompt`, by chunk index."""
+        return pool_chunks(self.pool.address, prompt)
+
+    def stored(self, prompt: list[int], want: Iterable[int]) -> list[int]:
+        """The chunk indices of `prompt` in the pool, once those in `want` are committed."""
+        return sorted(stored_chunks(self.pool.address, prompt, want))
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ def corrupt_chunk(stack: Stack, prompt: list[int], chunk: int, *, keep_checksum:
     MAC: whoever can write the region can forge it): a corruption that no check can see, used to
     show that the output comparison itself catches a bad load.
     """
-    obj = stack.chunks_of(prompt)[chunk]
+    obj = stored_chunks(stack.pool.address, prompt, [chunk])[chunk]
     with PoolClient.connect(stack.pool.address) as c:
         pin = c.acquire([bytes.fromhex(obj["key"])], namespace=obj["namespace"])[0]
         assert pin is not None
@@ -115,7 +116,7 @@ def test_cross_instance_pool_hit_equals_local_prefix_hit(maru: Stack) -> None:
     prompt = token_prompt(1, 3 * CHUNK + 1)
     out_a = maru.ask("A", prompt)
     assert cached_tokens(out_a) == 0
-    assert sorted(maru.chunks_of(prompt)) == [0, 1, 2]
+    assert maru.stored(prompt, range(3)) == [0, 1, 2]
 
     pool_hit = maru.ask("B", prompt)  # B never saw this prompt: its KV comes from A via the pool
     assert cached_tokens(pool_hit) == 3 * CHUNK
@@ -150,18 +151,18 @@ def test_metrics_report_pool_hits_and_transfers(maru: Stack) -> None:
 def test_partial_prefix_loads_only_the_shared_chunks(maru: Stack) -> None:
     base = token_prompt(2, 4 * CHUNK + 1)
     maru.ask("A", base)
-    assert sorted(maru.chunks_of(base)) == [0, 1, 2, 3]
+    assert maru.stored(base, range(4)) == [0, 1, 2, 3]
     variant = base[: 2 * CHUNK] + token_prompt(3, 2 * CHUNK + 1)
     out = maru.ask("B", variant)
     assert cached_tokens(out) == 2 * CHUNK
     # B stored the chunks that were new; the shared ones were not stored twice.
-    assert sorted(maru.chunks_of(variant)) == [0, 1, 2, 3]
+    assert maru.stored(variant, range(4)) == [0, 1, 2, 3]
 
 
 def test_chunked_prefill_stores_every_full_chunk(maru: Stack) -> None:
     prompt = token_prompt(6, 7 * CHUNK + 100)  # 1892 tokens, prefilled 512 tokens per step
     maru.ask("A", prompt)
-    assert sorted(maru.chunks_of(prompt)) == list(range(7))
+    assert maru.stored(prompt, range(7)) == list(range(7))
     assert cached_tokens(maru.ask("B", prompt)) == 7 * CHUNK
 
 

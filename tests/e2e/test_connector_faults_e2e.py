@@ -20,13 +20,20 @@ import pytest
 
 from maru_vllm.launch import ProcessGroup
 from maru_vllm.models import ensure_model
-from tests.e2e.conftest import maru_kv_config, start_engine, start_pool, token_prompt, wait_engines
+from tests.e2e.conftest import (
+    CHUNK,
+    maru_kv_config,
+    start_engine,
+    start_pool,
+    stored_chunks,
+    token_prompt,
+    wait_engines,
+)
 from tests.e2e.faulty_connector import SCHEDULER_HOOKS, WORKER_HOOKS
 from tests.e2e.openai_client import cached_tokens, completion
 
 pytestmark = [pytest.mark.e2e]
 
-CHUNK = 256
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -51,7 +58,7 @@ def engines(module_procs: ProcessGroup, module_log_dir: Path, tmp_path_factory: 
         else:
             os.environ["PYTHONPATH"] = saved
     wait_engines(module_procs, urls)
-    return urls, str(tiny), fault_file, next(p for p in module_procs if p.name == "F")
+    return urls, str(tiny), fault_file, next(p for p in module_procs if p.name == "F"), pool.address
 
 
 def ask(url: str, model: str, prompt: list[int]) -> dict:
@@ -65,10 +72,11 @@ def lp(out: dict) -> tuple[list[str], list[float]]:
 
 @pytest.mark.parametrize("hook", [*SCHEDULER_HOOKS, *WORKER_HOOKS])
 def test_output_equals_a_plain_engine_whatever_hook_fails(engines, hook: str) -> None:
-    urls, model, fault_file, f_proc = engines
+    urls, model, fault_file, f_proc, pool_address = engines
     prompt = token_prompt(900 + (SCHEDULER_HOOKS + WORKER_HOOKS).index(hook), 3 * CHUNK + 1)
     reference = ask(urls["A"], model, prompt)  # cold: computed from scratch, stored in the pool
     assert cached_tokens(reference) == 0
+    assert sorted(stored_chunks(pool_address, prompt, range(3))) == [0, 1, 2]  # write-behind: committed soon after
     injected = f"injected fault in {hook}"
     before = f_proc.log_text().count(injected)
     fault_file.write_text(hook)
@@ -84,6 +92,7 @@ def test_output_equals_a_plain_engine_whatever_hook_fails(engines, hook: str) ->
     # The engine keeps serving with the pool once the fault is gone.
     again = token_prompt(950 + (SCHEDULER_HOOKS + WORKER_HOOKS).index(hook), 2 * CHUNK + 1)
     ask(urls["A"], model, again)
+    assert sorted(stored_chunks(pool_address, again, range(2))) == [0, 1]
     assert cached_tokens(ask(urls["F"], model, again)) == 2 * CHUNK
     # ... and the fail-closed guard never refused a plan of the unbroken connector.
     assert "vLLM counts" not in f_proc.log_text()

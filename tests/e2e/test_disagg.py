@@ -39,12 +39,11 @@ from maru_vllm.launch import ManagedProcess, ProcessGroup, stack
 from maru_vllm.launch.engine_metrics import metric_total
 from maru_vllm.launch.ports import free_system_port
 from maru_vllm.pool import PoolClient
-from tests.e2e.conftest import start_pool, token_prompt
+from tests.e2e.conftest import CHUNK, start_pool, stored_chunks, token_prompt
 from tests.e2e.openai_client import cached_tokens, completion
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-CHUNK = 256
 PROMPT_LEN = 3 * CHUNK + 1  # 769 tokens: three loadable chunks, one token left to compute
 MAX_TOKENS = 8
 PREFILL_CORE, DECODE_CORE = 0, 1
@@ -94,19 +93,6 @@ def f32(values: list[float]) -> list[float]:
 
 def text(out: dict) -> str:
     return out["choices"][0]["text"]
-
-
-def chunks_of(address: str, prompt: list[int]) -> list[int]:
-    """Chunk indices of `prompt` whose objects are committed in the pool."""
-    with PoolClient.connect(address) as c:
-        objs = c.snapshot()
-    found = []
-    for o in objs:
-        meta = o.get("meta") or {}
-        idx = meta.get("chunk")
-        if idx is not None and [t for b in meta["token_ids"] for t in b] == prompt[idx * CHUNK : (idx + 1) * CHUNK]:
-            found.append(idx)
-    return sorted(found)
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -208,7 +194,7 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     assert len({r["request_id"] for r in routed}) == 1, routed
 
     # The prefill worker stored the prompt's three full chunks; the decode worker stores nothing.
-    assert chunks_of(pool.address, prompt) == [0, 1, 2]
+    assert sorted(stored_chunks(pool.address, prompt, range(3))) == [0, 1, 2]
     assert after["stores"] - before["stores"] == 3, (before, after)
     # ... and the decode worker found and loaded them (the prefill worker never loads: kv_producer).
     assert after["hits"] - before["hits"] >= 3, (before, after)
@@ -249,7 +235,7 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     out_miss = ask(url, tiny_model, prompt_miss)
     after = pool_stats(pool.address)
     # The prefill worker still stored the chunks; the decode worker could not fetch them.
-    assert chunks_of(pool.address, prompt_miss) == [0, 1, 2]
+    assert sorted(stored_chunks(pool.address, prompt_miss, range(3))) == [0, 1, 2]
     assert after["hits"] == before["hits"], (before, after)
     d2 = wait_metric(
         decode_port, "vllm:prompt_tokens_total", metric_total(d2_before, "vllm:prompt_tokens_total") + PROMPT_LEN
