@@ -1,9 +1,9 @@
 """The synchronous, thread-safe pool client the vLLM connector uses.
 
-Control plane: one request/reply per batched call over the service socket, serialised by a
-lock (the connector hooks are synchronous and may run on several threads). Data plane: the
-client maps the region itself and writes/reads payloads in place - a reservation's `.buffer`
-and a pin's `.data` are memoryviews straight into the shared mapping.
+Control plane: one request/reply per batched call over the service socket (connection.py: trust
+check, hello, reconnects, heartbeat, framing). Data plane: the client maps the region itself and
+writes/reads payloads in place - a reservation's `.buffer` and a pin's `.data` are memoryviews
+straight into the shared mapping.
 
 Restarts: every reservation and pin remembers the connection generation it came from. When
 the service goes away the failing call raises `PoolUnavailable`; the next call reconnects
@@ -11,19 +11,13 @@ the service goes away the failing call raises `PoolUnavailable`; the next call r
 (commit returns False, release does nothing). Metadata from one incarnation is never used to
 read another incarnation's region.
 
-Trust: on a unix socket the client checks who serves it (SO_PEERCRED) before sending its
-token: the server must run as this user, as root, or as the owner of the socket's directory
-(who controls what is in it). With `checksum=True` every read must carry a valid checksum.
+Trust: see connection.py for who may serve a unix socket. With `checksum=True` every read must
+carry a valid checksum.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import socket
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,8 +27,8 @@ import msgspec
 
 from maru_vllm.pool import messages as M
 from maru_vllm.pool import protocol as P
-from maru_vllm.pool.address import parse_address, peer_credentials
-from maru_vllm.pool.errors import InvalidArgument, PoolError, PoolProtocolError, PoolUnavailable
+from maru_vllm.pool.connection import PoolConnection
+from maru_vllm.pool.errors import InvalidArgument, PoolProtocolError, PoolUnavailable
 from maru_vllm.pool.objects import (
     OBJ_HEADER_SIZE,
     expected_checksum,
@@ -43,11 +37,8 @@ from maru_vllm.pool.objects import (
     validate,
     write_header,
 )
-from maru_vllm.pool.region import Region, RegionError
 
 logger = logging.getLogger(__name__)
-
-_IDEMPOTENT = frozenset({"lookup", "lookup_prefix", "lookup_parts", "stats", "snapshot", "ping"})
 
 
 @dataclass(eq=False)
@@ -108,7 +99,10 @@ class PartPin(ReadPin):
     units: int = 0
 
 
-class PoolClient:
+class PoolClient(PoolConnection):
+    """The pool's operations (lookups, reserve/commit, acquire/release, snapshots) over a
+    `PoolConnection`; thread-safe."""
+
     def __init__(
         self,
         address: str,
@@ -121,260 +115,11 @@ class PoolClient:
         populate: bool = True,
         write_checksum: bool | None = None,
     ) -> None:
-        self.address = parse_address(address)
-        self._address_text = address
-        self.token = token
-        self.timeout = timeout
+        super().__init__(
+            address, token, timeout=timeout, region_path=region_path, heartbeat=heartbeat, populate=populate
+        )
         self.checksum = checksum  # reads: require a valid checksum on every object
         self.write_checksum = checksum if write_checksum is None else write_checksum
-        self._region_path_override = region_path
-        self._lock = threading.RLock()
-        self._sock: socket.socket | None = None
-        self._region: Region | None = None
-        self._ids = itertools.count(1)
-        self._gen = 0
-        # (op, request id) of requests sent without waiting for their replies, oldest first
-        self._unanswered: list[tuple[str, int]] = []
-        self._last_io = 0.0
-        self._retry_at = 0.0
-        self._backoff = 0.05
-        self._closed = False
-        self.hello: dict[str, Any] = {}
-        self._hb_stop = threading.Event()
-        self._hb: threading.Thread | None = None
-        self._want_heartbeat = heartbeat
-        self._populate = populate
-
-    @classmethod
-    def connect(cls, address: str, token: str | None = None, *, timeout: float = 5.0, **kw: Any) -> PoolClient:
-        client = cls(address, token, timeout=timeout, **kw)
-        with client._lock:
-            client._connect()
-        return client
-
-    @property
-    def incarnation(self) -> str | None:
-        return self.hello.get("incarnation") if self._sock is not None else None
-
-    @property
-    def connected(self) -> bool:
-        return self._sock is not None
-
-    @property
-    def region_view(self) -> memoryview | None:
-        """The current mapping of the whole region (None before the first connect), e.g. to
-        register it with a GPU once (cudaHostRegister)."""
-        region = self._region
-        return None if region is None else region.view
-
-    # -- connection -------------------------------------------------------------------------
-    def _connect(self) -> None:
-        a = self.address
-        try:
-            if a.kind == "unix":
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(self.timeout)
-                sock.connect(a.path)
-                _check_server_uid(sock, a.path)
-            else:
-                sock = socket.create_connection((a.host, a.port), timeout=self.timeout)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except PoolUnavailable:
-            sock.close()
-            raise
-        except OSError as exc:
-            raise PoolUnavailable(f"cannot connect to pool at {self._address_text}: {exc}") from exc
-        self._sock = sock
-        try:
-            hello = msgspec.structs.asdict(
-                self._roundtrip("hello", {"token": self.token, "client": "maru-client", "pid": os.getpid()})
-            )
-            path = self._region_path_override or hello["region_path"]
-            region = Region.attach(
-                path,
-                size=hello["region_size"],
-                region_uuid=hello["region_uuid"],
-                incarnation=hello["incarnation"],
-                backend=hello.get("backend", "shm"),
-                populate=self._populate,
-            )
-        except RegionError as exc:
-            self._drop_connection()
-            raise PoolUnavailable(f"pool at {self._address_text}: {exc}") from exc
-        except PoolError:
-            self._drop_connection()
-            raise
-        if self._region is not None:
-            self._region.close()  # views still held by callers keep the old mapping alive
-        self._region = region
-        self.hello = hello
-        self._gen += 1
-        self._backoff = 0.05
-        logger.debug("connected to pool %s incarnation %s", hello["pool"], hello["incarnation"])
-        if self._want_heartbeat and self._hb is None:
-            self._hb = threading.Thread(target=self._heartbeat, name="maru-pool-heartbeat", daemon=True)
-            self._hb.start()
-
-    def _drop_connection(self) -> None:
-        self._unanswered.clear()  # their replies went with the connection
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            except OSError:
-                pass
-        self._sock = None
-
-    def _ensure(self) -> None:
-        if self._closed:
-            raise PoolUnavailable("client is closed")
-        if self._sock is not None:
-            return
-        now = time.monotonic()
-        if now < self._retry_at:
-            raise PoolUnavailable(f"pool at {self._address_text} unavailable; retrying in {self._retry_at - now:.2f}s")
-        try:
-            self._connect()
-        except PoolUnavailable:
-            self._retry_at = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, 2.0)
-            raise
-
-    def reconnect(self) -> None:
-        """Force a fresh connection now (drops the current session)."""
-        with self._lock:
-            self._drop_connection()
-            self._retry_at = 0.0
-            self._connect()
-
-    def close(self) -> None:
-        self._hb_stop.set()
-        with self._lock:
-            self._closed = True
-            self._drop_connection()
-            if self._region is not None:
-                self._region.close()
-                self._region = None
-
-    def __enter__(self) -> PoolClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _heartbeat(self) -> None:
-        while not self._hb_stop.is_set():
-            lease = float(self.hello.get("lease_s", 30.0))
-            if self._hb_stop.wait(max(0.05, lease / 4)):
-                return
-            if not self._lock.acquire(timeout=lease / 4):
-                continue
-            try:
-                if self._sock is not None and time.monotonic() - self._last_io > lease / 4:
-                    self._roundtrip("ping", {})
-            except PoolError as exc:
-                logger.debug("heartbeat failed: %s", exc)
-            finally:
-                self._lock.release()
-
-    # -- request/reply ----------------------------------------------------------------------
-    def _roundtrip(self, op: str, args: dict[str, Any]) -> Any:
-        self._drain()
-        req_id = self._send(op, args)
-        return self._reply(op, req_id)
-
-    def _send(self, op: str, args: dict[str, Any]) -> int:
-        sock = self._sock
-        if sock is None:
-            raise PoolUnavailable("not connected")
-        req_id = next(self._ids)
-        try:
-            sock.sendall(P.encode_request(req_id, op, args))
-        except OSError as exc:  # the service may have refused the connection just before
-            refusal = _pending_refusal(sock)
-            self._drop_connection()
-            if refusal is not None:
-                self._raise_connection_error(op, refusal)
-            raise PoolUnavailable(f"pool at {self._address_text} went away during {op}: {exc}") from exc
-        return req_id
-
-    def _send_unanswered(self, op: str, args: dict[str, Any]) -> None:
-        """Send a request whose reply is read (and checked) before the next one's, not now."""
-        self._drain()
-        self._unanswered.append((op, self._send(op, args)))
-
-    def _drain(self) -> None:
-        """Read the replies of requests sent by `_send_unanswered`; an error reply is logged."""
-        while self._unanswered:
-            op, req_id = self._unanswered[0]
-            try:
-                self._reply(op, req_id)
-            except PoolProtocolError as exc:
-                logger.warning("pool %s: %s", self._address_text, exc)
-            finally:
-                if self._unanswered and self._unanswered[0][1] == req_id:
-                    self._unanswered.pop(0)
-
-    def _reply(self, op: str, req_id: int) -> Any:
-        sock = self._sock
-        if sock is None:
-            raise PoolUnavailable("not connected")
-        try:
-            n = P.LEN.unpack(_recv_exact(sock, 4))[0]
-            if n > P.MAX_FRAME:
-                # The rest of that frame is still on the wire: this byte stream is out of step for
-                # good, so drop it; the next call reconnects.
-                self._drop_connection()
-                raise PoolProtocolError(f"reply frame of {n} bytes to {op} exceeds {P.MAX_FRAME}; connection dropped")
-            body = _recv_exact(sock, n)
-        except (OSError, EOFError) as exc:
-            self._drop_connection()
-            raise PoolUnavailable(f"pool at {self._address_text} went away during {op}: {exc}") from exc
-        self._last_io = time.monotonic()
-        try:
-            reply = P.decode_reply(body)
-        except P.FrameError as exc:
-            self._drop_connection()
-            raise PoolProtocolError(f"{exc}; connection dropped") from exc
-        if reply.id == 0 and not reply.ok:  # about the connection, not a request: it is being closed
-            self._drop_connection()
-            self._raise_connection_error(op, reply)
-        if reply.id != req_id:
-            self._drop_connection()
-            raise PoolProtocolError(f"reply id {reply.id} does not match request {req_id} ({op})")
-        if not reply.ok:
-            err = reply.error
-            code, msg = (err.code, err.message) if err else ("unknown", "no error detail")
-            if code in ("session_expired",):
-                self._drop_connection()
-                raise PoolUnavailable(f"{op}: {msg}")
-            raise PoolProtocolError(f"{op} rejected by pool ({code}): {msg}", code)
-        try:
-            return M.decode_result(op, reply.result)
-        except M.MessageError as exc:
-            self._drop_connection()  # a peer that answers in a shape we do not know is not trusted further
-            raise PoolProtocolError(f"{exc}; connection dropped") from exc
-
-    def _raise_connection_error(self, op: str, reply: P.RawReply) -> None:
-        code, msg = (reply.error.code, reply.error.message) if reply.error else ("unknown", "no error detail")
-        if code == "too_many_connections":
-            raise PoolUnavailable(f"pool at {self._address_text} refused the connection ({code}): {msg}")
-        raise PoolProtocolError(f"{op} rejected by pool ({code}): {msg}", code)
-
-    def _call(self, op: str, args: dict[str, Any]) -> Any:
-        with self._lock:
-            self._ensure()
-            gen = self._gen
-            try:
-                return self._roundtrip(op, args)
-            except PoolUnavailable:
-                if op not in _IDEMPOTENT:
-                    raise
-            # safe to retry once on a fresh connection (e.g. the service restarted)
-            self._retry_at = 0.0
-            self._ensure()
-            if self._gen == gen:
-                raise PoolUnavailable(f"{op}: reconnect did not happen")
-            return self._roundtrip(op, args)
 
     # -- public API -------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes], namespace: str = "default") -> list[bool]:
@@ -657,53 +402,6 @@ class PoolClient:
 
     def ping(self) -> None:
         self._call("ping", {})
-
-
-def _peer_uid(sock: socket.socket) -> int:
-    return peer_credentials(sock)[1]
-
-
-def _check_server_uid(sock: socket.socket, path: str) -> None:
-    """Refuse a unix-socket server run by someone who could not have put the socket there
-    legitimately (e.g. another user squatting a name in a shared directory like /tmp)."""
-    uid = _peer_uid(sock)
-    own = os.geteuid()
-    directory = os.path.dirname(path) or "/"
-    try:
-        dir_owner = os.stat(directory).st_uid
-    except OSError:
-        dir_owner = own
-    if uid in (own, 0, dir_owner):
-        return
-    raise PoolUnavailable(
-        f"the pool socket {path} is served by uid {uid}, not by you (uid {own}), root, or the owner of "
-        f"{directory} (uid {dir_owner}); refusing to connect (it may be squatted - check who runs it)"
-    )
-
-
-def _pending_refusal(sock: socket.socket) -> P.RawReply | None:
-    """An error reply the service sent before closing, if one is waiting to be read."""
-    try:
-        sock.settimeout(0.5)
-        n = P.LEN.unpack(_recv_exact(sock, 4))[0]
-        if n > P.MAX_HELLO_FRAME:
-            return None
-        reply = P.decode_reply(_recv_exact(sock, n))
-    except (OSError, EOFError, P.FrameError):
-        return None
-    return None if reply.ok else reply
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError("connection closed by the pool service")
-        got += k
-    return bytes(buf)
 
 
 def _key(key: bytes) -> bytes:

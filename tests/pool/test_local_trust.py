@@ -16,7 +16,7 @@ from pool_helpers import pool_cli
 from maru_vllm.launch import free_port
 from maru_vllm.pool import PoolClient, PoolError, PoolUnavailable
 from maru_vllm.pool import address as address_mod
-from maru_vllm.pool import client as client_mod
+from maru_vllm.pool import connection as connection_mod
 
 TOKEN = "k" * 32
 
@@ -92,8 +92,8 @@ def test_a_squatted_socket_directory_is_refused(monkeypatch, tmp_path, squat):
 
 def test_client_reads_the_servers_uid_and_refuses_a_stranger(pool, monkeypatch):
     with PoolClient.connect(pool.address) as c:
-        assert client_mod._peer_uid(c._sock) == os.geteuid()
-    monkeypatch.setattr(client_mod, "_peer_uid", lambda sock: 4242)
+        assert connection_mod._peer_uid(c._sock) == os.geteuid()
+    monkeypatch.setattr(connection_mod, "_peer_uid", lambda sock: 4242)
     with pytest.raises(PoolUnavailable, match=r"uid 4242.*refusing"):
         PoolClient.connect(pool.address, token="t" * 32)
 
