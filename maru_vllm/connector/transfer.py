@@ -58,7 +58,7 @@ def copy_format(device_type: str, use_lmcache_kernels: bool) -> str:
 @dataclasses.dataclass(frozen=True)
 class WholeChunk:
     """One whole chunk of a batched copy: its blocks, its pool payload, and (loads) whether to
-    hash the payload on the way."""
+    hash the payload on the way (a store always does)."""
 
     block_ids: Sequence[int]
     payload: memoryview
@@ -117,7 +117,7 @@ class TorchPageCopier:
         """`pack` of a step's whole chunks at once, like `unpack_whole_many`: per chunk the payload's
         checksum (`objects.payload_checksum`; None when too short for the kernel, then the pool
         client hashes it), or None when these caches cannot use the kernel (use `pack`)."""
-        digests = self._whole_many([dataclasses.replace(item, hashed=True) for item in items], load=False)
+        digests = self._whole_many(items, load=False)
         if digests is None:
             return None
         return [None if d is None else checksum_from_digest(d) for d in digests]
@@ -143,8 +143,9 @@ class TorchPageCopier:
             planned += zip(members, planner.segments_many(ids, m + skip, skip))
         digests: list[int | None] = [None] * len(items)
         for i, segments in planned:
-            digest = kernel.copy(items[i].payload, segments, load, items[i].hashed)
-            digests[i] = digest if items[i].hashed else None
+            hashed = items[i].hashed or not load  # a stored payload always gets its checksum
+            digest = kernel.copy(items[i].payload, segments, load, hashed)
+            digests[i] = digest if hashed else None
         return digests
 
     def finish(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port, stack
 from maru_vllm.pool import PoolClient
+from tests.waiting import wait_until
 
 CHUNK = 256  # the connector's default chunk (maru_kv_chunk_tokens)
 
@@ -62,18 +62,18 @@ def pool_chunks(address: str, prompt: list[int], chunk_tokens: int = CHUNK) -> d
 
 
 def stored_chunks(address: str, prompt: list[int], want: Iterable[int], timeout: float = 30.0) -> dict[int, dict]:
-    """`pool_chunks` once every chunk in `want` is there (or `timeout` passed; the caller asserts).
+    """`pool_chunks` once every chunk in `want` is there.
 
     Stores are write-behind: an engine answers before its last step's chunks are committed, so a
     test that reads the pool (or asks another engine) right after an answer waits for them here.
     """
     want = set(want)
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def committed() -> dict[int, dict] | None:
         found = pool_chunks(address, prompt)
-        if want <= found.keys() or time.monotonic() > deadline:
-            return found
-        time.sleep(0.05)
+        return found if want <= found.keys() else None
+
+    return wait_until(committed, timeout, f"chunks {sorted(want)} of the prompt committed to the pool")
 
 
 @pytest.fixture(scope="module")
