@@ -40,3 +40,17 @@ def test_an_unknown_event_loop_is_one_clear_line() -> None:
     out = pool_cli("serve", "--name", "x", "--size", "4M", "--event-loop", "trio")
     assert out.returncode == 2
     assert "--event-loop" in out.stderr and "'trio'" in out.stderr and "uvloop" in out.stderr
+
+
+def test_asking_for_uvloop_where_it_is_missing_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from maru_vllm.pool.cli import event_loop_factory
+    from maru_vllm.pool.errors import PoolError
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop -> ImportError
+    with pytest.raises(PoolError) as exc:
+        event_loop_factory("uvloop")
+    assert "\n" not in str(exc.value) and "uvloop is not installed" in str(exc.value)
+    assert event_loop_factory("auto") is None  # auto falls back to asyncio's own loop
+    assert event_loop_factory("asyncio") is None
