@@ -96,14 +96,17 @@ class Rig:
         self._n = 0
 
     def stores(self, chunks: int, first_chunk: int = 0) -> list[ChunkStore]:
-        """`chunks` new chunks (fresh keys) over consecutive blocks, as a fresh request has."""
+        """`chunks` new chunks (fresh keys) over consecutive blocks, as a fresh request has, with
+        metadata and part keys the size an engine commits (a block's token ids and hash, one part
+        key per leading block)."""
         self._n += 1
         return [
             ChunkStore(
                 f"req{self._n}",
                 f"k{self._n}-{c}".encode(),
                 [BLOCKS_PER_CHUNK * c + b for b in range(BLOCKS_PER_CHUNK)],
-                placeholder_meta(c),
+                placeholder_meta(c, BLOCKS_PER_CHUNK, BLOCK),
+                [f"k{self._n}-{c}-part{b}".encode().ljust(32, b".") for b in range(BLOCKS_PER_CHUNK - 1)],
             )
             for c in range(first_chunk, first_chunk + chunks)
         ]
@@ -226,11 +229,14 @@ def prefill_once(rig: Rig, mode: str | None, chunks: int, forward: Callable[[flo
 
 
 def alternate(samples: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
-    """Minimum of each configuration over `repeats` rounds, configurations interleaved."""
+    """Minimum of each configuration over `repeats` rounds, configurations interleaved; each
+    round starts one configuration later, so none always runs right after the same one (the
+    memcpy sweeps 128 MiB through the caches: whatever always ran next would pay for it)."""
     best = {k: float("inf") for k in samples}
-    for _ in range(repeats):
-        for k, fn in samples.items():
-            best[k] = min(best[k], fn())
+    names = list(samples)
+    for r in range(repeats):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            best[k] = min(best[k], samples[k]())
     return best
 
 

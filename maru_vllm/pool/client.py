@@ -415,7 +415,12 @@ def _key(key: bytes) -> bytes:
 def _keys(keys: Sequence[bytes]) -> list[bytes]:
     if len(keys) > P.MAX_BATCH:
         raise InvalidArgument(f"batch of {len(keys)} keys is too large (at most {P.MAX_BATCH})")
+    if _ONLY_BYTES.issuperset(map(type, keys)) and max(map(len, keys), default=0) <= P.MAX_KEY:
+        return list(keys)  # the common case, checked at C speed (a commit carries hundreds of part keys)
     return [_key(k) for k in keys]
+
+
+_ONLY_BYTES = frozenset({bytes})
 
 
 def _ns(namespace: str) -> str:

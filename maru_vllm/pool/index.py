@@ -73,7 +73,7 @@ class Obj:
     @property
     def meta_cost(self) -> int:
         """Bytes this object counts against the metadata budget (key, metadata JSON, part keys)."""
-        return len(self.key) + (len(self.meta) if self.meta is not None else 0) + sum(len(k) for k in self.parts)
+        return len(self.key) + (len(self.meta) if self.meta is not None else 0) + sum(map(len, self.parts))
 
     @property
     def header_offset(self) -> int:

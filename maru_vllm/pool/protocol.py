@@ -166,14 +166,23 @@ def decode_reply(body: bytes) -> RawReply:
 
 
 def nesting_depth(value: Any, limit: int = MAX_META_DEPTH) -> int:
-    """How deeply `value` nests lists/dicts, counting no further than `limit` + 1 (iterative)."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, (list, tuple, dict)):
-            if depth > limit:
-                return depth
-            deepest = max(deepest, depth)
-            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return deepest
+    """How deeply `value` nests lists/dicts, counting no further than `limit` + 1 (iterative).
+
+    Level by level; a container whose children are all scalars (a list of token ids) is
+    recognised by one C-level pass over their types, so only containers are visited in Python."""
+    level = [value] if type(value) in _CONTAINERS else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return depth
+        deeper: list[Any] = []
+        for v in level:
+            children = v.values() if type(v) is dict else v
+            if not _CONTAINERS.isdisjoint(map(type, children)):
+                deeper.extend(c for c in children if type(c) in _CONTAINERS)
+        level = deeper
+    return depth
+
+
+_CONTAINERS = frozenset({list, tuple, dict})

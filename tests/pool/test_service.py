@@ -11,7 +11,8 @@ import pytest
 from pool_helpers import pool_cli
 
 from maru_vllm.launch import free_port
-from maru_vllm.pool import InvalidArgument, PoolClient, PoolError
+from maru_vllm.pool import InvalidArgument, PoolClient, PoolError, PoolProtocolError
+from maru_vllm.pool.protocol import MAX_META_DEPTH
 
 
 def test_put_get_lookup_and_write_once(pool):
@@ -231,3 +232,21 @@ def test_release_without_waiting_unpins_and_later_calls_still_match_their_replie
         c.release([pin2], wait=False)
         assert c.lookup([b"k-nowait", b"absent"]) == [True, False]
         assert c.stats()["pins"] == 0
+
+
+def test_commit_depth_limit_counts_nesting_not_brackets(pool):
+    """Metadata may hold any number of lists (a chunk's token ids are one list per block) and
+    brackets inside strings; only nesting deeper than MAX_META_DEPTH levels is refused."""
+    wide = {"token_ids": [[i] * 4 for i in range(200)], "note": "[[[{{{" * 20}
+    deep: object = 1
+    for _ in range(MAX_META_DEPTH - 1):  # the enclosing object is a level too
+        deep = [deep]
+    with PoolClient.connect(pool.address) as c:
+        res = c.reserve([(b"wide", 8), (b"deep", 8)], namespace="d")
+        assert c.commit(res, [wide, {"x": deep}]) == [True, True]
+        (info,) = [o for o in c.snapshot("d") if o["key"] == b"wide".hex()]
+        assert info["meta"] == wide
+        too_deep = c.reserve([(b"too-deep", 8)], namespace="d")
+        with pytest.raises(PoolProtocolError, match=f"meta nests deeper than {MAX_META_DEPTH} levels"):
+            c.commit(too_deep, [{"x": [deep]}])
+        assert c.lookup([b"wide", b"deep", b"too-deep"], namespace="d") == [True, True, False]
