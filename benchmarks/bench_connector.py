@@ -88,7 +88,15 @@ def metrics(url: str, prefix: str = "vllm:maru_connector_") -> dict[str, float]:
 class Engines:
     """The engines and servers of one run, started together and stopped together."""
 
-    def __init__(self, group: ProcessGroup, work: Path, model: str, pool_gb: int, lmcache: bool) -> None:
+    def __init__(
+        self,
+        group: ProcessGroup,
+        work: Path,
+        model: str,
+        pool_gb: int,
+        lmcache: bool,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.group, self.work, self.model = group, work, model
         self.logs = work / "logs"
         self.urls: dict[str, str] = {}
@@ -157,7 +165,7 @@ class Engines:
             }
             configs += [("lmc-A", CORE_A, lmc), ("lmc-B", CORE_B, lmc)]
         for name, core, kv in configs:
-            env = stack.StackEnv(discovery_dir=work / "disc").build(cpu_thread=core)
+            env = stack.StackEnv(discovery_dir=work / "disc").build(cpu_thread=core, **(extra_env or {}))
             proc, url = stack.vllm_openai_server(
                 name,
                 model,

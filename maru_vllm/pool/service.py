@@ -392,9 +392,12 @@ class PoolService:
             e = None if m is None else M.encode_meta_json(m)
             # nesting depth <= number of lists/objects <= number of opening brackets in the JSON
             # (some may sit in strings): most metas are vouched for by two C-speed counts
-            if e is not None and e.count(b"[") + e.count(b"{") > P.MAX_META_DEPTH:
-                if P.nesting_depth(m) > P.MAX_META_DEPTH:
-                    raise P.FrameError("bad_request", f"meta nests deeper than {P.MAX_META_DEPTH} levels")
+            if (
+                e is not None
+                and e.count(b"[") + e.count(b"{") > P.MAX_META_DEPTH
+                and P.nesting_depth(m) > P.MAX_META_DEPTH
+            ):
+                raise P.FrameError("bad_request", f"meta nests deeper than {P.MAX_META_DEPTH} levels")
             size = (len(e) if e is not None else 0) + sum(map(len, p or ()))
             if size > P.MAX_META_BYTES:
                 raise P.FrameError(
