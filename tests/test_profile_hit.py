@@ -11,7 +11,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import profile_hit
+import profile_hit  # noqa: E402 - benchmarks/ is not a package
 
 CALL_RELEASE = (
     "import types\n"
