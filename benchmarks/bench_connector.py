@@ -85,6 +85,14 @@ def metrics(url: str, prefix: str = "vllm:maru_connector_") -> dict[str, float]:
     return out
 
 
+def wait_stored(url: str, chunks: float, timeout_s: float = 60.0) -> None:
+    """Until the engine at `url` has committed `chunks` chunks in all (its write-behind stores
+    finish after its answer); a timeout just goes on (the hit is then reported as partial)."""
+    deadline = time.monotonic() + timeout_s
+    while metrics(url).get("chunks_stored", 0.0) < chunks and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 class Engines:
     """The engines and servers of one run, started together and stopped together."""
 
@@ -210,8 +218,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 colds: list[tuple[str, str]] = [("cold_plain", "plain")] + [(f"cold_{s}", f"{s}-A") for s in systems]
                 if sample % 2:
                     colds.reverse()
+                stored_before = metrics(eng.urls["maru-A"]).get("chunks_stored", 0.0)
                 for key, engine in colds:
                     row[key], row[f"{key}_cached"] = eng.ttft(engine, prompt)
+                # A hit is timed once the cold run's write-behind stores are committed (not while
+                # maru-A still copies them: that is a miss's cost, and measured as one).
+                wait_stored(eng.urls["maru-A"], stored_before + length // 256)
                 for s in systems:
                     before = metrics(eng.urls["maru-B"]) if s == "maru" else {}
                     row[f"hit_{s}"], row[f"hit_{s}_cached"] = eng.ttft(f"{s}-B", prompt)

@@ -22,14 +22,13 @@ import random
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_connector import Engines  # noqa: E402
+from bench_connector import Engines, metrics, wait_stored  # noqa: E402
 from maru_vllm.launch import ProcessGroup  # noqa: E402
 from maru_vllm.models import ensure_model  # noqa: E402
 
@@ -45,16 +44,6 @@ PARTS = [
     ("    release (not waited for)", "PoolAccess.release"),
     ("engine step", "EngineCore.step"),
 ]
-
-
-def stored_chunks(url: str) -> float:
-    """maru-A's committed chunk count, from its /metrics."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:maru_connector_chunks_stored") and "{" in line
-    )
 
 
 def read_trace(prefix: Path) -> list[tuple[float, str, float]]:
@@ -99,11 +88,9 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
         for _ in range(args.samples):
             for n in lengths:
                 prompt = [rng.randrange(32, 127) for _ in range(n + 1)]
-                before = stored_chunks(eng.urls["maru-A"])
+                before = metrics(eng.urls["maru-A"]).get("chunks_stored", 0.0)
                 eng.ttft("maru-A", prompt)
-                deadline = time.monotonic() + 30  # stores are write-behind: wait for the commits
-                while stored_chunks(eng.urls["maru-A"]) < before + n // 256 and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                wait_stored(eng.urls["maru-A"], before + n // 256)
                 time.sleep(0.2)
                 for kind in ("hit", "local"):
                     t0 = time.perf_counter()
