@@ -22,6 +22,7 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ("bench_pool.py", [], ["--iters", "300"]),
     ("profile_load.py", [], ["--repeats", "5"]),
     ("bench_connector.py", [], ["--samples", "1", "--lengths", "1024,4096"]),
+    ("profile_hit.py", [], ["--samples", "2", "--lengths", "4096"]),
     ("bench_store.py", ["--engines"], ["--repeats", "3"]),
     ("bench_gpu_transfer.py", [], ["--repeats", "3"]),  # exits 77 (skipped) without a CUDA device
     ("routing_comparison.py", [], []),
