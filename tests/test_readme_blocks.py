@@ -1,6 +1,7 @@
-"""Every command block of README.md is exercised, so a block that no longer works fails CI.
+"""Every command block of the user docs (DOCUMENTS: README.md, docs/*.md, deploy/k8s/README.md)
+is exercised, so a block that no longer works fails CI.
 
-HOW TO MARK A BLOCK (README authors, read this). Every fenced code block of README.md that is
+HOW TO MARK A BLOCK (README authors, read this). Every fenced code block of those files that is
 untagged or tagged bash/sh/shell/console/zsh needs an HTML comment (invisible on GitHub) on the
 line right before its opening fence, in one of three forms:
 
@@ -16,7 +17,7 @@ line right before its opening fence, in one of three forms:
       HTTP error fails. SUBSTITUTIONS make the block
       private to this run (ports, socket and discovery paths, pool name, region size, the MODEL
       placeholder -> the offline tiny model). NAME (optional) picks extra checks or omitted
-      commands from RUNS below; without it the block's line number names it.
+      commands from RUNS below; without it the block's file and line number name it.
   <!-- readme-test: covered-by tests/path.py::test_name [more refs] [free note] -->
       A clearly equivalent form of the block runs in the named tests (this test checks they exist).
   <!-- readme-test: skip REASON -->
@@ -45,9 +46,11 @@ from pathlib import Path
 import pytest
 
 from maru_vllm.launch import free_port
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCUMENTS = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "deploy" / "k8s" / "README.md"]
 COMMAND_LANGS = {"", "bash", "sh", "shell", "console", "zsh"}
 MARKER = re.compile(r"^<!--\s*readme-test:\s*(run|covered-by|skip)\b(.*?)-->\s*$")
 RETRY_S = 300
@@ -67,10 +70,26 @@ class Block:
     body: str
     kind: str | None  # run / covered-by / skip, None when unmarked
     arg: str
+    doc: str = "README.md"  # the file, relative to the repository
 
     @property
     def name(self) -> str:
-        return self.arg.split()[0] if self.kind == "run" and self.arg else f"line{self.line}"
+        if self.kind == "run" and self.arg:
+            return self.arg.split()[0]
+        return f"line{self.line}" if self.doc == "README.md" else f"{self.doc}:line{self.line}"
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def doc_blocks() -> list[Block]:
+    """The command blocks of every document in DOCUMENTS."""
+    out = []
+    for path in DOCUMENTS:
+        doc = str(path.relative_to(REPO))
+        out += [dataclasses.replace(b, doc=doc) for b in readme_blocks(path.read_text())]
+    return out
 
 
 def readme_blocks(text: str) -> list[Block]:
@@ -285,6 +304,17 @@ def check_graph_serves_and_fills_the_pool(run: Run) -> None:
         assert c.stats()["objects"] >= 3, c.stats()
 
 
+def check_pool_serves_on_its_default_socket(run: Run) -> None:
+    """The block's `pool serve` (no --listen) answers on the default socket of its name."""
+    from maru_vllm.pool import PoolClient
+    from maru_vllm.pool.address import default_listen
+
+    address = f"unix://{default_listen(run.env.pool).path}"
+    wait_until(lambda: Path(default_listen(run.env.pool).path).exists(), timeout=60, what="the pool's socket")
+    with PoolClient.connect(address, heartbeat=False, populate=False) as c:
+        assert c.stats()["objects"] == 0
+
+
 @dataclasses.dataclass
 class RunSpec:
     omit: dict[str, str] = dataclasses.field(default_factory=dict)  # command -> why it is not run here
@@ -303,6 +333,7 @@ RUNS: dict[str, RunSpec] = {
         },
         check=_no_check,
     ),
+    "pool-on-shm": RunSpec(check=check_pool_serves_on_its_default_socket),
     "aggregated-by-hand": RunSpec(check=check_graph_serves_and_fills_the_pool),
     "disaggregated-by-hand": RunSpec(check=check_graph_serves_and_fills_the_pool),
 }
@@ -316,11 +347,11 @@ def _ref_exists(ref: str) -> bool:
 
 
 def test_every_readme_block_is_classified() -> None:
-    blocks = readme_blocks(README.read_text())
-    assert blocks, "no command block found in README.md"
+    blocks = doc_blocks()
+    assert any(b.doc == "README.md" for b in blocks), "no command block found in README.md"
     problems = []
     for b in blocks:
-        where = f"README.md:{b.line}"
+        where = b.where
         if b.kind is None:
             problems.append(
                 f"{where}: unmarked block; put <!-- readme-test: run|covered-by|skip ... --> right "
@@ -338,7 +369,7 @@ def test_every_readme_block_is_classified() -> None:
                 if cmd not in commands(b.body):
                     problems.append(f"{where}: RUNS[{b.name!r}] omits {cmd!r}, which the block does not have")
     names = [b.name for b in blocks if b.kind == "run"]
-    problems += [f"RUNS[{n!r}] matches no README block" for n in RUNS if n not in names]
+    problems += [f"RUNS[{n!r}] matches no documented block" for n in RUNS if n not in names]
     problems += [f"two blocks are named {n!r}" for n in set(names) if names.count(n) > 1]
     assert not problems, "\n".join(problems)
 
@@ -358,7 +389,7 @@ def test_substitutions_make_a_block_private() -> None:
 
 
 def _run_blocks() -> list[Block]:
-    return [b for b in readme_blocks(README.read_text()) if b.kind == "run"]
+    return [b for b in doc_blocks() if b.kind == "run"]
 
 
 @pytest.mark.e2e
