@@ -389,7 +389,10 @@ class PoolService:
             raise P.FrameError("bad_request", f"commit has {len(args.oids)} oids but {len(parts)} part lists")
         encoded = []
         for m, p in zip(metas, parts):
-            e = None if m is None else M.encode_meta_json(m)
+            try:
+                e = None if m is None else M.encode_meta_json(m)
+            except RecursionError:  # what the frame decoder just managed, a few frames higher up
+                raise P.FrameError("bad_request", f"meta nests deeper than {P.MAX_META_DEPTH} levels") from None
             # nesting depth <= number of lists/objects <= number of opening brackets in the JSON
             # (some may sit in strings): most metas are vouched for by two C-speed counts
             if (
