@@ -3,7 +3,6 @@ bind errors, and metrics scraped while the pool is busy."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import threading
@@ -11,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from pool_helpers import pool_cli
+from pool_helpers import pool_cli, service_in_process
 
 from maru_vllm.launch import free_port
 from maru_vllm.pool import PoolClient, PoolError, PoolUnavailable
@@ -156,31 +155,11 @@ def test_bind_errors_name_the_address(sockdir, what):
 # -- metrics -------------------------------------------------------------------------------
 def test_metrics_are_computed_on_the_event_loop_thread(sockdir):
     """The scrape thread must not walk the index while the loop mutates it (that returned HTTP 500)."""
-    from maru_vllm.pool.service import PoolService, ServiceConfig
-
     name = f"met{os.getpid()}"
-    svc = PoolService(ServiceConfig(name=name, size=4 << 20, listen=[f"unix://{sockdir}/m.sock"], metrics_port=0))
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(svc.start())
-        started.set()
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    try:
-        assert started.wait(30)
+    with service_in_process(name, f"unix://{sockdir}/m.sock") as (svc, t):
         seen = []
         real_stats = svc.index.stats
         svc.index.stats = lambda: (seen.append(threading.current_thread()), real_stats())[1]
         text = urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics", timeout=10).read().decode()
         assert f'maru_pool_objects{{pool="{name}"}} 0.0' in text
         assert seen and all(th is t for th in seen), seen
-    finally:
-        asyncio.run_coroutine_threadsafe(svc.stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(30)
-        Path(f"/dev/shm/maru-{name}").unlink(missing_ok=True)

@@ -6,10 +6,9 @@ import json
 import os
 import threading
 import urllib.request
-from pathlib import Path
 
 import pytest
-from pool_helpers import pool_cli
+from pool_helpers import pool_cli, service_in_process
 
 from maru_vllm.launch import free_port
 from maru_vllm.pool import InvalidArgument, PoolClient, PoolError, PoolProtocolError
@@ -256,37 +255,15 @@ def test_commit_depth_limit_counts_nesting_not_brackets(pool):
 def test_meta_too_deep_to_encode_is_a_bad_request_not_an_internal_error(sockdir, monkeypatch):
     """A meta the frame decoder just accepted can still be too deep to encode a few frames
     further down (both count the same recursion limit): the client gets the nesting error."""
-    import asyncio
-
     from maru_vllm.pool import messages
-    from maru_vllm.pool.service import PoolService, ServiceConfig
 
     def too_deep(meta):
         raise RecursionError("maximum recursion depth exceeded")
 
-    name = f"enc{os.getpid()}"
-    svc = PoolService(ServiceConfig(name=name, size=4 << 20, listen=[f"unix://{sockdir}/e.sock"], metrics_port=0))
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(svc.start())
-        started.set()
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    try:
-        assert started.wait(30)
+    with service_in_process(f"enc{os.getpid()}", f"unix://{sockdir}/e.sock"):
         monkeypatch.setattr(messages, "encode_meta_json", too_deep)
         with PoolClient.connect(f"unix://{sockdir}/e.sock", heartbeat=False) as c:
             res = c.reserve([(b"k", 8)])
             with pytest.raises(PoolProtocolError, match=f"bad_request.*meta nests deeper than {MAX_META_DEPTH}"):
                 c.commit(res, [{"a": 1}])
             assert c.lookup([b"k"]) == [False]
-    finally:
-        asyncio.run_coroutine_threadsafe(svc.stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(30)
-        Path(f"/dev/shm/maru-{name}").unlink(missing_ok=True)
