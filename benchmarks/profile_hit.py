@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -80,7 +81,10 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
             model,
             1,
             False,
-            extra_env={"PYTHONPATH": f"{TRACER}:{REPO}", "MARU_HOOK_TRACE": str(prefix)},
+            extra_env={
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(TRACER), str(REPO), os.environ.get("PYTHONPATH")])),
+                "MARU_HOOK_TRACE": str(prefix),
+            },
         )
         warm = [rng.randrange(32, 127) for _ in range(1025)]
         for name in ("maru-A", "maru-B", "maru-B"):
