@@ -309,9 +309,9 @@ def check_pool_serves_on_its_default_socket(run: Run) -> None:
     from maru_vllm.pool import PoolClient
     from maru_vllm.pool.address import default_listen
 
-    address = f"unix://{default_listen(run.env.pool).path}"
-    wait_until(lambda: Path(default_listen(run.env.pool).path).exists(), timeout=60, what="the pool's socket")
-    with PoolClient.connect(address, heartbeat=False, populate=False) as c:
+    socket_path = default_listen(run.env.pool).path
+    wait_until(lambda: Path(socket_path).exists(), timeout=60, what="the pool's socket")
+    with PoolClient.connect(f"unix://{socket_path}", heartbeat=False, populate=False) as c:
         assert c.stats()["objects"] == 0
 
 
