@@ -235,14 +235,22 @@ class MaruWorkerSide:
             self._fail(load, f"cannot be copied in: {exc}")
             return 0
         if hasher is not None and checksum_of(hasher) != pin.checksum:
-            # The blocks now hold bytes that are not the chunk: report them, so vLLM recomputes
-            # them before any later step reads them, and drop the object.
-            bad.append(pin)
-            self._fail(load, "payload checksum mismatch")
+            self._corrupt(load, pin, bad)
             return 0
+        return self._loaded(load)
+
+    def _loaded(self, load: ChunkLoad) -> int:
+        """Count a chunk whose blocks now hold its bytes; the bytes it brought."""
+        assert self.copier is not None
         self.counters.chunks_loaded += 1
         self.counters.blocks_loaded += len(load.block_ids)
         return self.copier.chunk_nbytes(len(load.block_ids))
+
+    def _corrupt(self, load: ChunkLoad, pin: ReadPin, bad: list[ReadPin]) -> None:
+        """The chunk's payload does not match its checksum: its blocks are reported (vLLM
+        recomputes them before any later step reads them) and the object is dropped."""
+        bad.append(pin)
+        self._fail(load, "payload checksum mismatch")
 
     def _load_batched(self, meta: MaruConnectorMetadata, pins: list[ReadPin | None], bad: list[ReadPin]) -> int:
         """The step's whole chunks in one batched kernel pass where the copier has one (host
@@ -272,14 +280,9 @@ class MaruWorkerSide:
             load, pin = loads[i], pins[i]
             assert pin is not None
             if item.hashed and not self._digest_matches(pin, digest):
-                # The blocks now hold bytes that are not the chunk: report them (recomputed
-                # before any later step reads them) and drop the object.
-                bad.append(pin)
-                self._fail(load, "payload checksum mismatch")
+                self._corrupt(load, pin, bad)
                 continue
-            self.counters.chunks_loaded += 1
-            self.counters.blocks_loaded += len(load.block_ids)
-            loaded += self.copier.chunk_nbytes(len(load.block_ids))
+            loaded += self._loaded(load)
         return loaded
 
     @staticmethod
@@ -298,8 +301,7 @@ class MaruWorkerSide:
             if pin is None or isinstance(pin, PartPin):
                 loaded += self._load_one(load, pin, bad)
             elif not pin.verify():
-                bad.append(pin)
-                self._fail(load, "payload checksum mismatch")
+                self._corrupt(load, pin, bad)
             else:
                 present.append((load, pin))
         if not present:
@@ -310,9 +312,7 @@ class MaruWorkerSide:
             for load, _ in present:
                 self._fail(load, f"cannot be copied in: {exc}")
             return loaded
-        self.counters.chunks_loaded += len(present)
-        self.counters.blocks_loaded += sum(len(load.block_ids) for load, _ in present)
-        return loaded + sum(self.copier.chunk_nbytes(len(load.block_ids)) for load, _ in present)
+        return loaded + sum(self._loaded(load) for load, _ in present)
 
     def _acquire(self, loads: list[ChunkLoad]) -> list[ReadPin | None] | None:
         """Pin every chunk of the step (headers checked, payloads not yet): whole chunks by key,
