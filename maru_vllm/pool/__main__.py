@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from maru_vllm.cli import StrictArgumentParser
 from maru_vllm.pool.cli import register
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m maru_vllm.pool")
+    parser = StrictArgumentParser(prog="python -m maru_vllm.pool")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     register(sub)
     args = parser.parse_args(["pool", *(sys.argv[1:] if argv is None else argv)])
