@@ -4,10 +4,13 @@ Starts nats-server, the pool service, the Maru workers and Dynamo's frontend as 
 processes (each in its own process group, logging to a file), waits until the frontend serves
 the model, prints the URL and a curl example, then runs until SIGINT/SIGTERM and stops
 everything: frontend first, then the workers, the pool and NATS, each with SIGTERM and SIGKILL
-after 10 s. Everything binds to 127.0.0.1; Dynamo uses file discovery in a private temporary
-directory and the NATS event plane; every process shares PYTHONHASHSEED=0 (pool keys and the
-router's block hashes match across processes only then), and each vLLM engine is pinned to one
-core, round-robin over the machine's cores.
+after 10 s. While it serves, a process that dies is started again with backoff while the rest
+keep serving (`maru_vllm.launch.supervisor`; the dead tree's /dev/shm segments are removed
+first); one that keeps crashing is given up on in one line, and giving up on the frontend, the
+pool, nats-server or the last worker stops the graph. Everything binds to 127.0.0.1; Dynamo
+uses file discovery in a private temporary directory and the NATS event plane; every process
+shares PYTHONHASHSEED=0 (pool keys and the router's block hashes match across processes only
+then), and each vLLM engine is pinned to one core, round-robin over the machine's cores.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from types import FrameType
 from maru_dynamo.graphs.spec import GraphSpec
 from maru_vllm.launch import ManagedProcess, ProcessFailed, ProcessGroup, free_port, stack
 from maru_vllm.launch.argv import has_flag
+from maru_vllm.launch.supervisor import RestartPolicy, Supervisor
 from maru_vllm.routing import pool_tier_weight
 
 logger = logging.getLogger(__name__)
@@ -62,6 +66,7 @@ class Plan:
     url: str
     work_dir: Path
     processes: tuple[PlannedProcess, ...]
+    pool_region: Path | None = None  # the pool's region file: never removed as a dead worker's segment
 
     @property
     def workers(self) -> tuple[PlannedProcess, ...]:
@@ -169,7 +174,8 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
         *spec.frontend.args,
     ]
     add("frontend", fe_argv, env_for())
-    return Plan(spec, model, f"http://{stack.LOOPBACK}:{http_port}", work_dir, tuple(processes))
+    region = Path(path) if path is not None else None
+    return Plan(spec, model, f"http://{stack.LOOPBACK}:{http_port}", work_dir, tuple(processes), region)
 
 
 def format_plan(plan: Plan) -> str:
@@ -278,27 +284,59 @@ def start_graph(plan: Plan, group: ProcessGroup, timeout: float = READY_TIMEOUT_
     _wait_ready(group, plan, timeout)
 
 
+class _GiveUp(Exception):
+    """The supervisor gave up on a process the graph cannot serve without."""
+
+
+def supervise(
+    plan: Plan,
+    group: ProcessGroup,
+    *,
+    policy: RestartPolicy | None = None,
+    out: Callable[[str], None] = print,
+    on_give_up: Callable[[str], None] | None = None,
+) -> Supervisor:
+    """A supervisor for a started graph: restarts its dead processes, never removes the pool's region.
+
+    Call its `poll()` from a loop, or `start()` it in a thread; `stop()` it before `stop_graph`.
+    """
+    protect = [plan.pool_region] if plan.pool_region is not None else []
+    return Supervisor(group, policy=policy, protect=protect, out=out, on_give_up=on_give_up)
+
+
+def essential_lost(plan: Plan, given_up: Mapping[str, str]) -> str | None:
+    """Why the graph cannot serve once `given_up` are given up on, or None while it can."""
+    for name in given_up:
+        if not name.startswith("worker:"):
+            return f"{name} is given up on"
+    if plan.workers and all(w.name in given_up for w in plan.workers):
+        return "every worker is given up on"
+    return None
+
+
 def run_plan(plan: Plan, *, keep_logs: bool = False, out: Callable[[str], None] = print) -> int:
-    """Start the graph, serve until SIGINT/SIGTERM, stop it. Returns the exit code."""
+    """Start the graph, serve (restarting dead processes) until SIGINT/SIGTERM, stop it. Returns the exit code."""
     group = ProcessGroup()
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     logs = plan.work_dir / "logs"
     code = 0
+    supervisor: Supervisor | None = None
     try:
         out(f"[graph] {plan.spec.name}: model {plan.model}; logs in {logs}")
         start_graph(plan, group)
         out(f"[graph] ready: {plan.url} ({len(plan.workers)} workers); Ctrl-C stops the graph")
         out(f"[graph] try: {curl_example(plan)}")
+        supervisor = supervise(plan, group, out=out)
         while True:
-            for proc in group:
-                if not proc.alive():
-                    raise ProcessFailed(
-                        f"{proc.name} exited with code {proc.proc.returncode if proc.proc else None}"
-                        f"\n--- last lines of {proc.log_path} ---\n{proc.log_tail()}"
-                    )
+            supervisor.poll()
+            if (why := essential_lost(plan, supervisor.given_up())) is not None:
+                raise _GiveUp(why)
             time.sleep(0.5)
     except _Stop as stop:
         out(f"[graph] {stop}: stopping")
+    except _GiveUp as exc:
+        out(f"[graph] error: {exc}; stopping the graph")
+        code = 1
     except ProcessFailed as exc:
         out(f"[graph] error: {exc}")
         code = 1
@@ -308,6 +346,8 @@ def run_plan(plan: Plan, *, keep_logs: bool = False, out: Callable[[str], None] 
     finally:
         for s in previous:  # a second Ctrl-C must not cut the stop short
             signal.signal(s, signal.SIG_IGN)
+        if supervisor is not None:
+            supervisor.stop()
         stop_graph(group)
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -1,0 +1,359 @@
+"""Keeping a group of managed processes running: restart with backoff, give up on a crash loop.
+
+A `Supervisor` watches the processes of a `ProcessGroup` (each started in its own session, as
+`ManagedProcess` does). When one dies it
+
+1. kills what is left of its session (a vLLM engine core outlives a SIGKILLed API server),
+2. removes the /dev/shm segments that tree had open or mapped while it lived and that no live
+   process holds now (`ShmSegments`; killed vLLM engines leave their shared-memory queues
+   behind), never a path it was told to protect (the pool's region) nor anybody else's,
+3. starts it again after the delay its `RestartPolicy` gives, or gives up on it with one line
+   that says why and where its log is.
+
+The rest of the group keeps running meanwhile. `poll()` does one round and may be called from a
+caller's own loop (the graph runner does, so that Ctrl-C lands in its main thread), or `start()`
+runs the rounds in a thread until `stop()`. Reports go to `out`, one line per event.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable
+from pathlib import Path
+
+from maru_vllm.launch.process import ManagedProcess, ProcessGroup
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """When a dead process starts again, and when it is given up on.
+
+    The n-th restart in a row waits ``first_delay_s * factor**(n-1)``, at most ``max_delay_s``.
+    A process that ran ``stable_after_s`` or longer before it died starts a new row (one crash
+    after a long run is not a loop). A process that died ``max_crashes`` times within
+    ``window_s`` is given up on.
+    """
+
+    first_delay_s: float = 1.0
+    factor: float = 2.0
+    max_delay_s: float = 30.0
+    max_crashes: int = 5
+    window_s: float = 300.0
+    stable_after_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.first_delay_s >= 0 or not self.max_delay_s >= self.first_delay_s:
+            raise ValueError(
+                f"invalid restart delays first={self.first_delay_s!r} max={self.max_delay_s!r}: "
+                "use 0 <= first <= max seconds"
+            )
+        if not self.factor >= 1:
+            raise ValueError(f"invalid restart backoff factor {self.factor!r}: use a number >= 1")
+        if self.max_crashes < 1:
+            raise ValueError(f"invalid max_crashes {self.max_crashes!r}: use an integer >= 1")
+        if not self.window_s > 0 or not self.stable_after_s >= 0:
+            raise ValueError(
+                f"invalid window_s={self.window_s!r} / stable_after_s={self.stable_after_s!r}: "
+                "use a window > 0 and a stable time >= 0 seconds"
+            )
+
+    def delay(self, streak: int) -> float:
+        """Seconds before the `streak`-th restart in a row (1 = the first)."""
+        return float(min(self.max_delay_s, self.first_delay_s * self.factor ** max(0, streak - 1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What to do about one exit: restart after `delay_s`, or give up (`delay_s` None) because of `reason`."""
+
+    delay_s: float | None
+    reason: str = ""
+
+
+class CrashHistory:
+    """One process's exits under a policy (no clock of its own: callers pass monotonic times)."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self._exits: collections.deque[float] = collections.deque()
+        self._streak = 0
+
+    def exited(self, at: float, uptime_s: float) -> Decision:
+        """Record an exit at time `at` after running `uptime_s`; say whether and when to restart."""
+        p = self.policy
+        self._exits.append(at)
+        while self._exits and self._exits[0] < at - p.window_s:
+            self._exits.popleft()
+        if len(self._exits) >= p.max_crashes:
+            return Decision(None, f"it exited {len(self._exits)} times within {p.window_s:.0f} s")
+        self._streak = 1 if uptime_s >= p.stable_after_s else self._streak + 1
+        return Decision(p.delay(self._streak))
+
+
+# -- /dev/shm segments of a process tree -------------------------------------------------------
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name: state, ppid, pgrp, session, ..."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _pids() -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit()]
+
+
+def session_members(session: int) -> list[int]:
+    """Live (not zombie) processes of session `session`; a managed process's tree, orphans included."""
+    members = []
+    for pid in _pids():
+        fields = _stat_fields(pid)
+        if fields is not None and fields[0] != "Z" and int(fields[3]) == session:
+            members.append(pid)
+    return members
+
+
+def shm_paths_of(pid: int, shm_dir: Path = SHM_DIR) -> set[Path]:
+    """The files under `shm_dir` that `pid` has mapped or open (unlinked ones left out)."""
+    prefix = str(shm_dir).rstrip("/") + "/"
+    found: set[Path] = set()
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith(prefix) and not parts[5].endswith("(deleted)\n"):
+                    found.add(Path(parts[5].rstrip("\n")))
+    except OSError:
+        pass
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(prefix) and not target.endswith(" (deleted)"):
+            found.add(Path(target))
+    return found
+
+
+class ShmSegments:
+    """The /dev/shm files one process tree held while it lived, to remove once it is dead.
+
+    `scan(session)` adds whatever the session's processes have mapped or open now (call it while
+    the tree lives; a segment is created at engine start and held until exit). `release()`, after
+    the tree is dead, removes those still there that no live process holds and that are not in
+    `protect`; a file somebody else still maps (the pool's region, a neighbour's queue) stays.
+    """
+
+    def __init__(self, shm_dir: Path = SHM_DIR) -> None:
+        self.shm_dir = shm_dir
+        self.seen: set[Path] = set()
+
+    def scan(self, session: int) -> None:
+        for pid in session_members(session):
+            self.seen |= shm_paths_of(pid, self.shm_dir)
+
+    def release(self, protect: Collection[Path] = ()) -> list[Path]:
+        """Remove the seen segments nobody holds now; returns the removed paths. Forgets all seen."""
+        candidates = {p for p in self.seen if p not in set(protect) and p.exists()}
+        self.seen = set()
+        if not candidates:
+            return []
+        held: set[Path] = set()
+        for pid in _pids():
+            held |= shm_paths_of(pid, self.shm_dir)
+        removed = []
+        for path in sorted(candidates - held):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                logger.warning("cannot remove %s: %s", path, exc)
+                continue
+            removed.append(path)
+        return removed
+
+
+def wait_session_gone(session: int, timeout_s: float = 10.0) -> bool:
+    """Until no live process of `session` is left (after a SIGKILL of its group)."""
+    deadline = time.monotonic() + timeout_s
+    while session_members(session):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# -- the supervisor --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Watched:
+    proc: ManagedProcess
+    history: CrashHistory
+    segments: ShmSegments
+    started_at: float
+    restart_at: float | None = None  # dead, waiting for its restart
+    given_up: str | None = None  # the reason, once given up on
+    restarts: int = 0
+
+
+class Supervisor:
+    """Restarts the dead processes of `group` under `policy` (see the module docstring).
+
+    `protect`: /dev/shm paths never removed (the pool's region). `scan_interval_s`: how often the
+    live trees' /dev/shm files are looked at. `on_give_up(name)` runs after the give-up line
+    (the graph runner stops the graph when an essential process is given up on).
+    """
+
+    def __init__(
+        self,
+        group: ProcessGroup,
+        *,
+        policy: RestartPolicy | None = None,
+        protect: Iterable[Path] = (),
+        out: Callable[[str], None] = print,
+        prefix: str = "[graph]",
+        scan_interval_s: float = 2.0,
+        shm_dir: Path = SHM_DIR,
+        on_give_up: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.group = group
+        self.policy = policy or RestartPolicy()
+        self.protect = frozenset(protect)
+        self.out = out
+        self.prefix = prefix
+        self.scan_interval_s = scan_interval_s
+        self.shm_dir = shm_dir
+        self.on_give_up = on_give_up
+        self.clock = clock
+        self._watched: dict[str, _Watched] = {}
+        self._lock = threading.RLock()
+        self._next_scan = 0.0
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.removed_segments: list[Path] = []  # every /dev/shm file removed after a death
+
+    # -- queries (thread-safe) ---------------------------------------------------------------
+    def restarts(self, name: str) -> int:
+        """How many times `name` was started again."""
+        with self._lock:
+            w = self._watched.get(name)
+            return w.restarts if w else 0
+
+    def given_up(self) -> dict[str, str]:
+        """Processes given up on, with the reason."""
+        with self._lock:
+            return {n: w.given_up for n, w in self._watched.items() if w.given_up is not None}
+
+    def serving(self, name: str) -> bool:
+        """Whether `name` runs now (not dead, not waiting for a restart, not given up on)."""
+        with self._lock:
+            w = self._watched.get(name)
+            return w is not None and w.restart_at is None and w.given_up is None and w.proc.alive()
+
+    # -- the rounds ----------------------------------------------------------------------------
+    def _watch(self, proc: ManagedProcess, now: float) -> _Watched:
+        w = self._watched.get(proc.name)
+        if w is None or w.proc is not proc:
+            w = _Watched(proc, CrashHistory(self.policy), ShmSegments(self.shm_dir), started_at=now)
+            self._watched[proc.name] = w
+        return w
+
+    def _say(self, line: str) -> None:
+        self.out(f"{self.prefix} {line}")
+
+    def poll(self) -> None:
+        """One round: note deaths, clean up after them, start the processes whose delay is over."""
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            now = self.clock()
+            scan = now >= self._next_scan
+            if scan:
+                self._next_scan = now + self.scan_interval_s
+            for proc in list(self.group):
+                w = self._watch(proc, now)
+                if w.given_up is not None:
+                    continue
+                if w.restart_at is None:
+                    if proc.alive():
+                        if scan:
+                            w.segments.scan(proc.pid)
+                        continue
+                    self._died(w, now)
+                if w.restart_at is not None and now >= w.restart_at:
+                    self._restart(w, self.clock())
+
+    def _died(self, w: _Watched, now: float) -> None:
+        proc = w.proc
+        code = proc.proc.returncode if proc.proc else None
+        proc.kill()  # the rest of its session: engine cores, tokenizer workers
+        if not wait_session_gone(proc.pid):
+            logger.error("%s: processes of session %d survive SIGKILL", proc.name, proc.pid)
+        removed = w.segments.release(self.protect)
+        self.removed_segments += removed
+        if removed:
+            logger.info("%s: removed its /dev/shm segments %s", proc.name, ", ".join(p.name for p in removed))
+        decision = w.history.exited(now, now - w.started_at)
+        if decision.delay_s is None:
+            w.given_up = decision.reason
+            self._say(f"giving up on {proc.name}: {decision.reason} (last exit code {code}); log: {proc.log_path}")
+            if self.on_give_up is not None:
+                self.on_give_up(proc.name)
+            return
+        w.restart_at = now + decision.delay_s
+        self._say(f"{proc.name} exited with code {code}; restarting it in {decision.delay_s:.0f} s")
+
+    def _restart(self, w: _Watched, now: float) -> None:
+        w.restart_at = None
+        w.started_at = now
+        try:
+            w.proc.restart()
+        except OSError as exc:
+            self._say(f"{w.proc.name}: cannot start it again: {exc}")
+            self._died(w, now)
+            return
+        w.restarts += 1
+        self._say(f"{w.proc.name} restarted (pid {w.proc.pid}, restart {w.restarts})")
+
+    # -- in a thread -----------------------------------------------------------------------------
+    def start(self, interval_s: float = 0.5) -> Supervisor:
+        """Run `poll()` every `interval_s` in a daemon thread until `stop()`."""
+        if self._thread is not None:
+            raise RuntimeError("supervisor already running")
+
+        def loop() -> None:
+            while not self._stopping.wait(interval_s):
+                try:
+                    self.poll()
+                except Exception:  # a round that fails must not end the supervision
+                    logger.exception("supervisor round failed")
+
+        self._thread = threading.Thread(target=loop, name="maru-supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """No more restarts from now on (call before stopping the group); joins the thread."""
+        self._stopping.set()
+        with self._lock:
+            pass  # a round in progress has finished
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)

@@ -1,0 +1,162 @@
+"""The supervisor's restart policy, and the supervisor itself on cheap fake processes.
+
+The processes here are fakes named as such (a few lines of Python: one that holds a /dev/shm
+segment like a vLLM engine and sleeps, one that crashes at once); the real graph is in
+tests/e2e/test_graph_supervision.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from maru_vllm.launch import ManagedProcess, ProcessGroup
+from maru_vllm.launch.supervisor import CrashHistory, RestartPolicy, ShmSegments, Supervisor
+from tests.waiting import wait_until
+
+
+def test_backoff_doubles_up_to_the_cap() -> None:
+    policy = RestartPolicy(first_delay_s=1, factor=2, max_delay_s=5)
+    assert [policy.delay(n) for n in range(1, 6)] == [1, 2, 4, 5, 5]
+
+
+def test_a_crash_loop_backs_off_then_is_given_up_on() -> None:
+    history = CrashHistory(RestartPolicy(first_delay_s=1, factor=2, max_delay_s=30, max_crashes=4, window_s=100))
+    decisions = [history.exited(at=t, uptime_s=0.5) for t in (0, 2, 5, 10)]
+    assert [d.delay_s for d in decisions[:3]] == [1, 2, 4]
+    assert decisions[3].delay_s is None and decisions[3].reason == "it exited 4 times within 100 s"
+
+
+def test_a_long_run_starts_a_new_row_and_old_crashes_leave_the_window() -> None:
+    history = CrashHistory(RestartPolicy(first_delay_s=1, factor=2, max_crashes=3, window_s=100, stable_after_s=60))
+    assert history.exited(at=0, uptime_s=1).delay_s == 1
+    assert history.exited(at=2, uptime_s=1).delay_s == 2
+    # It then ran 500 s: the backoff starts over, and the two old crashes no longer count.
+    assert history.exited(at=502, uptime_s=500).delay_s == 1
+    assert history.exited(at=504, uptime_s=1).delay_s == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"first_delay_s": -1}, "invalid restart delays first=-1 max=30.0: use 0 <= first <= max seconds"),
+        ({"factor": 0.5}, "invalid restart backoff factor 0.5: use a number >= 1"),
+        ({"max_crashes": 0}, "invalid max_crashes 0: use an integer >= 1"),
+    ],
+)
+def test_a_bad_policy_is_one_clear_error(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        RestartPolicy(**kwargs)
+    assert str(err.value) == message
+
+
+# A fake engine: creates a /dev/shm segment, holds the pool's region open, keeps both in a child
+# (like vLLM's engine core, which outlives its killed API server), prints ready and sleeps.
+FAKE_ENGINE = """
+import mmap, os, sys, time
+path = sys.argv[1] + "-" + str(os.getpid())
+fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.ftruncate(fd, 4096)
+segment = mmap.mmap(fd, 4096)
+region = open(sys.argv[2], "rb")  # like a worker mapping the pool's region
+if os.fork() == 0:
+    time.sleep(600)
+print("ready", path, flush=True)
+time.sleep(600)
+"""
+
+FAKE_CRASHER = "import sys; print('fake worker crashing', flush=True); sys.exit(3)"
+
+
+def fake(name: str, code: str, log_dir: Path, *args: str) -> ManagedProcess:
+    return ManagedProcess(name, [sys.executable, "-c", code, *args], log_path=log_dir / f"{name}.log")
+
+
+def segments_of(prefix: str) -> set[Path]:
+    return {p for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)}
+
+
+def test_a_killed_tree_is_restarted_and_only_its_segments_are_removed(tmp_path: Path) -> None:
+    tag = f"maru-test-sup-{uuid.uuid4().hex[:8]}"
+    prefix = f"/dev/shm/{tag}"
+    neighbour = Path(f"{prefix}-neighbour")  # somebody else's segment, mapped by nobody: stays
+    protected = Path(f"{prefix}-region")  # the pool's region, which the fake also maps: stays
+    lines: list[str] = []
+    group = ProcessGroup()
+    try:
+        neighbour.write_bytes(b"x")
+        protected.write_bytes(b"x" * 4096)
+        engine = group.start(fake("worker:fake-engine", FAKE_ENGINE, tmp_path, prefix, str(protected)))
+        engine.wait_for_log("ready")
+        held = segments_of(tag) - {neighbour, protected}
+        assert len(held) == 1
+        sup = Supervisor(
+            group,
+            policy=RestartPolicy(first_delay_s=0.2),
+            protect=[protected],
+            out=lines.append,
+            scan_interval_s=0,
+        )
+        sup.poll()  # sees the live tree and its segment
+        first = engine.pid
+        os.kill(first, signal.SIGKILL)  # the leader only: its child still maps the segment
+        wait_until(lambda: (sup.poll(), sup.restarts("worker:fake-engine") == 1)[1], timeout=20)
+        assert engine.pid != first
+        engine.wait_for_log("ready")
+        assert not (held & segments_of(tag)), "the dead tree's segment is still in /dev/shm"
+        assert neighbour.exists() and protected.exists()
+        assert lines[0] == "[graph] worker:fake-engine exited with code -9; restarting it in 0 s"
+        assert lines[1].startswith("[graph] worker:fake-engine restarted (pid ")
+        assert sup.serving("worker:fake-engine")
+        sup.stop()
+    finally:
+        group.stop_all(grace_s=1)
+        for p in segments_of(tag):
+            p.unlink()
+
+
+def test_a_process_that_keeps_crashing_is_given_up_on_in_one_line(tmp_path: Path) -> None:
+    lines: list[str] = []
+    gave_up: list[str] = []
+    group = ProcessGroup()
+    try:
+        crasher = group.start(fake("worker:fake-crasher", FAKE_CRASHER, tmp_path))
+        sup = Supervisor(
+            group,
+            policy=RestartPolicy(first_delay_s=0.05, max_crashes=3, window_s=60),
+            out=lines.append,
+            on_give_up=gave_up.append,
+        ).start(interval_s=0.05)
+        wait_until(lambda: bool(sup.given_up()), timeout=30)
+        sup.stop()
+        assert sup.restarts("worker:fake-crasher") == 2
+        assert gave_up == ["worker:fake-crasher"]
+        assert lines[-1] == (
+            "[graph] giving up on worker:fake-crasher: it exited 3 times within 60 s (last exit code 3); "
+            f"log: {crasher.log_path}"
+        )
+        assert crasher.log_text().count("fake worker crashing") == 3
+        time.sleep(0.3)
+        assert not crasher.alive() and sup.restarts("worker:fake-crasher") == 2
+    finally:
+        group.stop_all(grace_s=1)
+
+
+def test_segments_held_by_a_live_process_are_not_removed(tmp_path: Path) -> None:
+    path = Path(f"/dev/shm/maru-test-sup-{uuid.uuid4().hex[:8]}")
+    path.write_bytes(b"x")
+    try:
+        with open(path, "rb"):
+            segments = ShmSegments()
+            segments.seen = {path}
+            assert segments.release() == []  # this test process holds it open
+        segments.seen = {path}
+        assert segments.release() == [path] and not path.exists()
+    finally:
+        path.unlink(missing_ok=True)
