@@ -1,15 +1,20 @@
 """`python -m maru_dynamo.components.frontend [dynamo.frontend args]`: Dynamo's frontend for Maru.
 
-Runs `dynamo.frontend` in this process with two defaults a Maru graph needs:
+Runs `dynamo.frontend` in this process with three defaults a Maru graph needs:
 
 * ``--router-mode kv``: the KV router, which is what sees the pool's blocks at all;
 * ``--router-host-cache-hit-weight W``: the pool's blocks are published on the host-pinned
   tier, so this weight is how much the router credits a prefix that sits in the pool.
-  W is `maru_vllm.routing.POOL_TIER_WEIGHT`, or ``$MARU_POOL_TIER_WEIGHT`` when set.
+  W is `maru_vllm.routing.POOL_TIER_WEIGHT`, or ``$MARU_POOL_TIER_WEIGHT`` when set;
+* ``--migration-limit 3``: Dynamo's request migration. When a worker dies (or its stream breaks)
+  mid-request, the frontend sends the request with the tokens generated so far to another
+  worker, which loads the prompt's chunks from the pool instead of computing them again, and
+  the client's stream goes on; without it the client gets a cut-off stream that ends like a
+  complete one. ``--migration-limit 0`` turns it off.
 
 Whatever the user passes wins: an explicit flag (or Dynamo's own ``DYN_ROUTER_MODE`` /
-``DYN_ROUTER_HOST_CACHE_HIT_WEIGHT`` variable) is left alone, and every other argument goes to
-`dynamo.frontend` unchanged.
+``DYN_ROUTER_HOST_CACHE_HIT_WEIGHT`` / ``DYN_MIGRATION_LIMIT`` variable) is left alone, and
+every other argument goes to `dynamo.frontend` unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 ROUTER_MODE_FLAG = "--router-mode"
 WEIGHT_FLAG = "--router-host-cache-hit-weight"
+MIGRATION_FLAG = "--migration-limit"
+MIGRATION_ENV_VAR = "DYN_MIGRATION_LIMIT"  # Dynamo's own variable for the flag
+# How many times one request may move to another worker: a crash of each of three workers in a row.
+DEFAULT_MIGRATION_LIMIT = 3
 
 
 def build_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
@@ -41,6 +50,8 @@ def build_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
             out += [WEIGHT_FLAG, repr(pool_tier_weight(env))]
         else:
             logger.info("pool tier weight from $DYN_ROUTER_HOST_CACHE_HIT_WEIGHT")
+    if not has_flag(out, MIGRATION_FLAG) and not env.get(MIGRATION_ENV_VAR, "").strip():
+        out += [MIGRATION_FLAG, str(DEFAULT_MIGRATION_LIMIT)]
     return out
 
 

@@ -138,7 +138,7 @@ def test_frontend_help_passes_through_to_dynamo() -> None:
     assert "Dynamo Frontend" in res.stdout
 
 
-def test_frontend_adds_kv_router_and_pool_weight_unless_given() -> None:
+def test_frontend_adds_kv_router_pool_weight_and_migration_unless_given() -> None:
     assert build_argv(["--http-port", "9000"], {}) == [
         "--http-port",
         "9000",
@@ -146,16 +146,20 @@ def test_frontend_adds_kv_router_and_pool_weight_unless_given() -> None:
         "kv",
         "--router-host-cache-hit-weight",
         repr(POOL_TIER_WEIGHT),
+        "--migration-limit",
+        "3",
     ]
-    assert build_argv(["--router-mode=round-robin"], {"MARU_POOL_TIER_WEIGHT": "0.5"}) == [
+    assert build_argv(["--router-mode=round-robin", "--migration-limit=0"], {"MARU_POOL_TIER_WEIGHT": "0.5"}) == [
         "--router-mode=round-robin",
+        "--migration-limit=0",
         "--router-host-cache-hit-weight",
         "0.5",
     ]
-    given = ["--router-mode", "random", "--router-host-cache-hit-weight", "0.1"]
+    given = ["--router-mode", "random", "--router-host-cache-hit-weight", "0.1", "--migration-limit", "1"]
     assert build_argv(given, {"MARU_POOL_TIER_WEIGHT": "0.5"}) == given
     # Dynamo's own variables count as the user's choice.
-    assert build_argv([], {"DYN_ROUTER_MODE": "random", "DYN_ROUTER_HOST_CACHE_HIT_WEIGHT": "0.2"}) == []
+    dyn_env = {"DYN_ROUTER_MODE": "random", "DYN_ROUTER_HOST_CACHE_HIT_WEIGHT": "0.2", "DYN_MIGRATION_LIMIT": "0"}
+    assert build_argv([], dyn_env) == []
 
 
 def test_frontend_rejects_a_bad_weight() -> None:

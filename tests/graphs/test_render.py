@@ -146,6 +146,17 @@ def test_frontend_runs_the_maru_frontend_with_the_kv_router(rendered: dict[str, 
     assert flag(main["args"], "--router-mode") == "kv" and flag(main["args"], "--http-port") == "8000"
     # The pool-tier weight comes from the image (or MARU_POOL_TIER_WEIGHT), not a hard-coded arg.
     assert "--router-host-cache-hit-weight" not in main["args"]
+    # So is the request migration limit (the frontend component's default), unless set.
+    assert "--migration-limit" not in main["args"]
+
+
+@pytest.mark.parametrize("limit", [0, 5])
+def test_frontend_migration_limit_is_passed_when_set(limit: int) -> None:
+    docs = by_kind(render_values({"image": IMAGE, "frontend": {"migrationLimit": limit}}))
+    main = main_container(components(docs["DynamoGraphDeployment"])["Frontend"])
+    assert flag(main["args"], "--migration-limit") == str(limit)
+    with pytest.raises(helm.ChartError, match="migrationLimit"):
+        helm.template({"image": IMAGE, "frontend": {"migrationLimit": -1}}, release="r", namespace="ns")
 
 
 def test_pool_daemonset_and_workers_share_the_region_socket_and_user(rendered: dict[str, Any]) -> None:
