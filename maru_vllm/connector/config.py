@@ -37,6 +37,7 @@ class MaruConnectorConfig:
     pool_timeout_s: float
     checksum: bool
     block_size: int
+    log_stats_interval_s: float
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -59,6 +60,11 @@ KEYS: dict[str, tuple[Any, str]] = {
         True,
         "require and verify an XXH3 checksum on every load (a mismatch or a missing checksum "
         "is a miss); stores always carry one",
+    ),
+    "maru_log_stats_interval_s": (
+        10.0,
+        "seconds between the connector's INFO summaries in the engine log (hits, misses, tokens "
+        "loaded and stored, pool state); an idle interval logs nothing; 0 turns them off",
     ),
 }
 
@@ -129,6 +135,18 @@ def parse_config(extra: Mapping[str, Any] | None, block_size: int) -> MaruConnec
     if not timeout > 0:
         raise MaruConfigError(f"maru_pool_timeout_s={raw_timeout!r} must be > 0 seconds")
 
+    raw_interval = extra.get("maru_log_stats_interval_s", KEYS["maru_log_stats_interval_s"][0])
+    try:
+        log_interval = float(raw_interval)
+    except (TypeError, ValueError):
+        raise MaruConfigError(
+            f"maru_log_stats_interval_s={raw_interval!r} is not a number; use seconds >= 0 (0: no summaries)"
+        ) from None
+    if not log_interval >= 0 or log_interval == float("inf"):
+        raise MaruConfigError(
+            f"maru_log_stats_interval_s={raw_interval!r} must be a finite number of seconds >= 0 (0: no summaries)"
+        )
+
     return MaruConnectorConfig(
         pool_address=address,
         pool_token=token,
@@ -139,4 +157,5 @@ def parse_config(extra: Mapping[str, Any] | None, block_size: int) -> MaruConnec
         pool_timeout_s=timeout,
         checksum=_as_bool("maru_checksum", extra.get("maru_checksum", True)),
         block_size=block_size,
+        log_stats_interval_s=log_interval,
     )

@@ -32,6 +32,8 @@ from vllm.logger import init_logger
 from maru_vllm.connector.chunks import ChunkGeometry
 from maru_vllm.connector.config import parse_config
 from maru_vllm.connector.load_guard import SchedulerLoadGuard
+from maru_vllm.connector.log_summary import ConnectorLogSummary
+from maru_vllm.connector.logging_setup import follow_vllm_logging
 from maru_vllm.connector.metadata import MaruConnectorMetadata
 from maru_vllm.connector.namespace import identity_from_vllm
 from maru_vllm.connector.pool_access import PoolAccess
@@ -85,6 +87,8 @@ class MaruKVConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # vLLM builds a KV connector only from a kv_transfer_config
         block_size = int(vllm_config.cache_config.block_size)
+        # Before any INFO line: ours reach the engine log only through vLLM's logging set-up.
+        follow_vllm_logging(bool(vllm_config.logging_config.configure_logging))
         self.config = parse_config(transfer.kv_connector_extra_config, block_size)
         # Engines that copy in different object formats (transfer.py) must never share objects.
         from vllm.platforms import current_platform
@@ -114,6 +118,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         self.scheduler_side: MaruSchedulerSide | None = None
         self.worker_side: MaruWorkerSide | None = None
         self.load_guard = SchedulerLoadGuard(block_size)
+        pools = [self.pool]  # the links the periodic log summary reports on
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = MaruSchedulerSide(
                 geometry, self.namespace, self.pool, can_load=self.can_load, can_store=self.can_store
@@ -133,6 +138,8 @@ class MaruKVConnector(KVConnectorBase_V1):
                 if self.can_store
                 else None
             )
+            if store_pool is not None:
+                pools.append(store_pool)
             self.worker_side = MaruWorkerSide(
                 namespace=self.namespace,
                 rank=_worker_rank(),
@@ -155,6 +162,8 @@ class MaruKVConnector(KVConnectorBase_V1):
             self.can_load,
             self.can_store,
         )
+        self.log_summary = ConnectorLogSummary(who, self.config.log_stats_interval_s, block_size, pools)
+        self.log_summary.start()
 
     # ==== worker side ==========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -220,9 +229,13 @@ class MaruKVConnector(KVConnectorBase_V1):
         if self.worker_side is None:
             return None
         counters = self.worker_side.take_counters()
-        return MaruConnectorStats.from_counters(counters) if counters is not None else None
+        if counters is None:
+            return None
+        self.log_summary.record_transfers(counters)
+        return MaruConnectorStats.from_counters(counters)
 
     def shutdown(self) -> None:
+        self.log_summary.stop()
         if self.worker_side is not None:
             self.worker_side.shutdown()
             if self.worker_side.store_pool is not self.pool:
@@ -238,6 +251,8 @@ class MaruKVConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         # Recorded before anything can fail: vLLM now counts these tokens as loaded.
         self.load_guard.granted_load(request.request_id, num_external_tokens)
+        if self.can_load:
+            self.log_summary.record_lookup(num_external_tokens)
         self._plan_after_alloc(request, blocks, num_external_tokens)
 
     @_contained(None, on_error="_alloc_failed")
