@@ -1,0 +1,232 @@
+"""The soak's faults: a schedule (``KIND@SECONDS[+HOLD]``), their injection, and their recovery.
+
+Kinds (the failures a deployment sees):
+
+* ``worker-kill`` - SIGKILL a Maru worker's whole process tree (API server, engine core and
+  its helpers); successive kills alternate over the workers;
+* ``pool-kill``   - SIGKILL the pool service;
+* ``pool-stop``   - SIGSTOP the pool for HOLD seconds (default 8), then SIGCONT (a hung pool);
+* ``nats-stop``   - stop nats-server (SIGTERM) and let the graph bring it back.
+
+Nothing here restarts anything: healing is the graph's supervision, and what is measured is how
+long it takes, from the injection, until
+
+* ``worker_back_s`` - the frontend lists a new instance of the killed worker,
+* ``serves_s``      - a request pinned to that instance completes,
+* ``pool_back_s``   - the pool answers again (a new incarnation after a kill),
+* ``nats_back_s``   - nats-server accepts connections again,
+* ``events_s``      - the pool reports its NATS link connected again,
+* ``pool_hit_s``    - the pool is hit again: a fresh prompt computed on one worker is loaded
+  from the pool by another (its cached tokens count a whole chunk).
+
+A step that does not happen within the recovery timeout is None (not recovered).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from chaos import procs
+from chaos.graph import NATS, POOL, GraphView, cached_tokens, wait_for
+
+KINDS = ("worker-kill", "pool-kill", "pool-stop", "nats-stop")
+DEFAULT_HOLD_S = 8.0
+_ITEM = re.compile(r"^(?P<kind>[a-z-]+)@(?P<at>\d+(?:\.\d+)?)(?:\+(?P<hold>\d+(?:\.\d+)?))?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    kind: str
+    at_s: float  # seconds after the load started
+    hold_s: float = DEFAULT_HOLD_S  # pool-stop only
+
+
+def parse_schedule(text: str) -> list[Fault]:
+    """``worker-kill@20,pool-stop@80+8`` -> faults in time order; ValueError names the bad item."""
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        m = _ITEM.match(item)
+        if not m:
+            raise ValueError(f"fault {item!r}: use KIND@SECONDS or pool-stop@SECONDS+HOLD, e.g. pool-stop@80+8")
+        kind = m.group("kind")
+        if kind not in KINDS:
+            raise ValueError(f"fault {item!r}: unknown kind {kind!r}; use one of {', '.join(KINDS)}")
+        if m.group("hold") is not None and kind != "pool-stop":
+            raise ValueError(f"fault {item!r}: only pool-stop takes +HOLD seconds")
+        hold = float(m.group("hold")) if m.group("hold") is not None else DEFAULT_HOLD_S
+        if kind == "pool-stop" and hold <= 0:
+            raise ValueError(f"fault {item!r}: the hold must be more than 0 seconds")
+        faults.append(Fault(kind, float(m.group("at")), hold))
+    return sorted(faults, key=lambda f: f.at_s)
+
+
+@dataclasses.dataclass
+class FaultRecord:
+    kind: str
+    target: str
+    planned_at_s: float
+    injected_at_s: float  # since the load started
+    pids: list[int]
+    recovery: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def recovered(self) -> bool:
+        return bool(self.recovery) and all(v is not None for v in self.recovery.values())
+
+
+class FaultRunner:
+    """Injects `schedule` against `view` (times relative to `t0`, time.monotonic()) in a thread."""
+
+    def __init__(
+        self,
+        view: GraphView,
+        schedule: list[Fault],
+        chunk_tokens: int,
+        recovery_timeout_s: float = 120.0,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.view, self.schedule, self.chunk_tokens = view, schedule, chunk_tokens
+        self.recovery_timeout_s = recovery_timeout_s
+        self.records: list[FaultRecord] = []
+        self.probes = {"sent": 0, "answered": 0}
+        self.log = log
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._kills = 0
+        self.t0 = 0.0
+
+    def start(self, t0: float) -> None:
+        self.t0 = t0
+        self._thread = threading.Thread(target=self._run, name="chaos-faults", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.recovery_timeout_s + 30)
+
+    def _run(self) -> None:
+        for fault in self.schedule:
+            if self._stop.wait(max(0.0, self.t0 + fault.at_s - time.monotonic())):
+                return
+            record = self.inject(fault)
+            self.records.append(record)
+            self.log(f"[soak] {record.kind} of {record.target} at {record.injected_at_s:.0f}s: {record.recovery}")
+
+    # -- one fault -------------------------------------------------------------------------------
+    def inject(self, fault: Fault) -> FaultRecord:
+        view = self.view
+        if fault.kind == "worker-kill":
+            target = view.worker_names[self._kills % len(view.worker_names)]
+            self._kills += 1
+        else:
+            target = NATS if fault.kind == "nats-stop" else POOL
+        record = FaultRecord(fault.kind, target, fault.at_s, time.monotonic() - self.t0, [])
+        pid = view.pid(target)
+        if pid is None:
+            record.notes.append(f"{target} was not running when the fault was due")
+            record.recovery["injected"] = None
+            return record
+        getattr(self, "_" + fault.kind.replace("-", "_"))(fault, record, pid)
+        return record
+
+    def _since(self, start: float) -> Callable[[], float]:
+        return lambda: time.monotonic() - start
+
+    def _worker_kill(self, fault: Fault, record: FaultRecord, pid: int) -> None:
+        before = set(self.view.instances())
+        start = time.monotonic()
+        record.pids = procs.signal_tree(pid, signal.SIGKILL)
+        new: list[int] = []
+
+        def registered() -> bool:
+            now = self.view.instances()
+            new[:] = [i for i in now if i not in before]
+            return bool(new)
+
+        record.recovery["worker_back_s"] = self._step(registered, start)
+        record.recovery["serves_s"] = self._step(lambda: self._ask(None, new[0]) if new else False, start)
+        record.recovery["pool_hit_s"] = self._step(lambda: self._pool_hit(new[0] if new else None), start)
+        if new and before & set(self.view.instances()):
+            record.notes.append("the frontend still lists the killed worker's instance")
+
+    def _pool_kill(self, fault: Fault, record: FaultRecord, pid: int) -> None:
+        stats = self.view.pool_stats() or {}
+        incarnation = stats.get("incarnation")
+        start = time.monotonic()
+        record.pids = procs.signal_tree(pid, signal.SIGKILL)
+
+        def back() -> bool:
+            now = self.view.pool_stats(timeout=1.0)
+            return now is not None and now.get("incarnation") != incarnation
+
+        record.recovery["pool_back_s"] = self._step(back, start)
+        record.recovery["pool_hit_s"] = self._step(lambda: self._pool_hit(None), start)
+
+    def _pool_stop(self, fault: Fault, record: FaultRecord, pid: int) -> None:
+        start = time.monotonic()
+        record.pids = procs.signal_tree(pid, signal.SIGSTOP)
+        try:
+            self._stop.wait(fault.hold_s)
+        finally:
+            for p in record.pids:
+                try:
+                    os.kill(p, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        record.notes.append(f"stopped for {time.monotonic() - start:.1f}s")
+        resumed = time.monotonic()
+        record.recovery["pool_hit_s"] = self._step(lambda: self._pool_hit(None), start)
+        hit = record.recovery["pool_hit_s"]
+        record.recovery["pool_hit_after_resume_s"] = None if hit is None else max(0.0, start + hit - resumed)
+
+    def _nats_stop(self, fault: Fault, record: FaultRecord, pid: int) -> None:
+        start = time.monotonic()
+        record.pids = [pid]
+        os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: not procs.alive(pid), 10, 0.1)
+        record.recovery["nats_back_s"] = self._step(self.view.nats_accepts, start, poll_s=0.2)
+
+        def events() -> bool:
+            stats = self.view.pool_stats(timeout=1.0)
+            return bool(stats and stats.get("nats_connected"))
+
+        record.recovery["events_s"] = self._step(events, start)
+        record.recovery["pool_hit_s"] = self._step(lambda: self._pool_hit(None), start)
+
+    # -- recovery probes -------------------------------------------------------------------------
+    def _step(self, check: Callable[[], Any], start: float, poll_s: float = 0.5) -> float | None:
+        """Seconds from `start` until `check()` holds, or None once the recovery timeout passed."""
+        while time.monotonic() - start < self.recovery_timeout_s and not self._stop.is_set():
+            if check():
+                return round(time.monotonic() - start, 2)
+            time.sleep(poll_s)
+        return None
+
+    def _ask(self, prompt: list[int] | None, instance: int | None) -> dict[str, Any] | None:
+        self.probes["sent"] += 1
+        out = self.view.ask(prompt or self.view.probe_prompt(8), instance)
+        self.probes["answered"] += out is not None
+        return out
+
+    def _pool_hit(self, reader: int | None) -> bool:
+        """A fresh prompt computed on one worker, then asked on another: loaded from the pool?"""
+        instances = self.view.instances()
+        if len(instances) < 2 or (reader is not None and reader not in instances):
+            return False
+        reader = reader if reader is not None else instances[-1]
+        writer = next(i for i in instances if i != reader)
+        prompt = self.view.probe_prompt(2 * self.chunk_tokens + 1)
+        if self._ask(prompt, writer) is None:
+            return False
+        time.sleep(1.0)  # stores are write-behind: committed just after the answer
+        out = self._ask(prompt, reader)
+        return out is not None and cached_tokens(out) >= self.chunk_tokens

@@ -1,0 +1,162 @@
+"""Background sampling of a running graph: every process's memory, the /dev/shm files the graph's
+processes use, and the pool's counters, every `interval_s` seconds.
+
+RSS is sampled per process (a graph process and everything below it, each labelled
+``NAME/COMM[PID]``); a restarted process is a new series. The slope of a series is a least-squares
+fit in MiB per minute. /dev/shm files are attributed to the graph when one of its processes maps
+or holds them open at a sample, so a leftover of another program on the same machine is never
+counted as ours (and a file ours created and removed between two samples never was a leftover).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any
+
+from chaos import procs
+from chaos.graph import GraphView
+
+MIB_KIB = 1024.0
+SHM_PREFIXES = ("maru-", "psm_", "vllm_dist_")
+POOL_COUNTERS = ("hits", "misses", "stores", "evictions", "corrupt_reads", "quota_refusals")
+
+
+@dataclasses.dataclass
+class Series:
+    name: str  # the graph process it belongs to
+    pid: int
+    comm: str = "?"  # the latest command name (vLLM's engine core renames itself once started)
+    times: list[float] = dataclasses.field(default_factory=list)  # seconds since the sampler started
+    rss_kib: list[int] = dataclasses.field(default_factory=list)
+    anon_kib: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}/{self.comm}[{self.pid}]"
+
+
+def slope_mib_per_min(times: list[float], values_kib: list[int]) -> float | None:
+    """Least-squares slope of `values_kib` over `times` (seconds), in MiB/min; None for < 3 points."""
+    n = len(times)
+    if n < 3 or times[-1] - times[0] <= 0:
+        return None
+    mean_t = sum(times) / n
+    mean_v = sum(values_kib) / n
+    var = sum((t - mean_t) ** 2 for t in times)
+    cov = sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values_kib, strict=True))
+    return (cov / var) * 60.0 / MIB_KIB
+
+
+class Sampler:
+    def __init__(self, view: GraphView, interval_s: float = 2.0) -> None:
+        self.view, self.interval_s = view, interval_s
+        self.series: dict[str, Series] = {}
+        self.shm_seen: set[str] = set()
+        self.pool_timeline: list[dict[str, Any]] = []  # {"t", stats...} per answered sample
+        self._incarnations: dict[str, dict[str, int]] = {}  # incarnation -> last counters
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.t0 = time.monotonic()
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="chaos-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    def sample(self) -> None:
+        now = time.monotonic() - self.t0
+        for name in self.view.names():
+            pid = self.view.pid(name)
+            if pid is None:
+                continue
+            for p in procs.tree(pid):
+                self.shm_seen |= {f for f in procs.shm_mappings(p) | procs.shm_fds(p) if f.startswith(SHM_PREFIXES)}
+                use = procs.usage(p)
+                if use is None:
+                    continue
+                s = self.series.setdefault(f"{name}[{p}]", Series(name, p))
+                s.comm = use.comm
+                s.times.append(round(now, 2))
+                s.rss_kib.append(use.rss_kib)
+                s.anon_kib.append(use.anon_kib)
+        stats = self.view.pool_stats(timeout=1.0)
+        if stats:
+            self.pool_timeline.append({"t": round(now, 2), **{k: stats.get(k) for k in _TIMELINE_KEYS}})
+            self._incarnations[str(stats.get("incarnation"))] = {k: int(stats.get(k) or 0) for k in POOL_COUNTERS}
+
+    # -- results ---------------------------------------------------------------------------------
+    def pool_totals(self) -> dict[str, int]:
+        """Counters summed over every pool incarnation seen (a restarted pool counts from 0)."""
+        return {k: sum(c[k] for c in self._incarnations.values()) for k in POOL_COUNTERS} | {
+            "incarnations": len(self._incarnations)
+        }
+
+    def rss_report(self, warmup_s: float = 30.0, min_span_s: float = 30.0) -> list[dict[str, Any]]:
+        """Per process: first/last/peak RSS (MiB) and the RSS and anonymous-memory slopes (MiB/min)
+        fitted after its first `warmup_s` (an engine grows while it starts and warms up), for
+        series that still span `min_span_s` after that (slope None otherwise)."""
+        rows = []
+        for s in sorted(self.series.values(), key=lambda s: s.label):
+            keep = [i for i, t in enumerate(s.times) if t - s.times[0] >= warmup_s]
+            times = [s.times[i] for i in keep]
+            fitted = bool(times) and times[-1] - times[0] >= min_span_s
+            rows.append(
+                {
+                    "process": s.label,
+                    "samples": len(s.times),
+                    "span_s": round(s.times[-1] - s.times[0], 1),
+                    "first_mib": round(s.rss_kib[0] / MIB_KIB, 1),
+                    "last_mib": round(s.rss_kib[-1] / MIB_KIB, 1),
+                    "peak_mib": round(max(s.rss_kib) / MIB_KIB, 1),
+                    "rss_slope_mib_min": _round(slope_mib_per_min(times, [s.rss_kib[i] for i in keep]))
+                    if fitted
+                    else None,
+                    "anon_slope_mib_min": _round(slope_mib_per_min(times, [s.anon_kib[i] for i in keep]))
+                    if fitted
+                    else None,
+                }
+            )
+        return rows
+
+    def rss_series(self) -> dict[str, list[list[float]]]:
+        """Every series as [seconds, RSS MiB] pairs (the JSON report's timeline)."""
+        return {
+            s.label: [[t, round(v / MIB_KIB, 1)] for t, v in zip(s.times, s.rss_kib, strict=True)]
+            for s in self.series.values()
+        }
+
+
+_TIMELINE_KEYS = (
+    "incarnation",
+    *POOL_COUNTERS,
+    "objects",
+    "allocated_bytes",
+    "pinned",
+    "reserved",
+    "sessions",
+    "nats_connected",
+)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def shm_listing() -> set[str]:
+    """Our kinds of /dev/shm files that exist now."""
+    try:
+        return {p.name for p in procs.Path(procs.SHM).iterdir() if p.name.startswith(SHM_PREFIXES)}
+    except OSError:
+        return set()
