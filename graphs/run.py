@@ -35,6 +35,7 @@ from types import FrameType
 from maru_dynamo.graphs.spec import GraphSpec
 from maru_vllm.launch import ManagedProcess, ProcessFailed, ProcessGroup, free_port, stack
 from maru_vllm.launch.argv import has_flag
+from maru_vllm.launch.ports import free_system_port
 from maru_vllm.launch.supervisor import RestartPolicy, Supervisor
 from maru_vllm.routing import pool_tier_weight
 
@@ -57,6 +58,7 @@ class PlannedProcess:
     graph_env: Mapping[str, str]  # the variables that differ from this shell's environment
     ready_log: str | None = None  # wait for this log line before starting the next process
     cpus: tuple[int, ...] | None = None  # pin the process tree to these cores (see stack.worker_cpus)
+    metrics_url: str | None = None  # a worker's Dynamo system server (DYN_SYSTEM_PORT): /metrics, /health
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +107,10 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
         env: dict[str, str],
         ready_log: str | None = None,
         cpus: tuple[int, ...] | None = None,
+        metrics_url: str | None = None,
     ) -> None:
         graph_env = {k: v for k, v in sorted(env.items()) if os.environ.get(k) != v}
-        processes.append(PlannedProcess(name, tuple(argv), env, graph_env, ready_log, cpus))
+        processes.append(PlannedProcess(name, tuple(argv), env, graph_env, ready_log, cpus, metrics_url))
 
     nats_url = spec.nats.url
     if nats_url is None:
@@ -152,8 +155,17 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
                     *_with_defaults(worker.args),
                 ],
             )
-            env = env_for(cpu_thread=stack.cpu_thread_for(engine), **worker.env)
-            add(f"worker:{worker.name}-{replica}", argv, env, cpus=stack.worker_cpus(engine, engines))
+            # Each worker's metrics and health on a port of its own (the worker's env may set it).
+            system = {"DYN_SYSTEM_PORT": str(free_system_port()), **worker.env}
+            env = env_for(cpu_thread=stack.cpu_thread_for(engine), **system)
+            metrics = f"http://{stack.LOOPBACK}:{env['DYN_SYSTEM_PORT']}/metrics"
+            add(
+                f"worker:{worker.name}-{replica}",
+                argv,
+                env,
+                cpus=stack.worker_cpus(engine, engines),
+                metrics_url=metrics,
+            )
             engine += 1
 
     weight = spec.frontend.pool_tier_weight

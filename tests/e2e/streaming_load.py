@@ -1,0 +1,120 @@
+"""Streaming completions of a known length, sent back to back from a few threads (stdlib only).
+
+Each request asks for exactly `max_tokens` tokens (``ignore_eos``, greedy, one logprob each) and
+is judged by what the client received: complete means HTTP 200, `max_tokens` tokens in the
+stream's chunks (counted by their logprobs: one chunk may carry several tokens), finish_reason
+``length`` and the final ``[DONE]``; anything else (a cut stream that still ended with 200, an
+error event, an error status) is kept with what arrived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamResult:
+    status: int | None
+    tokens: int  # tokens that arrived (their logprobs)
+    chunks: int  # choices that carried text
+    usage_tokens: int | None
+    finish_reason: str | None
+    done: bool
+    error: str | None
+    start: float
+    end: float
+
+    def complete(self, want: int) -> bool:
+        return (
+            self.status == 200
+            and self.error is None
+            and self.done
+            and self.finish_reason == "length"
+            and self.tokens == want
+        )
+
+
+def stream_completion(url: str, model: str, prompt: list[int], max_tokens: int, timeout: float = 300) -> StreamResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logprobs": 1,
+    }
+    req = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+    start = time.monotonic()
+    status: int | None = None
+    tokens, chunks, usage, finish, done, error = 0, 0, None, None, False, None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status = resp.status
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    error = str(event["error"])[:300]
+                for choice in event.get("choices") or []:
+                    if choice.get("text") is not None:
+                        chunks += 1
+                        tokens += len((choice.get("logprobs") or {}).get("tokens") or [])
+                    finish = choice.get("finish_reason") or finish
+                if event.get("usage"):
+                    usage = int(event["usage"].get("completion_tokens") or 0)
+    except urllib.error.HTTPError as exc:
+        status, error = exc.code, exc.read().decode(errors="replace")[:300]
+    except (OSError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"[:300]
+    return StreamResult(status, tokens, chunks, usage, finish, done, error, start, time.monotonic())
+
+
+class Load:
+    """`threads` clients, each sending `prompt_for(i)` requests back to back until `stop()`."""
+
+    def __init__(
+        self, url: str, model: str, prompt_for: Callable[[int], list[int]], max_tokens: int, threads: int = 3
+    ) -> None:
+        self.url, self.model, self.prompt_for, self.max_tokens = url, model, prompt_for, max_tokens
+        self.results: list[StreamResult] = []
+        self._lock = threading.Lock()
+        self._next = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(threads)]
+
+    def _client(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                index, self._next = self._next, self._next + 1
+            result = stream_completion(self.url, self.model, self.prompt_for(index), self.max_tokens)
+            with self._lock:
+                self.results.append(result)
+
+    def start(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self, timeout: float = 300) -> list[StreamResult]:
+        """Send no new request, wait for those in flight, return every result."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout)
+        with self._lock:
+            return list(self.results)
