@@ -41,7 +41,7 @@ from chaos import procs  # noqa: E402 - benchmarks/ is not a package
 from chaos.faults import FaultRunner, parse_schedule  # noqa: E402
 from chaos.graph import GraphView, wait_for  # noqa: E402
 from chaos.load import LoadConfig, LoadGenerator, summarize  # noqa: E402
-from chaos.samplers import Sampler, shm_listing  # noqa: E402
+from chaos.samplers import SHM_PREFIXES, Sampler, shm_left, shm_listing  # noqa: E402
 
 DEFAULT_FAULTS = "worker-kill@20,pool-kill@60,pool-stop@90+8,nats-stop@115"
 DEFAULT_POOL_SIZE = "16M"  # the tiny model's 40 x 768-token working set needs several times that
@@ -231,10 +231,13 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
     report["pool_timeline"] = sampler.pool_timeline
     wait_for(lambda: not any(procs.alive(p) for p in seen_pids), 10)
     report["processes_left"] = sorted(p for p in seen_pids if procs.alive(p))
-    new = shm_listing() - shm_before
-    report["shm_left"] = sorted(new & sampler.shm_seen)
-    report["shm_new_not_ours"] = sorted(new - sampler.shm_seen)
+    report["shm_left"], report["shm_left_other"] = shm_left(shm_before, sampler.shm_seen)
+    report["shm_new_not_ours"] = sorted(
+        f for f in shm_listing() - shm_before - sampler.shm_seen if f.startswith(SHM_PREFIXES)
+    )
     report["ok"] = verdict(report)
+    for name in report["shm_left"] + report["shm_left_other"]:  # reported above; the soak leaves nothing
+        (Path(procs.SHM) / name).unlink(missing_ok=True)
     if report["ok"] and not args.keep_logs:
         shutil.rmtree(work_dir, ignore_errors=True)
     else:
@@ -308,7 +311,11 @@ def format_report(report: dict[str, Any]) -> str:
             f"  {row['process']:<48} {row['first_mib']:>7.0f} -> {row['last_mib']:>7.0f} (peak "
             f"{row['peak_mib']:.0f}) over {row['span_s']:>5.0f}s  slope {'-' if slope is None else f'{slope:+.2f}'}"
         )
-    lines.append(f"/dev/shm left of ours: {', '.join(report['shm_left']) or 'none'}")
+    lines.append(
+        f"/dev/shm left of ours (removed by the soak after this report): {', '.join(report['shm_left']) or 'none'}"
+    )
+    if report.get("shm_left_other"):
+        lines.append(f"  other /dev/shm files of the graph's left: {', '.join(report['shm_left_other'])}")
     if report.get("shm_new_not_ours"):
         lines.append(f"  (new there, not ours: {len(report['shm_new_not_ours'])})")
     lines.append(f"processes left: {report['processes_left'] or 'none'}")

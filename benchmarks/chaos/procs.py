@@ -31,9 +31,14 @@ def _parents() -> dict[int, int]:
     return parents
 
 
-def tree(pid: int) -> list[int]:
-    """`pid` and every live process below it (parents first)."""
-    parents = _parents()
+def parents() -> dict[int, int]:
+    """pid -> parent pid of every process now (one walk of /proc, for several `tree` calls)."""
+    return _parents()
+
+
+def tree(pid: int, parents: dict[int, int] | None = None) -> list[int]:
+    """`pid` and every live process below it (parents first), from `parents` or a fresh walk."""
+    parents = _parents() if parents is None else parents
     if pid not in parents:
         return []
     found, frontier = [pid], {pid}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from chaos import procs
@@ -20,6 +21,7 @@ from chaos.graph import GraphView
 
 MIB_KIB = 1024.0
 SHM_PREFIXES = ("maru-", "psm_", "vllm_dist_")
+SHM_SCAN_S = 0.5
 POOL_COUNTERS = ("hits", "misses", "stores", "evictions", "corrupt_reads", "quota_refusals")
 
 
@@ -57,44 +59,67 @@ class Sampler:
         self.pool_timeline: list[dict[str, Any]] = []  # {"t", stats...} per answered sample
         self._incarnations: dict[str, dict[str, int]] = {}  # incarnation -> last counters
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
         self.t0 = time.monotonic()
 
     def start(self) -> None:
         self.t0 = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="chaos-sampler", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(
+                target=self._every, args=(self.sample, self.interval_s), name="chaos-sampler", daemon=True
+            ),
+            threading.Thread(target=self._every, args=(self.scan_shm, SHM_SCAN_S), name="chaos-shm", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        for thread in self._threads:
+            thread.join(timeout=30)
 
-    def _run(self) -> None:
+    def _every(self, what: Callable[[], None], interval_s: float) -> None:
         while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval_s)
+            what()
+            self._stop.wait(interval_s)
+
+    def _trees(self) -> list[tuple[str, int]]:
+        """(graph process name, pid) of every process of the graph now."""
+        family = procs.parents()
+        out = []
+        for name in self.view.names():
+            pid = self.view.pid(name)
+            if pid is not None:
+                out += [(name, p) for p in procs.tree(pid, family)]
+        return out
+
+    def scan_shm(self) -> None:
+        """Note the /dev/shm files the graph's processes map or hold open now (more often than the
+        RSS samples: an engine that dies while it starts holds its segments only briefly)."""
+        for _name, p in self._trees():
+            found = procs.shm_mappings(p) | procs.shm_fds(p)
+            with self._lock:
+                self.shm_seen |= found
 
     def sample(self) -> None:
         now = time.monotonic() - self.t0
-        for name in self.view.names():
-            pid = self.view.pid(name)
-            if pid is None:
+        for name, p in self._trees():
+            use = procs.usage(p)
+            if use is None:
                 continue
-            for p in procs.tree(pid):
-                self.shm_seen |= {f for f in procs.shm_mappings(p) | procs.shm_fds(p) if f.startswith(SHM_PREFIXES)}
-                use = procs.usage(p)
-                if use is None:
-                    continue
+            with self._lock:
                 s = self.series.setdefault(f"{name}[{p}]", Series(name, p))
                 s.comm = use.comm
                 s.times.append(round(now, 2))
                 s.rss_kib.append(use.rss_kib)
                 s.anon_kib.append(use.anon_kib)
+        self.scan_shm()
         stats = self.view.pool_stats(timeout=1.0)
         if stats:
-            self.pool_timeline.append({"t": round(now, 2), **{k: stats.get(k) for k in _TIMELINE_KEYS}})
-            self._incarnations[str(stats.get("incarnation"))] = {k: int(stats.get(k) or 0) for k in POOL_COUNTERS}
+            with self._lock:
+                self.pool_timeline.append({"t": round(now, 2), **{k: stats.get(k) for k in _TIMELINE_KEYS}})
+                self._incarnations[str(stats.get("incarnation"))] = {k: int(stats.get(k) or 0) for k in POOL_COUNTERS}
 
     # -- results ---------------------------------------------------------------------------------
     def pool_totals(self) -> dict[str, int]:
@@ -155,8 +180,17 @@ def _round(value: float | None) -> float | None:
 
 
 def shm_listing() -> set[str]:
-    """Our kinds of /dev/shm files that exist now."""
+    """Every file in /dev/shm now."""
     try:
-        return {p.name for p in procs.Path(procs.SHM).iterdir() if p.name.startswith(SHM_PREFIXES)}
+        return {p.name for p in procs.Path(procs.SHM).iterdir()}
     except OSError:
         return set()
+
+
+def shm_left(before: set[str], seen: set[str]) -> tuple[list[str], list[str]]:
+    """Files created since `before` that the graph's processes used and that are still there:
+    (ours of the kinds a leak is - SHM_PREFIXES -, any other kind)."""
+    left = (shm_listing() - before) & seen
+    return sorted(f for f in left if f.startswith(SHM_PREFIXES)), sorted(
+        f for f in left if not f.startswith(SHM_PREFIXES)
+    )

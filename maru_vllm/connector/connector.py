@@ -31,6 +31,7 @@ from vllm.logger import init_logger
 
 from maru_vllm.connector.chunks import ChunkGeometry
 from maru_vllm.connector.config import parse_config
+from maru_vllm.connector.engine_support import engine_support
 from maru_vllm.connector.load_guard import SchedulerLoadGuard
 from maru_vllm.connector.log_summary import ConnectorLogSummary
 from maru_vllm.connector.logging_setup import follow_vllm_logging
@@ -97,10 +98,13 @@ class MaruKVConnector(KVConnectorBase_V1):
         salt = (
             self.config.namespace if self.copy_format == FORMAT_PAGES else f"{self.config.namespace}|{self.copy_format}"
         )
+        support = engine_support(vllm_config, kv_cache_config)  # UnsupportedModel: the engine does not start
         identity = identity_from_vllm(vllm_config, kv_cache_config, salt)
         self.namespace = identity.namespace()
-        self.can_load = bool(transfer.is_kv_consumer)
-        self.can_store = bool(transfer.is_kv_producer)
+        self.can_load = bool(transfer.is_kv_consumer) and support.serves
+        self.can_store = bool(transfer.is_kv_producer) and support.serves
+        if not support.serves and role == KVConnectorRole.SCHEDULER:
+            logger.warning("MaruKVConnector stands aside: %s", support.reason)
         self.contained_errors = 0
         if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
             # A pool miss discovered at load time must mean "recompute", never a failed request.
