@@ -1,7 +1,10 @@
-"""Offline random-weight Llama models for tests, benchmarks and the demo.
+"""Offline random-weight models for tests, benchmarks and the demo.
 
-Nothing may come from a model hub here, so we build a Llama-architecture checkpoint with a
-byte-level tokenizer and a chat template ourselves, deterministically from a seed. The same
+Nothing may come from a model hub here, so we build checkpoints with a byte-level tokenizer and
+a chat template ourselves, deterministically from a seed: Llama (`tiny`, `bench`, and dtype
+variants) plus one tiny fixture per attention shape the connector is checked on (`SHAPES`:
+qk-norm, grouped-query, sliding window, interleaved sliding/full, sinks + MoE, MLA, hybrid
+Mamba), each from the transformers config class of its architecture. The same
 (size, seed) always gives the same files, so greedy outputs are comparable across processes and
 runs. Built models are cached (``MARU_MODEL_CACHE``, default ``~/.cache/maru-dynamo/models``)
 and built at most once even when several processes ask at the same time.
@@ -18,6 +21,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +30,11 @@ FORMAT_VERSION = 2
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """Geometry of one fixture model (Llama architecture)."""
+    """Geometry of one fixture model.
+
+    `architecture` names a transformers config/model class pair (`ARCHITECTURES`); `extra` holds
+    the config arguments particular to it (sliding window, MLA ranks, experts, ...).
+    """
 
     name: str
     hidden_size: int
@@ -37,10 +45,25 @@ class ModelSpec:
     max_position_embeddings: int
     initializer_range: float = 0.2
     dtype: str = "bfloat16"
+    architecture: str = "llama"
+    extra: tuple[tuple[str, Any], ...] = ()
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return int(dict(self.extra).get("head_dim", self.hidden_size // self.num_heads))
+
+
+# architecture -> (transformers config class, model class). Every one of them is served by vLLM.
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "jamba": ("JambaConfig", "JambaForCausalLM"),
+}
 
 
 # `tiny`: starts and prefills in seconds (tests). `bench`: ~100M parameters, so that prefill
@@ -66,6 +89,84 @@ SPECS: dict[str, ModelSpec] = {
     ),
 }
 
+
+def _tiny(name: str, architecture: str, **extra: Any) -> ModelSpec:
+    """A 2-layer fixture of `architecture`; `extra` may also override the common geometry."""
+    common: dict[str, Any] = dict(
+        hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256, max_position_embeddings=8192
+    )
+    for field in list(common):
+        if field in extra:
+            common[field] = extra.pop(field)
+    dtype = extra.pop("dtype", "bfloat16")
+    return ModelSpec(name, **common, dtype=dtype, architecture=architecture, extra=tuple(sorted(extra.items())))
+
+
+# One tiny fixture per attention shape (README "Supported models"): the connector's behaviour
+# on each is what tests/e2e/test_model_matrix.py checks.
+SHAPES: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        _tiny("tiny-fp16", "llama", dtype="float16"),
+        _tiny("tiny-fp32", "llama", dtype="float32"),
+        _tiny("qwen3", "qwen3", head_dim=64),  # per-head RMSNorm of q and k
+        _tiny("qwen2-gqa", "qwen2", num_heads=4, num_kv_heads=1),  # 4 query heads share 1 KV head
+        # Every layer sliding-window, window shorter than a prompt of a few chunks.
+        _tiny("mistral-sw", "mistral", sliding_window=256, head_dim=64),
+        # Sliding and full layers interleaved (window shorter than the test prompts).
+        _tiny(
+            "gemma3",
+            "gemma3",
+            num_layers=4,
+            head_dim=64,
+            query_pre_attn_scalar=64,
+            sliding_window=256,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        ),
+        # Attention sinks, sliding + full layers, mixture of experts.
+        _tiny(
+            "gpt-oss",
+            "gpt_oss",
+            head_dim=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=128,
+            layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=131072,  # 32 x its YaRN base of 4096, as the real model
+        ),
+        # Multi-head latent attention in DeepSeek-V2's shape (dense MLPs keep it tiny).
+        _tiny(
+            "deepseek-v2-mla",
+            "deepseek_v2",
+            num_heads=4,
+            num_kv_heads=4,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            head_dim=64,
+            first_k_dense_replace=2,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+        ),
+        # Hybrid: a Mamba layer and an attention layer.
+        _tiny(
+            "jamba",
+            "jamba",
+            num_experts=1,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=8,
+        ),
+    )
+}
+SPECS.update(SHAPES)
+
 # Byte-level tokenizer: 256 byte tokens + specials; every byte of text is one token, which makes
 # prompt lengths in tokens easy to control in tests ("x" * 1000 is 1000 tokens).
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -87,9 +188,20 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "maru-dynamo" / "models"
 
 
+def _fingerprint_fields(spec: ModelSpec) -> dict[str, Any]:
+    """The spec as hashed into its directory name; fields at their defaults that older specs
+    did not have are left out, so a Llama fixture keeps its directory (and cache) across them."""
+    fields = dataclasses.asdict(spec)
+    if fields["architecture"] == "llama":
+        del fields["architecture"]
+    if not fields["extra"]:
+        del fields["extra"]
+    return fields
+
+
 def model_dir_name(spec: ModelSpec, seed: int) -> str:
     fingerprint = hashlib.sha256(
-        json.dumps([FORMAT_VERSION, dataclasses.asdict(spec), seed], sort_keys=True).encode()
+        json.dumps([FORMAT_VERSION, _fingerprint_fields(spec), seed], sort_keys=True).encode()
     ).hexdigest()[:12]
     return f"maru-{spec.name}-s{seed}-{fingerprint}"
 
@@ -153,29 +265,30 @@ def _build_tokenizer(out: Path) -> None:
 
 def _build(spec: ModelSpec, seed: int, out: Path) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     _build_tokenizer(out)
     bos, eos, pad = (256 + SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<pad>"))
-    config = LlamaConfig(
+    config_name, model_name = ARCHITECTURES[spec.architecture]
+    config = getattr(transformers, config_name)(
         vocab_size=VOCAB_SIZE,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
         initializer_range=spec.initializer_range,
         bos_token_id=bos,
         eos_token_id=eos,
         pad_token_id=pad,
         tie_word_embeddings=False,
+        **{"head_dim": spec.head_dim, **dict(spec.extra)},
     )
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
+        model = getattr(transformers, model_name)(config).to(getattr(torch, spec.dtype))
     finally:
         torch.random.set_rng_state(generator_state)
     model.config.dtype = spec.dtype

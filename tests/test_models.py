@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_vllm.models import SPECS, ensure_model
+from maru_vllm.models import SHAPES, SPECS, ensure_model
 
 
 def digest(path: Path) -> str:
@@ -50,5 +50,35 @@ def test_bench_spec_is_about_100m_parameters() -> None:
 
 
 def test_unknown_size_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match=r"unknown model size 'huge'; choose one of \['bench', 'tiny'\]"):
+    with pytest.raises(ValueError, match=r"unknown model size 'huge'; choose one of \['bench', 'deepseek-v2-mla', "):
         ensure_model("huge")
+
+
+# What makes each shape fixture the shape it stands for, as vLLM reads it from config.json.
+SHAPE_FACTS = {
+    "tiny-fp16": ("LlamaForCausalLM", {"dtype": "float16"}),
+    "tiny-fp32": ("LlamaForCausalLM", {"dtype": "float32"}),
+    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 64}),
+    "qwen2-gqa": ("Qwen2ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 1}),
+    "mistral-sw": ("MistralForCausalLM", {"sliding_window": 256}),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        {"sliding_window": 256, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
+    ),
+    "gpt-oss": ("GptOssForCausalLM", {"num_local_experts": 4, "layer_types": ["sliding_attention", "full_attention"]}),
+    "deepseek-v2-mla": (
+        "DeepseekV2ForCausalLM",
+        {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64},
+    ),
+    "jamba": ("JambaForCausalLM", {"attn_layer_period": 2, "attn_layer_offset": 1}),
+}
+
+
+def test_every_shape_fixture_builds_offline_as_its_architecture(tmp_path: Path) -> None:
+    assert set(SHAPE_FACTS) == set(SHAPES)
+    for name, (architecture, facts) in SHAPE_FACTS.items():
+        config = json.loads((ensure_model(name, cache_dir=tmp_path) / "config.json").read_text())
+        assert config["architectures"] == [architecture], name
+        for key, value in facts.items():
+            assert config[key] == value, (name, key)
+        assert config["vocab_size"] == 512
