@@ -3,8 +3,9 @@
 A `dynamo.vllm` worker on the Maru pool: it fills in MaruKVConnector's `--kv-transfer-config`
 and a `--kv-events-config` (free port) unless given, makes the KV events it publishes carry
 the pool's blocks (`maru_vllm.events.install_pool_event_relay`), registers MaruKVConnector as
-a cache-mediated PD connector (`maru_vllm.dynamo_pd`), and runs `dynamo.vllm` in this process
-with every other argument unchanged.
+a cache-mediated PD connector (`maru_vllm.dynamo_pd`), makes the worker serve warm-up requests
+before it registers with Dynamo (`maru_vllm.launch.warmup`: registered means warm), and runs
+`dynamo.vllm` in this process with every other argument unchanged.
 
 Options of its own (all others go to dynamo.vllm):
   --maru-pool-address ADDR   pool service address (unix:///path.sock or tcp://host:port)
@@ -17,6 +18,9 @@ Options of its own (all others go to dynamo.vllm):
   --maru-chunk-tokens N      tokens per pool object (default 256)
   --no-maru-pool-events      keep the pool connector but do not announce the pool's blocks to the
                              router (it then sees vLLM's own events only; for comparisons)
+  --no-maru-warmup           register with Dynamo as soon as the engine is up, without first
+                             serving the warm-up requests (`maru_vllm.launch.warmup`): the first
+                             requests then pay for what vLLM compiles lazily
 
 PYTHONHASHSEED must be unset (then 0 is used) or "0", the graph's value. On a CPU install with
 no KV cache size given it sets VLLM_CPU_KVCACHE_SPACE itself (`maru_vllm.launch.cpu_kv`).
@@ -50,6 +54,7 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--maru-event-medium", default=DEFAULT_MEDIUM, choices=POOL_MEDIUMS)
     p.add_argument("--maru-chunk-tokens", type=int, default=256)
     p.add_argument("--maru-pool-events", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--maru-warmup", action=argparse.BooleanOptionalAction, default=True)
     ours, rest = p.parse_known_args(argv)
     rest = list(rest)
     if not has_flag(rest, "--kv-transfer-config", "--kv_transfer_config"):
@@ -165,6 +170,11 @@ def main(argv: list[str] | None = None) -> None:
         register_maru_pd_protocol()  # dynamo.vllm's PD handlers accept only registered connectors
     except DynamoPdApiError as exc:
         sys.exit(f"maru_worker: {exc}")
+    if ours.maru_warmup:
+        from maru_vllm.launch.warmup import WarmupOptions, install_warmup_before_registration
+
+        # Shorter than one pool chunk: warm-up prompts are never stored in the pool.
+        install_warmup_before_registration(WarmupOptions(max_prompt_tokens=ours.maru_chunk_tokens - 1))
     run_module_as_main("dynamo.vllm", rest)
 
 

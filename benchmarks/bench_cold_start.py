@@ -1,0 +1,175 @@
+"""Ready means warm: the first burst after a graph reports ready, against a warm burst.
+
+Starts the real graph (`graphs/run.py`'s build_plan / start_graph / stop_graph: nats-server, the
+pool, the Maru workers, Dynamo's frontend), and the moment start_graph returns (what `maru-dynamo
+graph run` announces as ready) sends a burst of streaming completions at a fixed concurrency,
+then, after a pause, a second burst of the same shape. Every prompt of both bursts is distinct
+random text (the fixture models' byte tokenizer: one character, one token), so the second burst
+measures a warm graph, not a cache hit. Prints TTFT p50/p90/p99/mean of each burst and the ratio
+first/warm; the target is p99 first <= 2x p99 warm. With --rounds N the graph is started N times
+and the ratio of each round is printed, then the median.
+
+    /work/coord/heavy .venv/bin/python benchmarks/bench_cold_start.py [--graph graphs/agg.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import shutil
+import statistics
+import string
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph
+from maru_dynamo.graphs.spec import load_graph
+from maru_vllm.launch import ProcessGroup
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Burst:
+    name: str
+    ttft_s: tuple[float, ...]
+    wall_s: float
+
+    def pct(self, q: float) -> float:
+        xs = sorted(self.ttft_s)
+        return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs) + 0.5) - 1))]
+
+    def row(self) -> str:
+        ms = [1000 * v for v in (self.pct(50), self.pct(90), self.pct(99), statistics.fmean(self.ttft_s))]
+        return f"{self.name:<12} {len(self.ttft_s):>4} " + " ".join(f"{v:>9.1f}" for v in ms) + f" {self.wall_s:>8.1f}"
+
+
+def prompts(seed: int, n: int, min_len: int, max_len: int) -> list[str]:
+    rng = random.Random(seed)
+    alphabet = string.ascii_letters + string.digits + " "
+    return ["".join(rng.choices(alphabet, k=rng.randint(min_len, max_len))) for _ in range(n)]
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> float:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
+                ttft = time.perf_counter() - t0
+    if ttft is None:
+        raise RuntimeError("a stream ended without a token")
+    return ttft
+
+
+async def _burst(name: str, url: str, model: str, texts: Sequence[str], concurrency: int, max_tokens: int) -> Burst:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+
+        async def run(text: str) -> float:
+            async with sem:
+                return await _one(client, url, model, text, max_tokens)
+
+        t0 = time.perf_counter()
+        ttfts = await asyncio.gather(*(run(t) for t in texts))
+        return Burst(name, tuple(ttfts), time.perf_counter() - t0)
+
+
+def run_round(args: argparse.Namespace, round_no: int) -> tuple[Burst, Burst]:
+    spec = load_graph(Path(args.graph))
+    model = resolve_model(args.model or spec.model)
+    work_dir = new_work_dir()
+    plan = build_plan(spec, model=model, work_dir=work_dir)
+    group = ProcessGroup()
+    try:
+        t0 = time.monotonic()
+        start_graph(plan, group)
+        print(f"[round {round_no}] graph ready after {time.monotonic() - t0:.1f} s; first burst now", flush=True)
+        seed = 1000 * round_no
+        first = asyncio.run(
+            _burst(
+                "first",
+                plan.url,
+                model,
+                prompts(seed + 1, args.requests, args.min_len, args.max_len),
+                args.concurrency,
+                args.max_tokens,
+            )
+        )
+        time.sleep(args.pause_s)
+        warm = asyncio.run(
+            _burst(
+                "warm",
+                plan.url,
+                model,
+                prompts(seed + 2, args.requests, args.min_len, args.max_len),
+                args.concurrency,
+                args.max_tokens,
+            )
+        )
+        return first, warm
+    finally:
+        stop_graph(group)
+        if args.keep_logs:
+            print(f"[round {round_no}] logs kept in {work_dir / 'logs'}")
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--graph", default=str(ROOT / "graphs" / "agg.yaml"))
+    p.add_argument("--model", default=None, help="fixture name or model directory (default: the graph's)")
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--min-len", type=int, default=64, help="shortest prompt, tokens")
+    p.add_argument("--max-len", type=int, default=1024, help="longest prompt, tokens")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--pause-s", type=float, default=5.0, help="pause between the two bursts")
+    p.add_argument("--rounds", type=int, default=1, help="graph starts (a ratio per start, then the median)")
+    p.add_argument("--keep-logs", action="store_true")
+    args = p.parse_args(argv)
+    for name in ("requests", "concurrency", "min_len", "max_len", "max_tokens", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.min_len > args.max_len:
+        p.error(f"--min-len={args.min_len} is above --max-len={args.max_len}")
+    ratios = []
+    header = f"{'burst':<12} {'n':>4} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'mean ms':>9} {'wall s':>8}"
+    for r in range(1, args.rounds + 1):
+        first, warm = run_round(args, r)
+        print(header)
+        print(first.row())
+        print(warm.row())
+        ratio = first.pct(99) / warm.pct(99)
+        ratios.append(ratio)
+        print(
+            f"[round {r}] TTFT p99 first/warm = {ratio:.2f}x (target <= 2x); "
+            f"p50 {first.pct(50) / warm.pct(50):.2f}x, mean "
+            f"{statistics.fmean(first.ttft_s) / statistics.fmean(warm.ttft_s):.2f}x",
+            flush=True,
+        )
+    if len(ratios) > 1:
+        print(
+            f"TTFT p99 first/warm over {len(ratios)} graph starts: median {statistics.median(ratios):.2f}x "
+            f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
