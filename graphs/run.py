@@ -234,12 +234,14 @@ def _worker_instances(url: str) -> int:
     )
 
 
-def _wait_ready(group: ProcessGroup, plan: Plan, timeout: float) -> None:
+def _wait_ready(group: ProcessGroup, plan: Plan, timeout: float, tick: Callable[[], None] | None = None) -> None:
     """Until the frontend lists the model and knows every worker; fails early if any process exits."""
     want = len(plan.workers)
     deadline = time.monotonic() + timeout
     models_url = f"{plan.url}/v1/models"
     while True:
+        if tick is not None:
+            tick()
         for proc in group:
             if not proc.alive():
                 code = proc.proc.returncode if proc.proc else None
@@ -265,8 +267,20 @@ def _model_listed(url: str, model: str) -> bool:
         return False
 
 
-def stop_graph(group: ProcessGroup, grace_s: float = STOP_GRACE_S) -> None:
-    """Frontend first (no new requests), then all workers at once (each takes seconds), then the rest."""
+def stop_graph(group: ProcessGroup, grace_s: float = STOP_GRACE_S, supervisor: Supervisor | None = None) -> None:
+    """Frontend first (no new requests), then all workers at once (each takes seconds), then the rest.
+
+    With `supervisor`: it stops restarting first, and afterwards removes the /dev/shm segments
+    of any tree the stop had to SIGKILL.
+    """
+    if supervisor is not None:
+        supervisor.stop()
+    _stop_in_order(group, grace_s)
+    if supervisor is not None:
+        supervisor.release_stopped()
+
+
+def _stop_in_order(group: ProcessGroup, grace_s: float) -> None:
     procs = list(reversed(group.processes))
     workers = [p for p in procs if p.name.startswith("worker:")]
     others = [p for p in procs if p not in workers]
@@ -284,8 +298,11 @@ def stop_graph(group: ProcessGroup, grace_s: float = STOP_GRACE_S) -> None:
             proc.stop(grace_s)
 
 
-def start_graph(plan: Plan, group: ProcessGroup, timeout: float = READY_TIMEOUT_S) -> None:
-    """Start every process of `plan` in order into `group` and wait until the graph serves."""
+def start_graph(
+    plan: Plan, group: ProcessGroup, timeout: float = READY_TIMEOUT_S, supervisor: Supervisor | None = None
+) -> None:
+    """Start every process of `plan` in order into `group` and wait until the graph serves
+    (`supervisor`, made for `group`, looks at the trees' /dev/shm files meanwhile)."""
     logs = plan.work_dir / "logs"
     for p in plan.processes:
         proc = group.start(
@@ -293,7 +310,7 @@ def start_graph(plan: Plan, group: ProcessGroup, timeout: float = READY_TIMEOUT_
         )
         if p.ready_log:
             proc.wait_for_log(p.ready_log, timeout=60)
-    _wait_ready(group, plan, timeout)
+    _wait_ready(group, plan, timeout, tick=supervisor.watch if supervisor is not None else None)
 
 
 class _GiveUp(Exception):
@@ -310,7 +327,8 @@ def supervise(
 ) -> Supervisor:
     """A supervisor for a started graph: restarts its dead processes, never removes the pool's region.
 
-    Call its `poll()` from a loop, or `start()` it in a thread; `stop()` it before `stop_graph`.
+    Pass it to `start_graph`, call its `poll()` from a loop or `start()` it in a thread, and pass
+    it to `stop_graph`; `restarts(name)`, `given_up()` and `serving(name)` say how it went.
     """
     protect = [plan.pool_region] if plan.pool_region is not None else []
     return Supervisor(group, policy=policy, protect=protect, out=out, on_give_up=on_give_up)
@@ -335,10 +353,10 @@ def run_plan(plan: Plan, *, keep_logs: bool = False, out: Callable[[str], None] 
     supervisor: Supervisor | None = None
     try:
         out(f"[graph] {plan.spec.name}: model {plan.model}; logs in {logs}")
-        start_graph(plan, group)
+        supervisor = supervise(plan, group, out=out)
+        start_graph(plan, group, supervisor=supervisor)
         out(f"[graph] ready: {plan.url} ({len(plan.workers)} workers); Ctrl-C stops the graph")
         out(f"[graph] try: {curl_example(plan)}")
-        supervisor = supervise(plan, group, out=out)
         while True:
             supervisor.poll()
             if (why := essential_lost(plan, supervisor.given_up())) is not None:
@@ -358,9 +376,7 @@ def run_plan(plan: Plan, *, keep_logs: bool = False, out: Callable[[str], None] 
     finally:
         for s in previous:  # a second Ctrl-C must not cut the stop short
             signal.signal(s, signal.SIG_IGN)
-        if supervisor is not None:
-            supervisor.stop()
-        stop_graph(group)
+        stop_graph(group, supervisor=supervisor)
         for s, handler in previous.items():
             signal.signal(s, handler)
     if code == 0 and not keep_logs:

@@ -160,3 +160,28 @@ def test_segments_held_by_a_live_process_are_not_removed(tmp_path: Path) -> None
         assert segments.release() == [path] and not path.exists()
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_a_stop_that_ends_in_sigkill_leaves_no_segments(tmp_path: Path) -> None:
+    tag = f"maru-test-sup-{uuid.uuid4().hex[:8]}"
+    prefix = f"/dev/shm/{tag}"
+    region = Path(f"{prefix}-region")
+    # The fake engine ignores SIGTERM, like an engine still starting: the stop has to SIGKILL it.
+    stubborn = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + FAKE_ENGINE
+    group = ProcessGroup()
+    try:
+        region.write_bytes(b"x" * 4096)
+        engine = group.start(fake("worker:fake-stubborn", stubborn, tmp_path, prefix, str(region)))
+        engine.wait_for_log("ready")
+        held = segments_of(tag) - {region}
+        assert len(held) == 1
+        sup = Supervisor(group, protect=[region], out=lambda line: None)
+        sup.stop()  # looks at the live trees one last time
+        group.stop_all(grace_s=0.5)
+        assert held <= segments_of(tag), "the fake engine removed its own segment: nothing left to test"
+        assert sup.release_stopped() == sorted(held)
+        assert not (held & segments_of(tag)) and region.exists()
+    finally:
+        group.stop_all(grace_s=0.5)
+        for p in segments_of(tag):
+            p.unlink()

@@ -12,7 +12,9 @@ A `Supervisor` watches the processes of a `ProcessGroup` (each started in its ow
 
 The rest of the group keeps running meanwhile. `poll()` does one round and may be called from a
 caller's own loop (the graph runner does, so that Ctrl-C lands in its main thread), or `start()`
-runs the rounds in a thread until `stop()`. Reports go to `out`, one line per event.
+runs the rounds in a thread until `stop()`. Reports go to `out`, one line per event. A stop of
+the group that ends in SIGKILL leaves segments too: `stop()`, stop the group, then
+`release_stopped()`.
 """
 
 from __future__ import annotations
@@ -279,27 +281,55 @@ class Supervisor:
     def _say(self, line: str) -> None:
         self.out(f"{self.prefix} {line}")
 
+    def watch(self, *, force: bool = False) -> None:
+        """Look at the live processes' /dev/shm files (every `scan_interval_s`; `force`: now).
+
+        `poll()` does this itself; call it while the group starts (before `poll()` runs), so a
+        tree that dies or is stopped early is cleaned up too.
+        """
+        with self._lock:
+            now = self.clock()
+            if not force and now < self._next_scan:
+                return
+            self._next_scan = now + self.scan_interval_s
+            for proc in list(self.group):
+                w = self._watch(proc, now)
+                if w.restart_at is None and w.given_up is None and proc.alive():
+                    w.segments.scan(proc.pid)
+
     def poll(self) -> None:
         """One round: note deaths, clean up after them, start the processes whose delay is over."""
         with self._lock:
             if self._stopping.is_set():
                 return
+            self.watch()
             now = self.clock()
-            scan = now >= self._next_scan
-            if scan:
-                self._next_scan = now + self.scan_interval_s
             for proc in list(self.group):
                 w = self._watch(proc, now)
                 if w.given_up is not None:
                     continue
                 if w.restart_at is None:
                     if proc.alive():
-                        if scan:
-                            w.segments.scan(proc.pid)
                         continue
                     self._died(w, now)
                 if w.restart_at is not None and now >= w.restart_at:
                     self._restart(w, self.clock())
+
+    def release_stopped(self) -> list[Path]:
+        """After the group is stopped: remove the /dev/shm segments its trees left behind (a tree
+        that had to be SIGKILLed, e.g. an engine still starting); returns the removed paths."""
+        removed: list[Path] = []
+        with self._lock:
+            for w in self._watched.values():
+                if w.proc.proc is None or w.proc.alive():
+                    continue
+                if not wait_session_gone(w.proc.pid):
+                    logger.error("%s: processes of session %d survive its stop", w.proc.name, w.proc.pid)
+                removed += w.segments.release(self.protect)
+        self.removed_segments += removed
+        if removed:
+            logger.info("removed /dev/shm segments left by stopped processes: %s", ", ".join(p.name for p in removed))
+        return removed
 
     def _died(self, w: _Watched, now: float) -> None:
         proc = w.proc
@@ -351,9 +381,9 @@ class Supervisor:
         return self
 
     def stop(self) -> None:
-        """No more restarts from now on (call before stopping the group); joins the thread."""
+        """No more restarts from now on (call before stopping the group, then `release_stopped()`
+        after it); looks at the live trees' /dev/shm files one last time; joins the thread."""
         self._stopping.set()
-        with self._lock:
-            pass  # a round in progress has finished
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
+        self.watch(force=True)
