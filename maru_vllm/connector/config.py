@@ -20,6 +20,9 @@ from maru_vllm.pool.errors import InvalidArgument
 logger = init_logger(__name__)
 
 DEFAULT_POOL_ADDRESS_ENV = "MARU_POOL_ADDRESS"
+# Far above a healthy pool's answer (well under 1 ms; tens of ms on a machine loaded many times
+# over), small next to the step it may hold once when the pool hangs.
+DEFAULT_POOL_DEADLINE_MS = 250.0
 
 
 class MaruConfigError(ValueError):
@@ -38,10 +41,15 @@ class MaruConnectorConfig:
     checksum: bool
     block_size: int
     log_stats_interval_s: float
+    pool_deadline_ms: float = DEFAULT_POOL_DEADLINE_MS
 
     @property
     def blocks_per_chunk(self) -> int:
         return self.chunk_tokens // self.block_size
+
+    @property
+    def pool_deadline_s(self) -> float:
+        return self.pool_deadline_ms / 1000.0
 
 
 # key -> (default, description); the README's "The connector" section has the same table.
@@ -55,7 +63,13 @@ KEYS: dict[str, tuple[Any, str]] = {
     "maru_use_lmcache_kernels": (True, "use LMCache's compiled copy kernels when they resolve"),
     "maru_enable_fused_load": (False, "fused multi-layer load (needs the LMCache kernels)"),
     "maru_namespace": ("", "extra isolation salt mixed into every key's namespace"),
-    "maru_pool_timeout_s": (5.0, "timeout of one pool round trip, seconds"),
+    "maru_pool_deadline_ms": (
+        DEFAULT_POOL_DEADLINE_MS,
+        "how long the engine waits for any one pool request (scheduler lookups, loads, stores), "
+        "milliseconds; a pool that misses it counts as down for the whole engine process (requests "
+        "are served without it, nothing waits for it) until a background probe sees it answer again",
+    ),
+    "maru_pool_timeout_s": (5.0, "how long connecting to the pool may take when the engine starts, seconds"),
     "maru_checksum": (
         True,
         "require and verify an XXH3 checksum on every load (a mismatch or a missing checksum "
@@ -88,6 +102,18 @@ def _as_positive_int(key: str, value: Any) -> int:
         raise MaruConfigError(f"{key}={value!r} is not an integer; use a positive integer") from None
     if n <= 0:
         raise MaruConfigError(f"{key}={value!r} must be a positive integer")
+    return n
+
+
+def _as_positive_number(key: str, value: Any, unit: str) -> float:
+    if isinstance(value, bool):
+        raise MaruConfigError(f"{key}={value!r} is not a number; use {unit} > 0")
+    try:
+        n = float(value)
+    except (TypeError, ValueError):
+        raise MaruConfigError(f"{key}={value!r} is not a number; use {unit} > 0") from None
+    if not (n > 0 and n != float("inf")):
+        raise MaruConfigError(f"{key}={value!r} must be > 0 {unit} and finite")
     return n
 
 
@@ -127,13 +153,12 @@ def parse_config(extra: Mapping[str, Any] | None, block_size: int) -> MaruConnec
     if not isinstance(namespace, str) or len(namespace) > 128:
         raise MaruConfigError(f"maru_namespace={namespace!r} must be a string of at most 128 characters")
 
-    raw_timeout = extra.get("maru_pool_timeout_s", KEYS["maru_pool_timeout_s"][0])
-    try:
-        timeout = float(raw_timeout)
-    except (TypeError, ValueError):
-        raise MaruConfigError(f"maru_pool_timeout_s={raw_timeout!r} is not a number; use seconds > 0") from None
-    if not timeout > 0:
-        raise MaruConfigError(f"maru_pool_timeout_s={raw_timeout!r} must be > 0 seconds")
+    timeout = _as_positive_number(
+        "maru_pool_timeout_s", extra.get("maru_pool_timeout_s", KEYS["maru_pool_timeout_s"][0]), "seconds"
+    )
+    deadline_ms = _as_positive_number(
+        "maru_pool_deadline_ms", extra.get("maru_pool_deadline_ms", KEYS["maru_pool_deadline_ms"][0]), "milliseconds"
+    )
 
     raw_interval = extra.get("maru_log_stats_interval_s", KEYS["maru_log_stats_interval_s"][0])
     try:
@@ -158,4 +183,5 @@ def parse_config(extra: Mapping[str, Any] | None, block_size: int) -> MaruConnec
         checksum=_as_bool("maru_checksum", extra.get("maru_checksum", True)),
         block_size=block_size,
         log_stats_interval_s=log_interval,
+        pool_deadline_ms=deadline_ms,
     )

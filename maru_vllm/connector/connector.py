@@ -116,9 +116,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         ranks = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
         geometry = ChunkGeometry(block_size, self.config.blocks_per_chunk, ranks)
         who = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        self.pool = PoolAccess(
-            self.config.pool_address, self.config.pool_token, self.config.pool_timeout_s, self.config.checksum, who
-        )
+        self.pool = self._pool_access(who)
         self.scheduler_side: MaruSchedulerSide | None = None
         self.worker_side: MaruWorkerSide | None = None
         self.load_guard = SchedulerLoadGuard(block_size)
@@ -131,17 +129,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             # Stores get their own pool connection (loads never wait behind them) and run
             # write-behind, except on a producer-only engine (disaggregated prefill), whose
             # response sends the decode engine to the pool: its chunks must be there first.
-            store_pool = (
-                PoolAccess(
-                    self.config.pool_address,
-                    self.config.pool_token,
-                    self.config.pool_timeout_s,
-                    self.config.checksum,
-                    "worker-store",
-                )
-                if self.can_store
-                else None
-            )
+            store_pool = self._pool_access("worker-store") if self.can_store else None
             if store_pool is not None:
                 pools.append(store_pool)
             self.worker_side = MaruWorkerSide(
@@ -168,6 +156,13 @@ class MaruKVConnector(KVConnectorBase_V1):
         )
         self.log_summary = ConnectorLogSummary(who, self.config.log_stats_interval_s, block_size, pools)
         self.log_summary.start()
+
+    def _pool_access(self, who: str) -> PoolAccess:
+        """A connection to the pool, made at start-up; every request it sends has the deadline."""
+        c = self.config
+        return PoolAccess(
+            c.pool_address, c.pool_token, c.pool_deadline_s, c.checksum, who, connect_timeout_s=c.pool_timeout_s
+        )
 
     # ==== worker side ==========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

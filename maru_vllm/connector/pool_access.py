@@ -1,4 +1,4 @@
-"""The connector's link to the pool: never raises, logs once per outage.
+"""The connector's link to the pool: never raises, never waits long, logs once per outage.
 
 Every connector hook runs inside vLLM's scheduler loop or model forward, where an exception
 would take the engine down. So `PoolAccess` implements the connector's typed view of the pool
@@ -6,6 +6,13 @@ would take the engine down. So `PoolAccess` implements the connector's typed vie
 turning any pool failure into that operation's "no result" (a miss for lookups and loads, a
 skipped store), logging a warning once when an outage starts and once when it ends, and
 leaving reconnecting (with backoff) to the pool client.
+
+Every request has a deadline (`maru_pool_deadline_ms`), and every `PoolAccess` of the process
+for one pool address shares one circuit breaker (`pool.breaker`): the first request that misses
+its deadline marks the pool down for all of them - scheduler lookups, loads, the store writer -
+so a pool that is alive but not answering costs the engine one deadline, not one per request;
+while it is down each operation answers its failure value at once, and once the breaker's probe
+sees the pool answer, the next operation reconnects and pool caching resumes.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from vllm.logger import init_logger
 
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.pool import PartPin, PoolClient, PoolError, ReadPin, Reservation
+from maru_vllm.pool.connection import process_breaker
 from maru_vllm.pool.messages import ChunkMeta
 
 logger = init_logger(__name__)
@@ -27,15 +35,40 @@ A = ParamSpec("A")
 
 
 class PoolAccess(ConnectorPool):
-    def __init__(self, address: str, token: str | None, timeout_s: float, checksum: bool, who: str) -> None:
+    """`deadline_s`: how long any one request may wait for the pool. `connect_timeout_s`: connect
+    (hello, map the region) at once, waiting up to that long, instead of in the first request; a
+    failure there is left to the first request to report."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None,
+        deadline_s: float,
+        checksum: bool,
+        who: str,
+        *,
+        connect_timeout_s: float | None = None,
+    ) -> None:
         self.address = address
         self.who = who
         # stores always carry a checksum, so any reader that requires one can vouch for them;
         # `checksum` decides whether this connector's loads require (and verify) one
-        self._client = PoolClient(address, token, timeout=timeout_s, checksum=checksum, write_checksum=True)
+        self._client = PoolClient(
+            address,
+            token,
+            timeout=deadline_s,
+            checksum=checksum,
+            write_checksum=True,
+            breaker=process_breaker(address, token, deadline_s),
+        )
         self._lock = threading.Lock()
         self._down = False
         self.failures = 0
+        if connect_timeout_s is not None:
+            try:
+                self._client.connect_now(connect_timeout_s)
+            except PoolError as exc:
+                logger.debug("Maru pool at %s: no connection at start-up (%s)", address, exc)
 
     @property
     def client(self) -> PoolClient:
@@ -44,7 +77,7 @@ class PoolAccess(ConnectorPool):
 
     @property
     def available(self) -> bool:
-        return not self._down
+        return not self._down and not self._client.marked_down
 
     @property
     def region_view(self) -> memoryview | None:

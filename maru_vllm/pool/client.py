@@ -9,7 +9,9 @@ Restarts: every reservation and pin remembers the connection generation it came 
 the service goes away the failing call raises `PoolUnavailable`; the next call reconnects
 (with backoff), maps the new incarnation's region, and old reservations/pins become inert
 (commit returns False, release does nothing). Metadata from one incarnation is never used to
-read another incarnation's region.
+read another incarnation's region. A request that misses its deadline (`timeout`) drops the
+connection the same way; with a `breaker` the whole process then stops waiting for the pool
+until it answers again (connection.py).
 
 Trust: see connection.py for who may serve a unix socket. With `checksum=True` every read must
 carry a valid checksum.
@@ -27,6 +29,7 @@ import msgspec
 
 from maru_vllm.pool import messages as M
 from maru_vllm.pool import protocol as P
+from maru_vllm.pool.breaker import PoolBreaker
 from maru_vllm.pool.connection import PoolConnection
 from maru_vllm.pool.errors import InvalidArgument, PoolProtocolError, PoolUnavailable
 from maru_vllm.pool.objects import (
@@ -114,9 +117,16 @@ class PoolClient(PoolConnection):
         heartbeat: bool = True,
         populate: bool = True,
         write_checksum: bool | None = None,
+        breaker: PoolBreaker | None = None,
     ) -> None:
         super().__init__(
-            address, token, timeout=timeout, region_path=region_path, heartbeat=heartbeat, populate=populate
+            address,
+            token,
+            timeout=timeout,
+            region_path=region_path,
+            heartbeat=heartbeat,
+            populate=populate,
+            breaker=breaker,
         )
         self.checksum = checksum  # reads: require a valid checksum on every object
         self.write_checksum = checksum if write_checksum is None else write_checksum
@@ -141,8 +151,7 @@ class PoolClient(PoolConnection):
                 raise InvalidArgument(f"invalid size {size!r} for key {bytes(key)[:32].hex()}: must be an int >= 0")
             clean.append((bytes(key), size))
         ns = _ns(namespace)
-        with self._lock:
-            self._ensure()
+        with self._request():
             result = self._roundtrip("reserve", {"items": clean, "ns": ns})
             view = self._region.view  # type: ignore[union-attr]  # _ensure() connected: the region is mapped
             out: list[Reservation | None] = []
@@ -176,8 +185,7 @@ class PoolClient(PoolConnection):
             for p in parts:
                 if p is not None and len(p) > P.MAX_PARTS:
                     raise InvalidArgument(f"{len(p)} part keys for one object; at most {P.MAX_PARTS}")
-        with self._lock:
-            self._ensure()
+        with self._request():
             send: list[int] = []
             send_metas: list[Any] = []
             send_parts: list[list[bytes] | None] = []
@@ -216,7 +224,7 @@ class PoolClient(PoolConnection):
             oids = [r.oid for r in reservations if not r.done and r._gen == self._gen]
             for r in reservations:
                 r.done = True
-            if oids and self._sock is not None:
+            if oids and self._can_clean_up():
                 self._roundtrip("abort", {"oids": oids})
 
     def acquire(
@@ -243,8 +251,7 @@ class PoolClient(PoolConnection):
         `PartPlacement`; objects failing validation are None, and released as bad at once."""
         ns = _ns(namespace)
         keys = _keys(keys)
-        with self._lock:
-            self._ensure()
+        with self._request():
             result = self._roundtrip(op, {"keys": keys, "ns": ns})
             view = self._region.view  # type: ignore[union-attr]  # _ensure() connected: the region is mapped
             out: list[ReadPin | None] = []
@@ -312,7 +319,7 @@ class PoolClient(PoolConnection):
                 if p._gen == self._gen:
                     oids.append(p.oid)
             bad_oids = [p.oid for p in bad if p._gen == self._gen and p.oid in oids]
-            if oids and self._sock is not None:
+            if oids and self._can_clean_up():
                 args = {"oids": oids, "bad": bad_oids} if bad_oids else {"oids": oids}
                 if wait:
                     self._roundtrip("release", args)

@@ -11,6 +11,10 @@ class PoolUnavailable(PoolError):
     """The service cannot be reached, went away, or restarted (a new incarnation)."""
 
 
+class PoolTimeout(PoolUnavailable):
+    """A request missed its deadline: the service may be alive but is not answering in time."""
+
+
 class PoolProtocolError(PoolError):
     """The service rejected a request, or sent something this client does not understand."""
 

@@ -23,6 +23,9 @@ def test_defaults() -> None:
         False,
     )
     assert cfg.checksum is True and cfg.namespace == ""
+    # requests in the scheduling loop wait milliseconds for the pool, not the start-up connect's seconds
+    assert (cfg.pool_deadline_s, cfg.pool_timeout_s) == (0.25, 5.0)
+    assert parse_config({**POOL, "maru_pool_deadline_ms": "250"}, block_size=128).pool_deadline_s == 0.25
 
 
 @pytest.mark.parametrize(
@@ -35,6 +38,9 @@ def test_defaults() -> None:
         ({**POOL, "maru_use_lmcache_kernels": "maybe"}, "maru_use_lmcache_kernels='maybe' is not a boolean"),
         ({**POOL, "maru_namespace": 7}, "maru_namespace=7 must be a string"),
         ({**POOL, "maru_pool_timeout_s": -1}, "maru_pool_timeout_s=-1 must be > 0"),
+        ({**POOL, "maru_pool_deadline_ms": 0}, "maru_pool_deadline_ms=0 must be > 0 milliseconds"),
+        ({**POOL, "maru_pool_deadline_ms": "soon"}, "maru_pool_deadline_ms='soon' is not a number"),
+        ({**POOL, "maru_pool_deadline_ms": True}, "maru_pool_deadline_ms=True is not a number"),
         ({**POOL, "maru_chunk_tokens": 256}, "unknown key(s) ['maru_chunk_tokens']"),
         (
             {**POOL, "maru_pool_token_file": "/nonexistent/token"},

@@ -1,9 +1,11 @@
 """PoolEventSource against a real nats-server and a real pool service: late start, live events,
-gaps, pool restarts (new incarnation, noticed live and while idle), NATS outages."""
+gaps, pool restarts (new incarnation, noticed live and while idle), NATS outages, a hung pool."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
@@ -13,6 +15,7 @@ from maru_vllm.events.relay import RelayThread
 from maru_vllm.events.types import BlocksRemoved, BlocksStored
 from maru_vllm.launch import stack
 from maru_vllm.pool import PoolClient, events_subject
+from maru_vllm.pool.breaker import forget_breakers
 from tests.events.conftest import restart_pool
 from tests.events.helpers import BLOCK, block_hash, chunk_key, chunk_meta
 from tests.waiting import wait_until
@@ -193,3 +196,37 @@ def test_nats_outage_pauses_and_resyncs(pool_service, follower_factory, nats, pr
         wait_until(lambda: f.keys() == {k2, k3}, what="live again")
         stored = [a for a in f.announced if isinstance(a, BlocksStored)]
         assert stored[-1].block_hashes[0] == block_hash(3, 0)
+
+
+@pytest.mark.parametrize("via_socket", [False, True], ids=["nats-snapshot", "socket-snapshot"])
+def test_a_hung_pool_pauses_pool_awareness_and_events_flow_again_after(
+    pool_service, follower_factory, nats, via_socket: bool
+) -> None:
+    with PoolClient.connect(pool_service.address) as c:
+        k1 = put(c, 1, 0)
+    f = follower_factory(
+        nats_url=nats[1],
+        pool_name=pool_service.pool_name,
+        pool_address=pool_service.address if via_socket else None,
+        probe_interval_s=0.5,
+        request_timeout_s=1.0,
+    )
+    try:
+        wait_until(lambda: f.keys() == {k1}, what="synced")
+
+        async def resync() -> None:
+            f.source.request_resync()
+
+        os.kill(pool_service.proc.pid, signal.SIGSTOP)
+        try:
+            f.thread.call(resync())
+            wait_until(lambda: f.source.stats.resync_failures >= 2, timeout=60, what="snapshots of the hung pool fail")
+            assert f.keys() == {k1}  # the loop answers; the view is kept as it was
+        finally:
+            os.kill(pool_service.proc.pid, signal.SIGCONT)
+        wait_until(lambda: f.source.synced and not f.source._need_resync, timeout=60, what="resynced")
+        with PoolClient.connect(pool_service.address) as c:
+            k2 = put(c, 2, 0)
+        wait_until(lambda: f.keys() == {k1, k2}, timeout=60, what="live events after the hang")
+    finally:
+        forget_breakers()
