@@ -1,0 +1,55 @@
+"""Ready means warm, on the real graph: each worker warms its engine up before it registers.
+
+Starts graphs/agg.yaml with graphs/run.py's own start_graph (nats-server, the pool, two Maru
+workers, the frontend; ~1 min). Once start_graph returns (the graph is ready), every worker's log
+must show its warm-up finished, settled, before `dynamo.vllm` registered the model, the pool
+must hold nothing the warm-up sent, and the first sampled request must be served.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph
+from maru_dynamo.graphs.spec import load_graph
+from maru_vllm.launch import ProcessGroup
+from maru_vllm.pool import PoolClient
+from tests.e2e.openai_client import post_json
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.e2e]
+
+REGISTERED = "Registered base model"  # dynamo.vllm's register_vllm_model publishing the model card
+
+
+def test_workers_register_only_after_a_settled_warmup() -> None:
+    spec = load_graph(ROOT / "graphs" / "agg.yaml")
+    model = resolve_model(spec.model)
+    work_dir = new_work_dir()
+    plan = build_plan(spec, model=model, work_dir=work_dir)
+    group = ProcessGroup()
+    try:
+        start_graph(plan, group)
+        for worker in (p for p in group if p.name.startswith("worker:")):
+            lines = worker.log_text().splitlines()
+            done = [i for i, ln in enumerate(lines) if "maru_worker: warm-up done:" in ln]
+            registered = [i for i, ln in enumerate(lines) if REGISTERED in ln]
+            assert len(done) == 1 and registered, "\n".join(lines[-60:])
+            assert done[0] < registered[0], "registered before the warm-up finished"
+            assert "(warm)" in lines[done[0]], lines[done[0]]
+            assert "warm-up failed" not in worker.log_text()
+        pool_socket = next(plan.work_dir.glob("pool-*.sock"))
+        with PoolClient.connect(f"unix://{pool_socket}") as client:
+            assert client.snapshot() == [], "a warm-up request was stored in the pool"
+        out = post_json(
+            f"{plan.url}/v1/completions",
+            {"model": model, "prompt": "Ready means warm. " * 4, "max_tokens": 4, "temperature": 1.0},
+        )
+        assert out["usage"]["completion_tokens"] == 4
+    finally:
+        stop_graph(group)
+        shutil.rmtree(work_dir, ignore_errors=True)
