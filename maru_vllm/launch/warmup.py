@@ -20,10 +20,12 @@ after the warm-up. The warm-up is rounds of the same short requests, straight in
   N at once: greedy, top-k/top-p, logprobs (the other sampler paths, first use of each)
 
 repeated until a round takes no longer than `settle_ratio` times the round before (at least two
-rounds, at most `max_rounds`): the last round was served at warm speed. The prompts are shorter
-than one pool chunk, so nothing is stored in the pool; afterwards the engine's prefix cache is
-reset, so no warm-up block stays cached or reaches the KV router. A warm-up that fails is logged
-and the worker registers anyway (serving cold beats not serving).
+rounds, at most `max_rounds`): the last round was served at warm speed. The prompts are random
+token ids shorter than one pool chunk, so nothing is stored in the pool; their few blocks stay in
+the engine's prefix cache as ordinary evictable blocks (matching no real prompt). The prefix
+cache is deliberately not reset: that would send the KV router an all-blocks-cleared event for
+the worker, which also drops the pool blocks the event relay has just announced for it. A
+warm-up that fails is logged and the worker registers anyway (serving cold beats not serving).
 """
 
 from __future__ import annotations
@@ -141,8 +143,6 @@ async def warm_up_engine(
             previous = took
 
     await asyncio.wait_for(rounds(), opts.timeout_s)
-    # No warm-up block may stay in the prefix cache (nor, through its KV events, in the router).
-    await engine_client.reset_prefix_cache()
     report.total_s = time.perf_counter() - t0
     return report
 
