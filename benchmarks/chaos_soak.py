@@ -161,7 +161,7 @@ def start_supervision(plan: Any, group: Any, log: Any) -> Any:
 
 def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str, Any]:
     from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph
-    from maru_vllm.launch import ProcessGroup
+    from maru_vllm.launch import ProcessFailed, ProcessGroup
 
     model = resolve_model(args.model or spec.model)
     work_dir = new_work_dir()
@@ -199,7 +199,7 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
         faults.start(t_load)
         asyncio.run(load.run())
         report["load_s"] = round(time.monotonic() - t_load, 1)
-        faults.stop()
+        faults.finish()
         report["requests"] = summarize(load.results, load.sent)
         report["faults"] = [dataclasses.asdict(r) | {"recovered": r.recovered} for r in faults.records]
         report["faults_missed"] = [f.kind for f in args.schedule][len(faults.records) :]
@@ -210,6 +210,9 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
     except _Stop as stop:
         log(f"[soak] {stop}: stopping")
         report["interrupted"] = str(stop)
+    except (ProcessFailed, OSError) as exc:  # the graph did not start (its log tail is in the message)
+        log(f"[soak] error: {exc}")
+        report["error"] = str(exc)[-4000:]
     finally:
         for s in previous:
             signal.signal(s, signal.SIG_IGN)
@@ -259,6 +262,7 @@ def verdict(report: dict[str, Any]) -> bool:
         and not report["shm_left"]
         and not report["processes_left"]
         and "interrupted" not in report
+        and "error" not in report
         and not (report.get("supervision") or {}).get("given_up")
     )
 
@@ -319,6 +323,8 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("shm_new_not_ours"):
         lines.append(f"  (new there, not ours: {len(report['shm_new_not_ours'])})")
     lines.append(f"processes left: {report['processes_left'] or 'none'}")
+    if "error" in report:
+        lines.append(f"error: {report['error']}")
     lines.append(
         f"verdict: {'ok' if report['ok'] else 'FAILED'}" + (f" (logs {report['logs']})" if "logs" in report else "")
     )

@@ -101,12 +101,21 @@ class FaultRunner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._kills = 0
+        self._due_only = False  # set once the load ended: inject nothing more
         self.t0 = 0.0
 
     def start(self, t0: float) -> None:
         self.t0 = t0
         self._thread = threading.Thread(target=self._run, name="chaos-faults", daemon=True)
         self._thread.start()
+
+    def finish(self) -> None:
+        """Wait for the fault being measured to recover (bounded by the recovery timeout); the
+        faults not yet due are not injected."""
+        self._due_only = True
+        if self._thread is not None:
+            self._thread.join(timeout=self.recovery_timeout_s + 30)
+        self.stop()
 
     def stop(self) -> None:
         self._stop.set()
@@ -115,7 +124,11 @@ class FaultRunner:
 
     def _run(self) -> None:
         for fault in self.schedule:
-            if self._stop.wait(max(0.0, self.t0 + fault.at_s - time.monotonic())):
+            due = self.t0 + fault.at_s
+            while time.monotonic() < due:
+                if self._due_only or self._stop.wait(min(0.5, due - time.monotonic())):
+                    return
+            if self._stop.is_set():
                 return
             record = self.inject(fault)
             self.records.append(record)
