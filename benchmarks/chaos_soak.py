@@ -15,7 +15,8 @@ reports:
 * every process's RSS over the run and its slope (MiB/min);
 * the /dev/shm files (maru-*, psm_*, vllm_dist_*) the graph's processes used that are left.
 
-Loopback only; bounded by `--duration` and `--max-requests`; stops the graph and every process
+Loopback only; bounded by `--duration` (extended while a fault is still due or recovering, up to
+`--max-duration`) and `--max-requests`; stops the graph and every process
 it started by itself. `--json FILE` writes the figures. Not part of `make bench` (it measures
 robustness, not speed); a short run is tests/e2e/test_chaos_soak.py.
 """
@@ -80,14 +81,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--graph", default="agg", help="graph file or bundled graph name (default: agg)")
     ap.add_argument("--model", help="model (default: the graph's)")
     ap.add_argument("--pool-size", default=DEFAULT_POOL_SIZE, help="pool size, or 'graph' for the graph's own")
-    ap.add_argument("--duration", type=_positive(float), default=150.0, help="seconds of load")
+    ap.add_argument("--duration", type=_positive(float), default=150.0, help="seconds of load (at least)")
+    ap.add_argument(
+        "--max-duration",
+        type=_positive(float),
+        default=480.0,
+        help="seconds of load at most (the load goes on past --duration while a fault is due or recovering)",
+    )
     ap.add_argument("--max-requests", type=_positive(int), default=5000)
     ap.add_argument("--concurrency", type=_positive(int), default=3)
     ap.add_argument("--max-tokens", type=_positive(int), default=32, help="tokens every request asks for")
     ap.add_argument("--prefix-tokens", type=_positive(int), default=768)
     ap.add_argument("--prefixes", type=_positive(int), default=40, help="shared prefixes in the working set")
     ap.add_argument("--faults", default=DEFAULT_FAULTS, help=f"KIND@S[+HOLD],... (default {DEFAULT_FAULTS})")
-    ap.add_argument("--recovery-timeout", type=_positive(float), default=120.0)
+    ap.add_argument("--recovery-timeout", type=_positive(float), default=240.0, help="seconds a fault may take to heal")
     ap.add_argument("--request-timeout", type=_positive(float), default=120.0)
     ap.add_argument("--drain-timeout", type=_positive(float), default=60.0)
     ap.add_argument("--sample-interval", type=_positive(float), default=2.0)
@@ -98,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.schedule = parse_schedule(args.faults)
     except ValueError as exc:
         ap.error(f"--faults: {exc}")
+    if args.max_duration < args.duration:
+        ap.error(f"--max-duration {args.max_duration:g}: use at least --duration ({args.duration:g})")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         ap.error(f"--json {args.json}: the folder {Path(args.json).resolve().parent} does not exist")
     for fault in args.schedule:
@@ -187,13 +196,14 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
             model=model,
             concurrency=args.concurrency,
             duration_s=args.duration,
+            max_duration_s=args.max_duration,
             max_requests=args.max_requests,
             max_tokens=args.max_tokens,
             prefix_tokens=args.prefix_tokens,
             prefixes=args.prefixes,
             request_timeout_s=args.request_timeout,
         )
-        load = LoadGenerator(cfg, on_progress=lambda line: log(f"[soak] load {line}"))
+        load = LoadGenerator(cfg, on_progress=lambda line: log(f"[soak] load {line}"), keep_going=faults.pending)
         log(f"[soak] ready in {report['startup_s']}s; load for {args.duration:g}s, faults: {args.faults}")
         t_load = time.monotonic()
         faults.start(t_load)

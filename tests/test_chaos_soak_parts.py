@@ -9,6 +9,7 @@ can come back short is shown to be counted as such.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -28,7 +29,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from chaos import procs  # noqa: E402 - benchmarks/ is not a package
 from chaos.faults import Fault, parse_schedule  # noqa: E402
-from chaos.load import COMPLETED, FAILED, TRUNCATED, LoadConfig, judge, stream_completion  # noqa: E402
+from chaos.load import COMPLETED, FAILED, TRUNCATED, LoadConfig, LoadGenerator, judge, stream_completion  # noqa: E402
 from chaos.samplers import Sampler, slope_mib_per_min  # noqa: E402
 
 MAX_TOKENS = 4
@@ -107,6 +108,33 @@ def test_generated_line_separators_do_not_split_an_event() -> None:
     # \x1c, \x85 and U+2028 are line breaks to str.splitlines; SSE events end only at "\n".
     parts = [_event("\x1c"), _event("\x85"), _event("\u2028"), _event("\x1e", "length"), _usage(4), DONE]
     assert _ask(200, parts) == (COMPLETED, 4)
+
+
+def _load_for(duration_s: float, max_duration_s: float, keep_going: Callable[[], bool]) -> tuple[float, int]:
+    """Run the load generator against a server that always answers in full: (seconds it sent
+    requests for, requests completed)."""
+
+    async def go() -> tuple[float, int]:
+        async for url in _serve(200, FULL, False):
+            cfg = LoadConfig(url=url, model="m", concurrency=2, max_tokens=MAX_TOKENS)
+            cfg = dataclasses.replace(cfg, duration_s=duration_s, max_duration_s=max_duration_s)
+            gen = LoadGenerator(cfg, keep_going=keep_going)
+            results = await gen.run()
+            assert all(r.outcome == COMPLETED for r in results) and len(results) == gen.sent
+            return max(r.start for r in results) - gen.started, len(results)
+        raise AssertionError("no server")
+
+    return asyncio.run(go())
+
+
+def test_load_goes_on_past_its_duration_while_faults_are_pending_up_to_the_cap() -> None:
+    start = time.monotonic()
+    last, sent = _load_for(0.3, 10.0, lambda: time.monotonic() < start + 1.5)
+    assert 1.0 < last < 2.5 and sent > 2
+    last, _ = _load_for(0.3, 1.0, lambda: True)  # never done: the cap ends it
+    assert 0.5 < last < 1.5
+    last, _ = _load_for(0.3, 10.0, lambda: False)
+    assert last < 0.6
 
 
 def test_judge_needs_status_done_length_and_count() -> None:
@@ -225,6 +253,7 @@ def test_slope_is_mib_per_minute_of_a_least_squares_fit() -> None:
     "args, message",
     [
         (["--faults", "pool-kill@200"], "--faults: pool-kill@200 is not within the load (--duration 150)"),
+        (["--max-duration", "100"], "--max-duration 100: use at least --duration (150)"),
         (["--duration", "-1"], "argument --duration: invalid value '-1': use a number greater than 0"),
         (["--pool-size", "tiny"], "--pool-size: invalid size 'tiny': use bytes or a number with a K, M, G or T"),
         (["--graph", "disagg"], "--graph disagg: the soak runs an aggregated graph (agg workers)"),

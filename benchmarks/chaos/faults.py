@@ -90,7 +90,7 @@ class FaultRunner:
         view: GraphView,
         schedule: list[Fault],
         chunk_tokens: int,
-        recovery_timeout_s: float = 120.0,
+        recovery_timeout_s: float = 240.0,
         log: Callable[[str], None] = print,
     ) -> None:
         self.view, self.schedule, self.chunk_tokens = view, schedule, chunk_tokens
@@ -108,6 +108,10 @@ class FaultRunner:
         self.t0 = t0
         self._thread = threading.Thread(target=self._run, name="chaos-faults", daemon=True)
         self._thread.start()
+
+    def pending(self) -> bool:
+        """Whether a fault is still to be injected or recovering."""
+        return self._thread is not None and self._thread.is_alive()
 
     def finish(self) -> None:
         """Wait for the fault being measured to recover (bounded by the recovery timeout); the

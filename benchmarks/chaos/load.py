@@ -12,7 +12,9 @@ Every request asks for exactly `max_tokens` tokens with ``ignore_eos`` (greedy),
 Prompts come from a seeded working set: each request is one of `prefixes` shared prefixes
 followed by a few tokens of its own, so prefixes repeat (pool and prefix-cache hits) while no
 two requests are identical. The generator is closed-loop (`concurrency` requests in flight) and
-bounded twice: it sends no new request after `duration_s` or once `max_requests` were sent.
+bounded: it sends no new request once `max_requests` were sent, nor after `duration_s` - or,
+while its `keep_going()` says so (faults still being injected or recovering), after
+`max_duration_s` at the latest.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class LoadConfig:
     model: str
     concurrency: int = 3
     duration_s: float = 150.0
+    max_duration_s: float = 480.0
     max_requests: int = 100_000
     max_tokens: int = 32
     prefix_tokens: int = 768
@@ -179,9 +182,14 @@ class LoadGenerator:
     `on_progress` gets a one-line summary every `progress_s` seconds."""
 
     def __init__(
-        self, cfg: LoadConfig, on_progress: Callable[[str], None] | None = None, progress_s: float = 15.0
+        self,
+        cfg: LoadConfig,
+        on_progress: Callable[[str], None] | None = None,
+        progress_s: float = 15.0,
+        keep_going: Callable[[], bool] = lambda: False,
     ) -> None:
         self.cfg = cfg
+        self._keep_going = keep_going
         self.progress_s = progress_s
         self._on_progress = on_progress
         self.prompts = Prompts(cfg)
@@ -197,12 +205,20 @@ class LoadGenerator:
         cfg = self.cfg
         self.started = time.monotonic()
         deadline = self.started + cfg.duration_s
+        hard_deadline = self.started + max(cfg.duration_s, cfg.max_duration_s)
+
+        def more() -> bool:
+            now = time.monotonic()
+            if self._stopping or self.sent >= cfg.max_requests or now >= hard_deadline:
+                return False
+            return now < deadline or self._keep_going()
+
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
         limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
             async def lane() -> None:
-                while not self._stopping and time.monotonic() < deadline and self.sent < cfg.max_requests:
+                while more():
                     index = self.sent
                     self.sent += 1
                     result = await stream_completion(client, cfg, index, self.prompts.prompt(index))
