@@ -211,7 +211,11 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
         report["load_s"] = round(time.monotonic() - t_load, 1)
         faults.finish()
         report["requests"] = summarize(load.results, load.sent)
-        report["faults"] = [dataclasses.asdict(r) | {"recovered": r.recovered} for r in faults.records]
+        report["faults"] = [
+            dataclasses.asdict(r)
+            | {"recovered": r.recovered, "load": load_around(load.results, t_load + r.injected_at_s)}
+            for r in faults.records
+        ]
         report["faults_missed"] = [f.kind for f in args.schedule][len(faults.records) :]
         report["probes"] = faults.probes
         report["drain"] = drain(view, args.drain_timeout)
@@ -258,6 +262,18 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
     return report
 
 
+def load_around(results: list[Any], at: float, window_s: float = 15.0) -> dict[str, Any]:
+    """What users saw around a fault injected at `at` (time.monotonic()): requests completed in the
+    `window_s` before and after it, and the slowest request that ended within 2 windows after it
+    (a stalled engine shows as a gap and a long request, not as an error)."""
+    after = [r for r in results if at <= r.end < at + 2 * window_s]
+    return {
+        "completed_before": sum(r.outcome == "completed" and at - window_s <= r.end < at for r in results),
+        "completed_after": sum(r.outcome == "completed" and at <= r.end < at + window_s for r in results),
+        "slowest_after_s": round(max((r.end - r.start for r in after), default=0.0), 2),
+    }
+
+
 def verdict(report: dict[str, Any]) -> bool:
     """Nothing lost, truncated or leaked, and every fault healed."""
     req = report.get("requests") or {}
@@ -295,6 +311,11 @@ def format_report(report: dict[str, Any]) -> str:
         steps = ", ".join(f"{k} {'-' if v is None else f'{v:.1f}s'}" for k, v in f["recovery"].items())
         state = "recovered" if f["recovered"] else "NOT RECOVERED"
         lines.append(f"fault {f['kind']} of {f['target']} at {f['injected_at_s']:.0f}s: {state}: {steps}")
+        around = f["load"]
+        lines.append(
+            f"  load: {around['completed_before']} completed in the 15 s before, {around['completed_after']} in "
+            f"the 15 s after; slowest request ending within 30 s after: {around['slowest_after_s']:.1f}s"
+        )
         lines += [f"  note: {n}" for n in f["notes"]]
     if report.get("faults_missed"):
         lines.append(f"faults not injected (load ended first): {', '.join(report['faults_missed'])}")
