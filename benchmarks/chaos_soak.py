@@ -161,15 +161,8 @@ def drain(view: GraphView, timeout: float) -> dict[str, Any]:
     return out
 
 
-def start_supervision(plan: Any, group: Any, log: Any) -> Any:
-    """The graph runner's own supervision of `group` (what `maru-dynamo graph run` does), in a thread."""
-    from maru_dynamo.graphs.run import supervise
-
-    return supervise(plan, group, out=log).start()
-
-
 def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str, Any]:
-    from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph
+    from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph, supervise
     from maru_vllm.launch import ProcessFailed, ProcessGroup
 
     model = resolve_model(args.model or spec.model)
@@ -181,15 +174,16 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
     faults = FaultRunner(view, args.schedule, spec.pool.chunk_tokens, args.recovery_timeout, log)
     shm_before = shm_listing()
     report: dict[str, Any] = {"graph": spec.source, "model": model, "pool_size": spec.pool.size, "ok": False}
-    supervision = None
+    # The graph runner's own supervision, as `maru-dynamo graph run` sets it up (here in a thread).
+    supervision = supervise(plan, group, out=log)
     seen_pids: set[int] = set()
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         t_start = time.monotonic()
         log(f"[soak] starting {spec.name} (pool {spec.pool.size >> 20} MiB); logs in {work_dir / 'logs'}")
-        start_graph(plan, group)
+        start_graph(plan, group, supervisor=supervision)
         report["startup_s"] = round(time.monotonic() - t_start, 1)
-        supervision = start_supervision(plan, group, log)
+        supervision.start()
         sampler.start()
         cfg = LoadConfig(
             url=plan.url,
@@ -232,15 +226,13 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
             signal.signal(s, signal.SIG_IGN)
         faults.stop()
         sampler.stop()
-        if supervision is not None:
-            supervision.stop()
-            report["supervision"] = {
-                "restarts": {name: supervision.restarts(name) for name in view.names()},
-                "given_up": supervision.given_up(),
-                "shm_removed": sorted(p.name for p in supervision.removed_segments),
-            }
         seen_pids = {series.pid for series in sampler.series.values()}
-        stop_graph(group)
+        stop_graph(group, supervisor=supervision)
+        report["supervision"] = {
+            "restarts": {name: supervision.restarts(name) for name in view.names()},
+            "given_up": supervision.given_up(),
+            "shm_removed": sorted(p.name for p in supervision.removed_segments),
+        }
         for s, handler in previous.items():
             signal.signal(s, handler)
     report["rss"] = sampler.rss_report()

@@ -42,6 +42,7 @@ def test_short_chaos_soak_loses_truncates_and_leaks_nothing(tmp_path: Path, tiny
     assert out.exists(), f"no report (exit {res.returncode}):\n{res.stdout}\n{res.stderr}"
     report = json.loads(out.read_text())
     summary = res.stdout[-6000:]
+    print("\n" + "\n".join(line for line in summary.splitlines() if not line.startswith("[")))  # the report
     assert "error" not in report, summary
 
     req = report["requests"]
