@@ -305,6 +305,8 @@ class Supervisor:
             self.watch()
             now = self.clock()
             for proc in list(self.group):
+                if proc.proc is None:  # added to the group, not started (yet): not ours to start
+                    continue
                 w = self._watch(proc, now)
                 if w.given_up is not None:
                     continue

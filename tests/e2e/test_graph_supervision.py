@@ -8,7 +8,8 @@ stream of completions of a known length through it while:
    serves again, and the /dev/shm segments its dead tree held are gone;
 2. nats-server is SIGKILLed: it is started again on the same port and the graph serves;
 3. nats-server is killed with its port taken, so that it keeps crashing: the runner gives up on
-   it in one line naming its log, and stops the graph (exit code 1, nothing left running).
+   it in one line naming its log, and stops the graph (exit code 1, nothing left running, no
+   /dev/shm segment of the graph's processes left).
 """
 
 from __future__ import annotations
@@ -139,10 +140,12 @@ def test_graph_run_restarts_what_dies_and_loses_no_request(tiny_model: Path) -> 
         assert not bad, f"{len(bad)} of {len(results)} requests not complete: {bad[:5]}\n{run.text()}"
         assert len(results) >= 6
         assert migrations(url) >= 1, "no request was in flight on the killed worker (nothing was migrated)"
+        print(f"\n[e2e] {len(results)} streaming requests complete, {migrations(url):.0f} migrated off the dead worker")
         assert region.exists(), "the pool's region went away with the worker"
 
         # 2. nats-server: started again on the same port; the graph serves on.
         children = descendants(run.proc.pid)
+        graph_segments = set().union(*(shm_paths_of(pid) for pid in children))  # the restarted worker's too
         (nats,) = [pid for pid in children if cmdline(pid).startswith("nats-server ")]
         port = int(re.search(r"-p (\d+)", cmdline(nats)).group(1))
         os.kill(nats, signal.SIGKILL)
@@ -174,6 +177,7 @@ def test_graph_run_restarts_what_dies_and_loses_no_request(tiny_model: Path) -> 
         left = sorted(pid for pid in children if alive(pid))
         assert not left, f"processes left after the graph stopped: {left}\n{text}"
         assert not region.exists(), "the pool's region was not removed"
+        assert not [p for p in graph_segments if p.exists()], "the graph left /dev/shm segments behind"
     finally:
         if blocker is not None:
             blocker.close()
