@@ -26,6 +26,7 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ("bench_store.py", ["--engines"], ["--repeats", "3"]),
     ("bench_gpu_transfer.py", [], ["--repeats", "3"]),  # exits 77 (skipped) without a CUDA device
     ("routing_comparison.py", [], []),
+    ("bench_migration.py", [], ["--samples", "1", "--probe-s", "5"]),
     ("bench_pool_scale.py", ["--chunks", "100000"], ["--chunks", "20000", "--live-chunks", "2000", "--lookups", "200"]),
 ]
 
