@@ -153,11 +153,12 @@ def test_the_thread_logs_each_active_interval_and_the_rest_at_stop(caplog: pytes
 
         wait_until(lambda: any("1 hits" in r.getMessage() for r in caplog.records) or None, 10.0, "a summary line")
         summary.record_lookup(0)
+        thread = summary._thread
         summary.stop()
     lines = [r.getMessage() for r in caplog.records if r.name == "maru_vllm.connector.log_summary"]
     assert any("1 requests looked up: 1 hits" in m for m in lines)
     assert "1 requests looked up: 0 hits" in lines[-1]  # the rest, logged at stop
-    assert not any(t.name.startswith("maru-log-summary") for t in __import__("threading").enumerate())
+    assert thread is not None and not thread.is_alive()
 
 
 # -- the key ---------------------------------------------------------------------------------------
