@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph
+from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph, supervise
 from maru_dynamo.graphs.spec import GraphSpec, load_graph
 from maru_vllm.launch import ProcessGroup
 
@@ -111,9 +111,10 @@ def run_round(args: argparse.Namespace, round_no: int, warmup: bool) -> tuple[Bu
     work_dir = new_work_dir()
     plan = build_plan(spec, model=model, work_dir=work_dir)
     group = ProcessGroup()
+    supervisor = supervise(plan, group)  # only for its /dev/shm clean-up of a stop that had to SIGKILL
     try:
         t0 = time.monotonic()
-        start_graph(plan, group)
+        start_graph(plan, group, supervisor=supervisor)
         label = "warm-up on" if warmup else "warm-up off"
         print(
             f"[round {round_no}, {label}] graph ready after {time.monotonic() - t0:.1f} s; first burst now", flush=True
@@ -142,7 +143,8 @@ def run_round(args: argparse.Namespace, round_no: int, warmup: bool) -> tuple[Bu
         )
         return first, warm
     finally:
-        stop_graph(group)
+        supervisor.watch(force=True)  # the segments the engines opened since they started
+        stop_graph(group, supervisor=supervisor)
         if args.keep_logs:
             print(f"[round {round_no}] logs kept in {work_dir / 'logs'}")
         else:

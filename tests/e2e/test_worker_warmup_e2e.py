@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph
+from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph, supervise
 from maru_dynamo.graphs.spec import load_graph
 from maru_vllm.launch import ProcessGroup
 from maru_vllm.pool import PoolClient
@@ -32,8 +32,9 @@ def test_workers_register_only_after_a_settled_warmup() -> None:
     work_dir = new_work_dir()
     plan = build_plan(spec, model=model, work_dir=work_dir)
     group = ProcessGroup()
+    supervisor = supervise(plan, group)  # only for its /dev/shm clean-up of a stop that had to SIGKILL
     try:
-        start_graph(plan, group)
+        start_graph(plan, group, supervisor=supervisor)
         for worker in (p for p in group if p.name.startswith("worker:")):
             lines = worker.log_text().splitlines()
             done = [i for i, ln in enumerate(lines) if "maru_worker: warm-up done:" in ln]
@@ -51,5 +52,6 @@ def test_workers_register_only_after_a_settled_warmup() -> None:
         )
         assert out["usage"]["completion_tokens"] == 4
     finally:
-        stop_graph(group)
+        supervisor.watch(force=True)  # the segments the engines opened since they started
+        stop_graph(group, supervisor=supervisor)
         shutil.rmtree(work_dir, ignore_errors=True)
