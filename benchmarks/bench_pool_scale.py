@@ -194,7 +194,7 @@ class Stack:
 class Router:
     """Dynamo's KvRouter in its own process (maru_vllm.events.router_probe)."""
 
-    def __init__(self, stack: Stack, block_size: int) -> None:
+    def __init__(self, stack: Stack, block_size: int, log: str = "router.log") -> None:
         self.proc = stack._spawn(
             [
                 sys.executable,
@@ -207,7 +207,7 @@ class Router:
                 "--timeout",
                 "300",
             ],
-            log="router.log",
+            log=log,
             env=stack.env,
             stdin=True,
         )
@@ -219,18 +219,84 @@ class Router:
         self.proc.stdin.flush()
         return json.loads(self.lines.wait_for("{", 120))
 
-    def host_blocks(self, tokens: list[int]) -> int:
+    def host_blocks(self, tokens: list[int]) -> dict[int, int]:
+        """Host-tier blocks of `tokens` the router credits, per worker id."""
         rows = self.scores(tokens).get("workers") or []
-        return max((int(r.get("host_pinned_blocks") or 0) for r in rows), default=0)
+        return {int(r.get("worker_id") or 0): int(r.get("host_pinned_blocks") or 0) for r in rows}
 
-    def wait_credit(self, tokens: list[int], blocks: int, timeout: float) -> float:
-        """Poll until the router credits `blocks` host blocks of `tokens`; the wall time then."""
+    def wait_credit(self, tokens: list[int], blocks: int, workers: set[int], timeout: float) -> float:
+        """Poll until the router credits `blocks` host blocks of `tokens` to every worker in
+        `workers`; the wall time then."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.host_blocks(tokens) >= blocks:
+            credited = self.host_blocks(tokens)
+            if all(credited.get(w, 0) >= blocks for w in workers):
                 return time.time()
             time.sleep(0.05)
-        raise TimeoutError(f"router did not credit {blocks} blocks within {timeout}s")
+        raise TimeoutError(f"router did not credit {blocks} blocks to workers {sorted(workers)} within {timeout}s")
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class Worker:
+    """One worker stand-in process (`--role worker`): a Dynamo endpoint, our relay, Dynamo's publisher."""
+
+    def __init__(self, stack: Stack, args: argparse.Namespace, log: str) -> None:
+        self.proc = stack._spawn(
+            [
+                sys.executable,
+                __file__,
+                "--role",
+                "worker",
+                "--pool-address",
+                stack.address,
+                "--pool-name",
+                stack.name,
+                "--nats",
+                stack.nats_url or "",
+                "--block-size",
+                str(args.block_size),
+                "--timeout",
+                str(args.timeout),
+            ],
+            log=log,
+            env=stack.env,
+            stdin=True,
+        )
+        self.lines = StdoutLines(self.proc)
+        self.worker_id = 0
+        self.synced: dict[str, Any] = {}
+
+    def wait_serving(self) -> None:
+        self.worker_id = int(self.lines.wait_for("serving", 180).split()[1])
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def wait_synced(self, timeout: float) -> dict[str, Any]:
+        self.synced = json.loads(self.lines.wait_for("{", timeout))
+        return self.synced
+
+    def rss(self) -> int:
+        return rss(self.proc.pid) if self.proc.poll() is None else 0
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
 
 # -- worker stand-in (child process) ---------------------------------------------------------
@@ -262,10 +328,11 @@ async def worker_main(args: argparse.Namespace) -> None:
         kv_cache_block_size=args.block_size,
         skip_model_assets=True,
     )
-    print("serving", flush=True)
+    print(f"serving {endpoint.connection_id()}", flush=True)
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     await reader.readline()  # "go": the router is up and subscribed
+    rss_before = rss(os.getpid())
     t0 = time.time()
     relay = KvEventRelay(
         upstream=f"tcp://127.0.0.1:{free_port()}",  # no engine: nothing publishes vLLM events here
@@ -279,7 +346,16 @@ async def worker_main(args: argparse.Namespace) -> None:
     await relay.source.wait_synced(args.timeout)
     t1 = time.time()
     print(
-        json.dumps({"relay_start": t0, "synced": t1, "objects": len(relay.view), "rss": rss(os.getpid())}), flush=True
+        json.dumps(
+            {
+                "relay_start": t0,
+                "synced": t1,
+                "objects": len(relay.view),
+                "rss_before": rss_before,
+                "rss": rss(os.getpid()),
+            }
+        ),
+        flush=True,
     )
     while True:  # report relay progress on request
         line = await reader.readline()
@@ -295,8 +371,124 @@ async def worker_main(args: argparse.Namespace) -> None:
     runtime.shutdown()
 
 
-# -- one pool size ---------------------------------------------------------------------------
-def run_scale(args: argparse.Namespace, chunks: int) -> dict[str, Any]:
+# -- one pool size, W workers ----------------------------------------------------------------
+def start_workers(stack: Stack, args: argparse.Namespace, n: int, tag: str) -> tuple[Router, list[Worker]]:
+    """A fresh router and `n` fresh worker stand-ins, all serving, the router subscribed."""
+    workers = [Worker(stack, args, f"worker-{tag}-{i}.log") for i in range(n)]
+    for w in workers:
+        w.wait_serving()
+    router = Router(stack, args.block_size, log=f"router-{tag}.log")
+    router.lines.wait_for("ready", 300)
+    time.sleep(1.0)  # let the router's event subscription settle
+    return router, workers
+
+
+def run_workers(
+    args: argparse.Namespace, stack: Stack, client: PoolClient, work: Workload, prompts: int, n_workers: int, out: dict
+) -> tuple[dict[str, Any], int]:
+    """W relays on the filled pool: resync of all W at once, live events, lookups, one relay's
+    restart. Returns (results, prompts in the pool now)."""
+    bpc = work.geometry.blocks_per_chunk
+    full = args.chunks_per_prompt * bpc
+    res: dict[str, Any] = dict(out, workers=n_workers)
+    tag = f"{out['chunks']}-w{n_workers}"
+    router, workers = start_workers(stack, args, n_workers, tag)
+    try:
+        res["router_rss_empty_mib"] = rss(router.proc.pid) / MiB
+        last = work.prompt_tokens(prompts - 1)
+        for w in workers:  # all W together, as after a host's restart
+            w.send("go")
+        synced = [w.wait_synced(args.timeout) for w in workers]
+        credited = router.wait_credit(last, full, {w.worker_id for w in workers}, args.timeout)
+        start = min(s["relay_start"] for s in synced)
+        res["resync_all_s"] = credited - start
+        res["resync_all_relay_s"] = max(s["synced"] for s in synced) - start
+        res["relay_objects"] = synced[0]["objects"]
+        res["relay_rss_mib"] = max(s["rss"] for s in synced) / MiB
+        res["relay_rss_delta_mib"] = max(s["rss"] - s["rss_before"] for s in synced) / MiB
+        res["process_rss_before_relay_mib"] = max(s["rss_before"] for s in synced) / MiB
+        time.sleep(2.0)
+        res["router_rss_mib"] = rss(router.proc.pid) / MiB
+        res["router_rss_per_block_worker_b"] = (
+            (res["router_rss_mib"] - res["router_rss_empty_mib"]) * MiB / (out["blocks"] * n_workers)
+        )
+        print(
+            f"[{out['chunks']} x W={n_workers}] resync of all: relays {res['resync_all_relay_s']:.1f} s, router "
+            f"credits all {res['resync_all_s']:.1f} s; relay+publisher RSS {res['relay_rss_mib']:.0f} MiB "
+            f"(+{res['relay_rss_delta_mib']:.0f} MiB for the relay); router RSS {res['router_rss_empty_mib']:.0f} "
+            f"-> {res['router_rss_mib']:.0f} MiB",
+            flush=True,
+        )
+
+        # live events: new chunks from commit to router credit at every worker
+        live_prompts = max(1, args.live_chunks // args.chunks_per_prompt)
+        t0 = time.time()
+        n, _ = fill(client, work, prompts, live_prompts, batch=64)
+        t_committed = time.time()
+        ids = {w.worker_id for w in workers}
+        t_credit = router.wait_credit(work.prompt_tokens(prompts + live_prompts - 1), full, ids, args.timeout)
+        prompts += live_prompts
+        res["live_chunks"] = n
+        res["commit_chunks_per_s"] = n / (t_committed - t0)
+        res["event_chunks_per_s"] = n / (t_credit - t0)  # per worker; the router handles W times as many
+        res["event_lag_s"] = t_credit - t_committed  # last commit -> router credit at every worker
+        # one chunk on a quiet pool: its commit -> credit at every worker
+        t0 = time.time()
+        fill(client, work, prompts, 1, batch=64)
+        res["event_lag_one_ms"] = 1000 * (router.wait_credit(work.prompt_tokens(prompts), full, ids, 60) - t0)
+        prompts += 1
+        print(
+            f"[{out['chunks']} x W={n_workers}] events: {n} chunks committed at {res['commit_chunks_per_s']:.0f}/s, "
+            f"credited at every worker at {res['event_chunks_per_s']:.0f} chunks/s (router: "
+            f"{res['event_chunks_per_s'] * n_workers:.0f} chunk events/s), last one {res['event_lag_s']:.2f} s after "
+            f"its commit; one chunk on a quiet pool {res['event_lag_one_ms']:.0f} ms",
+            flush=True,
+        )
+
+        rng = random.Random(7)
+        lat, wrong = [], 0
+        for _ in range(args.lookups):
+            p = rng.randrange(prompts - 1)
+            s = router.scores(work.prompt_tokens(p))
+            lat.append(s["probe_lookup_s"])
+            rows = s.get("workers") or []
+            wrong += sum(int(r.get("host_pinned_blocks") or 0) != full for r in rows) + (len(rows) != n_workers)
+        lat.sort()
+        res["lookup_p50_ms"] = 1000 * statistics.median(lat)
+        res["lookup_p99_ms"] = 1000 * lat[int(0.99 * (len(lat) - 1))]
+        res["lookups_not_fully_matched"] = wrong
+        print(
+            f"[{out['chunks']} x W={n_workers}] lookup ({full} blocks/prompt): p50 {res['lookup_p50_ms']:.3f} ms, "
+            f"p99 {res['lookup_p99_ms']:.3f} ms; {wrong} of {args.lookups} x {n_workers} rows not fully matched",
+            flush=True,
+        )
+
+        # one relay restarts (its worker restarts) while the others keep running
+        workers[0].stop()
+        again = Worker(stack, args, f"worker-{tag}-restart.log")
+        workers[0] = again
+        again.wait_serving()
+        time.sleep(1.0)
+        again.send("go")
+        s = again.wait_synced(args.timeout)
+        credited = router.wait_credit(work.prompt_tokens(prompts - 1), full, {again.worker_id}, args.timeout)
+        res["resync_s"] = credited - s["relay_start"]
+        res["resync_relay_s"] = s["synced"] - s["relay_start"]
+        res["relay_rss_mib"] = max(res["relay_rss_mib"], s["rss"] / MiB, *(w.rss() / MiB for w in workers))
+        res["service_rss_mib"] = rss(stack.pool.pid) / MiB
+        print(
+            f"[{out['chunks']} x W={n_workers}] one relay restarted: synced {res['resync_relay_s']:.1f} s, router "
+            f"credits all {res['resync_s']:.1f} s after its start; pool service RSS {res['service_rss_mib']:.0f} MiB",
+            flush=True,
+        )
+    finally:
+        for w in workers:
+            w.stop()
+        router.stop()
+    return res, prompts
+
+
+def run_scale(args: argparse.Namespace, chunks: int) -> list[dict[str, Any]]:
     work = Workload(args.block_size, args.chunk_tokens, args.chunks_per_prompt)
     prompts = chunks // args.chunks_per_prompt
     bpc = work.geometry.blocks_per_chunk
@@ -306,6 +498,7 @@ def run_scale(args: argparse.Namespace, chunks: int) -> dict[str, Any]:
         "block_size": args.block_size,
         "chunk_tokens": args.chunk_tokens,
     }
+    results = []
     stack = Stack(chunks)
     try:
         client = PoolClient.connect(stack.address, populate=False, timeout=120)
@@ -313,106 +506,25 @@ def run_scale(args: argparse.Namespace, chunks: int) -> dict[str, Any]:
         stored, spent = fill(client, work, 0, prompts)
         st = client.stats()
         out["fill_chunks_per_s"] = stored / spent
-        out["pool_rss_per_object_b"] = (rss(stack.pool.pid) - rss0) / stored
-        out["pool_rss_mib"] = rss(stack.pool.pid) / MiB
+        out["service_rss_filled_mib"] = rss(stack.pool.pid) / MiB
+        out["service_rss_per_chunk_b"] = (rss(stack.pool.pid) - rss0) / stored
         out["pool_metadata_mib"] = st["metadata_bytes"] / MiB
         print(
-            f"[{chunks}] pool filled: {stored} chunks at {out['fill_chunks_per_s']:.0f}/s, "
-            f"service RSS {out['pool_rss_mib']:.0f} MiB ({out['pool_rss_per_object_b']:.0f} B/object)",
+            f"[{chunks}] pool filled: {stored} chunks at {out['fill_chunks_per_s']:.0f}/s, service RSS "
+            f"{out['service_rss_filled_mib']:.0f} MiB ({out['service_rss_per_chunk_b']:.0f} B/chunk, metadata "
+            f"{out['pool_metadata_mib']:.0f} MiB)",
             flush=True,
         )
-
-        router = Router(stack, args.block_size)
-        worker = stack._spawn(
-            [
-                sys.executable,
-                __file__,
-                "--role",
-                "worker",
-                "--pool-address",
-                stack.address,
-                "--pool-name",
-                stack.name,
-                "--nats",
-                stack.nats_url or "",
-                "--block-size",
-                str(args.block_size),
-                "--timeout",
-                str(args.timeout),
-            ],
-            log="worker.log",
-            env=stack.env,
-            stdin=True,
-        )
-        wlines = StdoutLines(worker)
-        wlines.wait_for("serving", 120)
-        router.lines.wait_for("ready", 300)
-        time.sleep(1.0)  # let the router's event subscription settle
-        out["router_rss_empty_mib"] = rss(router.proc.pid) / MiB
-        last = prompts - 1
-        full = args.chunks_per_prompt * bpc
-        assert worker.stdin is not None
-        worker.stdin.write("go\n")
-        worker.stdin.flush()
-        synced = json.loads(wlines.wait_for("{", args.timeout))
-        credited = router.wait_credit(work.prompt_tokens(last), full, args.timeout)
-        out["resync_relay_s"] = synced["synced"] - synced["relay_start"]
-        out["resync_to_router_s"] = credited - synced["relay_start"]
-        out["relay_objects"] = synced["objects"]
-        out["worker_rss_mib"] = synced["rss"] / MiB
-        time.sleep(2.0)
-        out["router_rss_mib"] = rss(router.proc.pid) / MiB
-        out["router_rss_per_block_b"] = (rss(router.proc.pid) - out["router_rss_empty_mib"] * MiB) / out["blocks"]
-        print(
-            f"[{chunks}] resync: relay {out['resync_relay_s']:.1f} s, router credits all "
-            f"{out['resync_to_router_s']:.1f} s after relay start; router RSS {out['router_rss_empty_mib']:.0f} -> "
-            f"{out['router_rss_mib']:.0f} MiB; worker (relay+publisher) RSS {out['worker_rss_mib']:.0f} MiB",
-            flush=True,
-        )
-
-        # live events: new chunks from commit to router credit
-        live_prompts = max(1, args.live_chunks // args.chunks_per_prompt)
-        t0 = time.time()
-        n, _ = fill(client, work, prompts, live_prompts, batch=64)
-        t_committed = time.time()
-        t_credit = router.wait_credit(work.prompt_tokens(prompts + live_prompts - 1), full, args.timeout)
-        out["live_chunks"] = n
-        out["commit_chunks_per_s"] = n / (t_committed - t0)
-        out["event_chunks_per_s"] = n / (t_credit - t0)
-        out["event_blocks_per_s"] = n * bpc / (t_credit - t0)
-        print(
-            f"[{chunks}] events: {n} chunks committed at {out['commit_chunks_per_s']:.0f}/s, credited by the "
-            f"router at {out['event_chunks_per_s']:.0f} chunks/s ({out['event_blocks_per_s']:.0f} blocks/s)",
-            flush=True,
-        )
-
-        # lookups
-        rng = random.Random(7)
-        lat, wrong = [], 0
-        for _ in range(args.lookups):
-            p = rng.randrange(prompts)
-            s = router.scores(work.prompt_tokens(p))
-            lat.append(s["probe_lookup_s"])
-            rows = s.get("workers") or []
-            wrong += max((int(r.get("host_pinned_blocks") or 0) for r in rows), default=0) != full
-        lat.sort()
-        out["lookup_p50_ms"] = 1000 * statistics.median(lat)
-        out["lookup_p99_ms"] = 1000 * lat[int(0.99 * (len(lat) - 1))]
-        out["lookups_not_fully_matched"] = wrong
-        print(
-            f"[{chunks}] lookup ({work.geometry.blocks_per_chunk * args.chunks_per_prompt} blocks/prompt): "
-            f"p50 {out['lookup_p50_ms']:.3f} ms, p99 {out['lookup_p99_ms']:.3f} ms; "
-            f"{wrong}/{args.lookups} not fully matched",
-            flush=True,
-        )
+        for n_workers in args.workers:
+            res, prompts = run_workers(args, stack, client, work, prompts, n_workers, out)
+            results.append(res)
         client.close()
-        worker.stdin.close()
     except BaseException:
         stack.print_logs()
         raise
     finally:
         stack.close()
-    return out
+    return results
 
 
 # -- memory per object -----------------------------------------------------------------------
@@ -453,6 +565,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--chunks-per-prompt", type=int, default=4)
+    ap.add_argument(
+        "--workers", type=int, nargs="+", default=[1], help="relays (worker stand-ins) on the one pool, per run"
+    )
     ap.add_argument("--live-chunks", type=int, default=20_000)
     ap.add_argument("--lookups", type=int, default=1000)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds any one phase may take")
@@ -471,7 +586,9 @@ def main() -> None:
     if args.memory:
         results["memory"] = run_memory(args)
     else:
-        results["scale"] = [run_scale(args, n) for n in args.chunks]
+        runs = [r for n in args.chunks for r in run_scale(args, n)]
+        # the last run's figures at the top level (the largest pool with the last --workers), all in "runs"
+        results = {**runs[-1], "runs": runs}
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))

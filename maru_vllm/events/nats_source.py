@@ -12,7 +12,10 @@ apply it). It resyncs from a snapshot - and only then delivers events again - wh
 
 Snapshots come page by page (`messages.SnapshotPage`) from the socket `snapshot` op when a pool
 address is known, else from the NATS request `maru.<pool>.snapshot`; either way a snapshot of any
-size arrives in bounded messages. Probes use the NATS request with a
+size arrives in bounded messages, and each page is handed to `on_snapshot` as it arrives (a
+`PoolSnapshot` part: `part` 0, 1, ..., `last` on the final one), so neither side ever holds the
+whole snapshot. `request_resync(full=True)` asks for a resync whose parts are marked `full`
+(the owner announces everything again). Probes use the NATS request with a
 namespace no object has, so they are cheap. Nothing here ever raises into the owner; while
 NATS or the pool is unreachable the owner's view simply stays as it is ("paused").
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any
 
 import msgspec
@@ -69,6 +72,10 @@ class SourceStats:
     overflows: int = 0  # times the queue filled up and was dropped for a resync
 
 
+def _next_page(pages: Generator[SnapshotPage, None, None]) -> SnapshotPage | None:
+    return next(pages, None)
+
+
 class PoolEventSource:
     """See module docstring. Runs on the caller's event loop: `await start()`, `await stop()`."""
 
@@ -88,6 +95,7 @@ class PoolEventSource:
         self.stats = SourceStats()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._need_resync = True
+        self._full_resync = False
         self._link = NatsLink(
             config.nats_url,
             f"maru-events-{config.pool_name}",
@@ -112,8 +120,10 @@ class PoolEventSource:
         except asyncio.TimeoutError:
             return False
 
-    def request_resync(self) -> None:
+    def request_resync(self, full: bool = False) -> None:
+        """Resync from a snapshot soon; `full`: its parts ask the owner to announce everything."""
         self._need_resync = True
+        self._full_resync |= full
         self._queue.put_nowait(_RESYNC)
 
     # -- main loop -------------------------------------------------------------------------
@@ -216,48 +226,66 @@ class PoolEventSource:
     async def _resync(self) -> bool:
         if self._link.nc is None or not self.connected:
             return False
+        full, self._full_resync = self._full_resync, False
+        first: SnapshotPage | None = None
+        part = 0
         try:
-            snap = await self._snapshot(self.config.snapshot_namespace)
+            async for page in self._snapshot_pages(self.config.snapshot_namespace):
+                first = first or page
+                snap = PoolSnapshot.from_page(page, first, part, full)
+                part += 1
+                try:
+                    self._on_snapshot(snap)
+                except Exception:
+                    logger.exception("pool snapshot handler failed")
         except Exception as exc:
             self.stats.resync_failures += 1
+            self._full_resync |= full
             logger.warning(
                 "pool %r snapshot failed (%s); pool awareness paused until it works", self.config.pool_name, exc
             )
             return False
-        # Drop what we hold: everything queued up to now is either in the snapshot (seq <=
-        # snap.seq, skipped on arrival) or after it; nothing queued needs to be discarded.
-        self.incarnation = snap.incarnation
-        self.last_seq = snap.seq
+        assert first is not None
+        # Everything queued up to now is either in the snapshot (seq <= its seq, skipped on
+        # arrival) or after it; nothing queued needs to be discarded.
+        self.incarnation = first.incarnation
+        self.last_seq = first.seq
         self.synced = True
         self._need_resync = False
         self.stats.resyncs += 1
-        try:
-            self._on_snapshot(snap)
-        except Exception:
-            logger.exception("pool snapshot handler failed")
         self._synced_event.set()
         logger.info(
-            "pool %r synced at seq %d (incarnation %s, %d objects)",
+            "pool %r synced at seq %d (incarnation %s, %d pages%s)",
             self.config.pool_name,
-            snap.seq,
-            snap.incarnation,
-            len(snap.objects),
+            first.seq,
+            first.incarnation,
+            part,
+            ", everything announced again" if full else "",
         )
         return True
 
-    async def _snapshot(self, namespace: str | None) -> PoolSnapshot:
-        if self.config.pool_address:
-            return await asyncio.to_thread(self._socket_snapshot, namespace)
-        pages = []
-        after = 0
-        while True:  # page by page: each NATS reply stays under the server's max payload
-            page = await self._nats_snapshot_page(namespace, after)
-            pages.append(page)
-            if page.next is None:
-                return PoolSnapshot.from_pages(pages)
-            after = page.next
+    async def _snapshot_pages(self, namespace: str | None) -> AsyncIterator[SnapshotPage]:
+        """The snapshot's pages in order, each fetched when the previous one was handled."""
+        if not self.config.pool_address:
+            after = 0
+            while True:  # page by page: each NATS reply stays under the server's max payload
+                page = await self._nats_snapshot_page(namespace, after)
+                yield page
+                if page.next is None:
+                    return
+                after = page.next
+        pages = self._socket_pages(namespace)
+        try:
+            while True:
+                got = await asyncio.to_thread(_next_page, pages)
+                if got is None:
+                    return
+                yield got
+        finally:
+            await asyncio.to_thread(pages.close)
 
-    def _socket_snapshot(self, namespace: str | None) -> PoolSnapshot:
+    def _socket_pages(self, namespace: str | None) -> Generator[SnapshotPage, None, None]:
+        """Pages over one short-lived pool connection (run in a thread: it blocks)."""
         from maru_vllm.pool import PoolClient
 
         assert self.config.pool_address is not None
@@ -268,7 +296,7 @@ class PoolEventSource:
             heartbeat=False,
             populate=False,
         ) as c:
-            return PoolSnapshot.from_pages(c.snapshot_pages(namespace))
+            yield from c.snapshot_pages(namespace)
 
     async def _nats_snapshot_page(self, namespace: str | None, after: int = 0) -> SnapshotPage:
         body = msgspec.json.encode({"namespace": namespace, "after": after})

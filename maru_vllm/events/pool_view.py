@@ -6,8 +6,21 @@ has announced to Dynamo at the pool's tier, and the per-block changes that keep 
 * Blocks are reference-counted over objects: the TP ranks of one chunk are separate objects
   carrying the same blocks, so a block is announced when its first object appears and
   withdrawn when its last one goes.
-* `resync(snapshot)` replaces the view with a snapshot and returns only the difference
-  (removals for what is gone, stores for what is new, parents before children).
+* `resync(snapshot)` replaces the view with a snapshot and announces only the difference
+  (stores for what is new, parents before children, and removals for what is gone). A snapshot
+  may arrive in parts (`PoolSnapshot.part` / `.last`, one per pool page): each part is
+  announced as it comes, the removals once the last part is in. A part 0 starts a new resync
+  (one left unfinished is dropped; what it announced is withdrawn by the next one unless the
+  pool still has it). A `full` snapshot announces every block it holds again, once.
+
+Memory: the view keeps what a removal needs and nothing else - a counted set of block keys (the
+64-bit values Dynamo sees) and a set of object-id digests, ~30 B per block in `CountedKeys`
+tables. Token ids and metadata are never kept: a store is announced from the event or page
+that carries it, a removal from the pool's `removed` event (which carries the object's
+metadata), and a re-announcement fetches the blocks again from the pool (a `full` resync).
+Object ids are kept as 64-bit digests: two objects whose ids collide (odds ~10^-8 at 10^6
+objects) would share one entry, which can cost a routing credit, never a wrong token (the
+connector checks every load).
 
 Not thread-safe: the relay drives it from one event loop.
 """
@@ -16,12 +29,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+import numpy as np
+import xxhash
+
+from maru_vllm.events import vllm_format as vf
+from maru_vllm.events.block_table import CountedKeys, key_of
 from maru_vllm.events.types import (
     Announcement,
     BlocksRemoved,
     BlocksStored,
+    ExternalHash,
     ObjectId,
     PoolChunk,
     PoolEvent,
@@ -30,6 +49,9 @@ from maru_vllm.events.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Stores held back within one resync until their parent block is announced (beyond: sent at once).
+MAX_DEFERRED = 65536
 
 
 def model_namespace_prefix(model: str) -> str:
@@ -72,30 +94,68 @@ class NamespaceFilter:
         return None
 
 
+def object_key(oid: ObjectId) -> int:
+    """The 64-bit digest a view keeps for object `oid`."""
+    return key_of(xxhash.xxh3_64_intdigest(f"{oid[0]}\0{oid[1]}".encode()))
+
+
+def _block_key(h: ExternalHash) -> int:
+    """The table key of an external block hash (an int already, or vLLM's bytes: the low 64 bits)."""
+    return key_of(h if isinstance(h, int) else int.from_bytes(h[-8:], "big"))
+
+
+@dataclasses.dataclass
+class _Resync:
+    """One resync in progress: the tables being built from its parts."""
+
+    full: bool
+    blocks: CountedKeys
+    objects: CountedKeys
+    deferred: list[tuple[int, BlocksStored]] = dataclasses.field(default_factory=list)
+
+
 class PoolView:
     """Announced pool objects of one worker (see module docstring)."""
 
-    def __init__(self, namespaces: NamespaceFilter, block_size: int | None = None) -> None:
+    def __init__(
+        self, namespaces: NamespaceFilter, block_size: int | None = None, int_hashes: bool | None = None
+    ) -> None:
+        """`int_hashes`: block hashes are announced as ints (default: as vLLM's environment says)."""
         self.namespaces = namespaces
         self.block_size = block_size
-        self.objects: dict[ObjectId, PoolChunk] = {}
-        self._refs: dict[bytes, int] = {}
+        self.int_hashes = vf.int_block_hashes() if int_hashes is None else int_hashes
+        self._blocks = CountedKeys()  # announced block keys, counted over objects
+        self._objects = CountedKeys()  # object-id digests of the objects counted
+        self._raw: dict[int, bytes] = {}  # key -> vLLM's bytes hash, only when vLLM announces bytes
+        self._resync: _Resync | None = None
         self._warned: set[str] = set()
 
     # -- queries ---------------------------------------------------------------------------
     @property
-    def blocks(self) -> frozenset[bytes]:
-        """Block hashes currently announced."""
-        return frozenset(self._refs)
+    def blocks(self) -> frozenset[ExternalHash]:
+        """External block hashes currently announced (a copy; for tests and logs)."""
+        return frozenset(self._external(k) for k in self._blocks.keys().tolist())
+
+    @property
+    def block_count(self) -> int:
+        return len(self._blocks)
 
     def __len__(self) -> int:
-        return len(self.objects)
+        return len(self._objects)
+
+    def __contains__(self, oid: ObjectId) -> bool:
+        return object_key(oid) in self._objects
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the view's tables (what a relay's memory grows by per pool object)."""
+        return self._blocks.nbytes + self._objects.nbytes
 
     def chunk_of(self, obj: PoolObject) -> PoolChunk | None:
         """The blocks of `obj` when it belongs to this worker, else None."""
         if not self.namespaces.accepts(obj.namespace):
             return None
-        chunk = PoolChunk.from_meta(obj.meta)
+        chunk = PoolChunk.from_meta(obj.meta, self.int_hashes)
         if chunk is None:
             self._warn_once(obj.namespace, "objects without MaruKVConnector chunk metadata are not announced")
             return None
@@ -108,81 +168,115 @@ class PoolView:
             return None
         return chunk
 
-    # -- changes ---------------------------------------------------------------------------
+    # -- live changes ----------------------------------------------------------------------
     def apply(self, event: PoolEvent) -> list[Announcement]:
         if event.type == "stored":
             return self.stored(event.obj)
-        return self.removed(event.obj.oid)
+        return self.removed(event.obj)
 
     def stored(self, obj: PoolObject) -> list[Announcement]:
-        if obj.oid in self.objects:
-            return []
         chunk = self.chunk_of(obj)
         if chunk is None:
             return []
-        return self._add(obj.oid, chunk)
+        okey = object_key(obj.oid)
+        if okey in self._objects:
+            return []  # a repeated stored event
+        self._objects.add(okey)
+        self._remember_raw(chunk)
+        fresh = [self._blocks.add(_block_key(h)) == 0 for h in chunk.block_hashes]
+        return list(_runs(chunk, fresh))
 
-    def removed(self, oid: ObjectId) -> list[Announcement]:
-        chunk = self.objects.pop(oid, None)
-        if chunk is None:
+    def removed(self, obj: PoolObject) -> list[Announcement]:
+        """Withdraw `obj` (as a `removed` event carries it: with its metadata)."""
+        if self._objects.remove(object_key(obj.oid)) < 0:
             return []
-        gone = []
-        for h in chunk.block_hashes:
-            n = self._refs.get(h, 0) - 1
-            if n <= 0:
-                self._refs.pop(h, None)
-                gone.append(h)
-            else:
-                self._refs[h] = n
+        chunk = self.chunk_of(obj)
+        if chunk is None:  # cannot happen for an object we counted (its metadata does not change)
+            return []
+        gone = [h for h in chunk.block_hashes if self._blocks.remove(_block_key(h)) == 0]
         return [BlocksRemoved(tuple(gone))] if gone else []
 
+    # -- snapshots -------------------------------------------------------------------------
     def resync(self, snapshot: PoolSnapshot | Iterable[PoolObject]) -> list[Announcement]:
-        """Make the view equal to `snapshot`; return only the difference."""
-        objects = snapshot.objects if isinstance(snapshot, PoolSnapshot) else tuple(snapshot)
-        desired: dict[ObjectId, PoolChunk] = {}
-        for obj in objects:
-            chunk = self.chunk_of(obj)
-            if chunk is not None:
-                desired[obj.oid] = chunk
-        out: list[Announcement] = []
-        stale = [oid for oid, chunk in self.objects.items() if desired.get(oid) != chunk]
-        stale.sort(key=lambda oid: -self.objects[oid].chunk_index)  # children before parents
-        removed: list[bytes] = []
-        for oid in stale:
-            for a in self.removed(oid):
-                assert isinstance(a, BlocksRemoved)
-                removed.extend(a.block_hashes)
-        if removed:
-            out.append(BlocksRemoved(tuple(removed)))
-        new = [(oid, chunk) for oid, chunk in desired.items() if oid not in self.objects]
-        new.sort(key=lambda item: item[1].chunk_index)  # parents before children
-        for oid, chunk in new:
-            out.extend(self._add(oid, chunk))
+        """Apply one snapshot part (a whole snapshot when it is not a `PoolSnapshot` or has one part)."""
+        if not isinstance(snapshot, PoolSnapshot):
+            snapshot = PoolSnapshot("", "", 0, tuple(snapshot))
+        if snapshot.part == 0 or self._resync is None:
+            self._begin(snapshot)
+        out = self._resync_part(snapshot.objects)
+        if snapshot.last:
+            removed, deferred = self._end()
+            out = removed + out + deferred
         return out
 
     def clear(self) -> list[Announcement]:
         """Forget everything; announce the removal of every block."""
         return self.resync(())
 
-    def announce_all(self) -> list[Announcement]:
-        """Stores for every announced block (for a subscriber that joined late)."""
+    def _begin(self, first: PoolSnapshot) -> None:
+        if self._resync is not None:
+            # an unfinished resync: what it announced counts as announced, so the next one's
+            # removals withdraw it when the pool no longer has it
+            keys = self._resync.blocks.keys()
+            self._blocks.add_many(keys[self._blocks.counts_of(keys) == 0])
+        expected = first.total or 0
+        sample = (self.chunk_of(o) for o in first.objects[:64])
+        blocks_per_object = max((len(c.block_hashes) for c in sample if c is not None), default=1)
+        self._resync = _Resync(first.full, CountedKeys(expected * blocks_per_object), CountedKeys(expected))
+
+    def _resync_part(self, objects: Sequence[PoolObject]) -> list[Announcement]:
+        rs = self._resync
+        assert rs is not None
+        accepted = [(o, c) for o in objects if (c := self.chunk_of(o)) is not None]
+        if not accepted:
+            return []
+        okeys = np.fromiter((object_key(o.oid) for o, _ in accepted), dtype=np.uint64, count=len(accepted))
+        new_object = rs.objects.add_many(okeys) == 0
+        chunks = sorted((c for (_, c), new in zip(accepted, new_object) if new), key=lambda c: c.chunk_index)
+        for c in chunks:
+            self._remember_raw(c)
+        sizes = [len(c.block_hashes) for c in chunks]
+        keys = np.fromiter((_block_key(h) for c in chunks for h in c.block_hashes), dtype=np.uint64, count=sum(sizes))
+        fresh = rs.blocks.add_many(keys) == 0  # first time this resync sees the block
+        if not rs.full:
+            fresh &= self._blocks.counts_of(keys) == 0  # ... and not announced before it
         out: list[Announcement] = []
-        seen: set[bytes] = set()
-        for chunk in sorted(self.objects.values(), key=lambda c: c.chunk_index):
-            fresh = [h not in seen for h in chunk.block_hashes]
-            seen.update(chunk.block_hashes)
-            out.extend(_runs(chunk, fresh))
+        fresh_list = fresh.tolist()
+        i = 0
+        for c, n in zip(chunks, sizes):
+            runs = _runs(c, fresh_list[i : i + n])
+            i += n
+            if runs and runs[0].parent_block_hash is not None and len(rs.deferred) < MAX_DEFERRED:
+                parent = _block_key(runs[0].parent_block_hash)
+                if rs.blocks.count(parent) == 0 and self._blocks.count(parent) == 0:
+                    # its parent is in no page seen so far: hold it until the parent comes
+                    rs.deferred.extend((c.chunk_index, r) for r in runs)
+                    continue
+            out.extend(runs)
         return out
 
+    def _end(self) -> tuple[list[Announcement], list[Announcement]]:
+        """(removals of what the snapshot no longer has, the stores held back for their parents)."""
+        rs = self._resync
+        assert rs is not None
+        self._resync = None
+        deferred: list[Announcement] = [r for _, r in sorted(rs.deferred, key=lambda d: d[0])]
+        old = self._blocks.keys()
+        gone = old[rs.blocks.counts_of(old) == 0].tolist()
+        removed: list[Announcement] = [BlocksRemoved(tuple(self._external(k) for k in gone))] if gone else []
+        for k in gone:
+            self._raw.pop(k, None)
+        self._blocks, self._objects = rs.blocks, rs.objects
+        return removed, deferred
+
     # -- internals -------------------------------------------------------------------------
-    def _add(self, oid: ObjectId, chunk: PoolChunk) -> list[Announcement]:
-        self.objects[oid] = chunk
-        fresh = []
+    def _remember_raw(self, chunk: PoolChunk) -> None:
         for h in chunk.block_hashes:
-            n = self._refs.get(h, 0)
-            self._refs[h] = n + 1
-            fresh.append(n == 0)
-        return _runs(chunk, fresh)
+            if not isinstance(h, int):
+                self._raw[_block_key(h)] = h
+
+    def _external(self, key: int) -> ExternalHash:
+        return self._raw.get(key, key)
 
     def _warn_once(self, namespace: str, why: str) -> None:
         if namespace not in self._warned:
@@ -190,11 +284,11 @@ class PoolView:
             logger.warning("pool namespace %r: %s", namespace, why)
 
 
-def _runs(chunk: PoolChunk, fresh: list[bool]) -> list[Announcement]:
+def _runs(chunk: PoolChunk, fresh: list[bool]) -> list[BlocksStored]:
     """BlocksStored for each run of consecutive `fresh` blocks of `chunk`, each chained on its parent."""
-    out: list[Announcement] = []
-    i = 0
+    out: list[BlocksStored] = []
     n = len(chunk.block_hashes)
+    i = 0
     while i < n:
         if not fresh[i]:
             i += 1

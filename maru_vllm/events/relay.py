@@ -11,7 +11,10 @@
   batches at `medium` (default `CPU_PINNED`: Dynamo's host tier).
 * Nothing is sent before Dynamo's subscriber has joined (an XPUB socket tells us), so the
   first batches - typically the pool's initial snapshot - are not lost to ZMQ's slow-joiner
-  effect; a subscriber that joins later gets every pool block again (stores are idempotent).
+  effect. Pool batches are held only up to `max_held_pool_blocks`; past that they are dropped
+  and the whole pool is announced once the subscriber joins (a full resync: the relay keeps no
+  token ids to announce from). A subscriber that joins later gets every pool block again the
+  same way (stores are idempotent).
 * The relay never blocks or fails the engine: sends are non-blocking, every error is logged
   and swallowed, and a NATS outage only pauses pool awareness.
 
@@ -78,6 +81,7 @@ class RelayStats:
     sent: int = 0  # batches sent to Dynamo's publisher
     send_errors: int = 0  # batches the downstream socket refused
     held_dropped: int = 0  # batches dropped while no subscriber had joined (the hold was full)
+    full_announcements: int = 0  # times every pool block was announced again (late subscriber, after a resync)
     subscribers_joined: int = 0  # (re)subscriptions seen on the downstream socket
 
 
@@ -96,6 +100,7 @@ class KvEventRelay:
         data_parallel_rank: int | None = None,
         topic: str = "",
         max_held: int = 100_000,
+        max_held_pool_blocks: int = 65536,
         hwm: int = 100_000,
         reannounce_after_s: tuple[float, ...] = (3.0, 10.0),
     ) -> None:
@@ -121,6 +126,10 @@ class KvEventRelay:
         self._seq = 0
         self._open = False  # a subscriber has joined: send instead of holding
         self._held: collections.deque[bytes] = collections.deque(maxlen=max_held)
+        self._held_pool: list[bytes] = []  # pool batches held until the first subscriber joins
+        self._held_pool_blocks = 0
+        self._max_held_pool_blocks = max_held_pool_blocks
+        self._announce_on_join = False  # pool batches were dropped before the join: announce all then
         self._hwm = hwm
         self._last_vllm_seq: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -216,22 +225,36 @@ class KvEventRelay:
             self.stats.subscribers_joined += 1
             if not self._open:
                 self._open = True
-                held = list(self._held)
+                held = self._held_pool + list(self._held)
                 self._held.clear()
+                self._held_pool = []
                 logger.info(
-                    "Dynamo subscribed to the KV event relay at %s; sending %d held batches", self.endpoint, len(held)
+                    "Dynamo subscribed to the KV event relay at %s; sending %d held batches%s",
+                    self.endpoint,
+                    len(held),
+                    ", then every pool block" if self._announce_on_join else "",
                 )
                 for payload in held:
                     self._send(payload)
+                if self._announce_on_join:
+                    self._announce_everything()
             else:
                 logger.info(
-                    "another subscriber joined the KV event relay; re-announcing %d pool blocks", len(self.view.blocks)
+                    "another subscriber joined the KV event relay; re-announcing %d pool blocks", self.view.block_count
                 )
-                self._announce(self.view.announce_all())
+                self._announce_everything()
             self.subscribed.set()
+
+    def _announce_everything(self) -> None:
+        """Announce every pool block again: a full resync from the pool (stores are idempotent)."""
+        if self.source is not None and self.view.block_count:
+            self.stats.full_announcements += 1
+            self.source.request_resync(full=True)
 
     def _on_pool_snapshot(self, snap: PoolSnapshot) -> None:
         self._announce(self.view.resync(snap))
+        if not snap.last or snap.full:
+            return  # a full resync is itself a re-announcement
         self._resyncs += 1
         if self._resyncs > 1:  # the first one is the start-up sync, delivered via the held batches
             self._schedule_reannounce()
@@ -251,9 +274,8 @@ class KvEventRelay:
         self._reannounce_timers = [loop.call_later(delay, self._reannounce) for delay in self._reannounce_after_s]
 
     def _reannounce(self) -> None:
-        if self.view.blocks:
-            logger.debug("re-announcing %d pool blocks after a resync", len(self.view.blocks))
-            self._announce(self.view.announce_all())
+        logger.debug("re-announcing %d pool blocks after a resync", self.view.block_count)
+        self._announce_everything()
 
     def _on_pool_event(self, ev: PoolEvent) -> None:
         self._announce(self.view.apply(ev))
@@ -285,12 +307,22 @@ class KvEventRelay:
             self.medium,
             ", ".join(f"{type(a).__name__}x{len(a.block_hashes)}" for a in announcements),
         )
+        blocks = 0
         for a in announcements:
+            blocks += len(a.block_hashes)
             if isinstance(a, BlocksStored):
                 self.stats.pool_blocks_stored += len(a.block_hashes)
             else:
                 self.stats.pool_blocks_removed += len(a.block_hashes)
-        self._emit(payload)
+        if self._open:
+            self._send(payload)
+        elif self._held_pool_blocks + blocks <= self._max_held_pool_blocks and not self._announce_on_join:
+            self._held_pool.append(payload)
+            self._held_pool_blocks += blocks
+        else:  # too much to hold: announce everything from the pool once Dynamo is there
+            self._announce_on_join = True
+            self._held_pool = []
+            self._held_pool_blocks = 0
 
     def _emit(self, payload: bytes) -> None:
         if not self._open:

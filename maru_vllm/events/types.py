@@ -10,7 +10,6 @@ blocks and is never announced).
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import itertools
 import sys
@@ -18,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from maru_vllm.pool import messages as M
 
@@ -34,47 +34,107 @@ DEFAULT_MEDIUM = "CPU_PINNED"
 EventFormatError = M.MessageError
 
 
+#: A block hash as vLLM writes it into its KV events (`vllm_format.external_hash`): with vLLM's
+#: default `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1` the low 64 bits of the `BlockHash` as an int,
+#: else the `BlockHash` bytes.
+ExternalHash = int | bytes
+
+
+def external_of_hex(h: str, int_hashes: bool) -> ExternalHash:
+    """A hex-encoded vLLM `BlockHash` as vLLM announces it (see `ExternalHash`); ValueError when
+    `h` is not hex of whole bytes."""
+    raw = bytes.fromhex(h)
+    if not raw or len(h) != 2 * len(raw):
+        raise ValueError(f"not a hex block hash: {h!r}")
+    return int.from_bytes(raw[-8:], "big") if int_hashes else raw
+
+
+class _ChunkFacts(msgspec.Struct):
+    """What a relay reads of `messages.ChunkMeta` JSON (the pool's canonical encoding), token ids
+    left as raw JSON: parsing ~256 of them per chunk into Python ints was most of a resync."""
+
+    v: int
+    chunk: int
+    block_size: int
+    block_hashes: list[str]
+    parent_block_hash: str | None
+    token_ids: msgspec.Raw
+    lora_name: str | None = None
+    rank: int = 0
+
+
+_facts_decoder = msgspec.json.Decoder(_ChunkFacts)
+
+
+def _tokens_from_json(raw: bytes, blocks: int, block_size: int) -> np.ndarray | None:
+    """`[[t, ...], ...]` (compact JSON, `blocks` lists of `block_size` uint32) as one flat uint32
+    array; None when it is anything else."""
+    if raw[:2] != b"[[" or raw[-2:] != b"]]":
+        return None
+    inner = raw[2:-2]
+    per_block = inner.split(b"],[")
+    if len(per_block) != blocks or any(b.count(b",") != block_size - 1 for b in per_block):
+        return None
+    try:
+        tokens = np.fromstring(inner.replace(b"],[", b","), dtype=np.int64, sep=",")
+    except ValueError:
+        return None
+    if len(tokens) != blocks * block_size or tokens.min() < 0 or tokens.max() >= 1 << 32:
+        return None
+    return tokens.astype(np.uint32)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoolChunk:
     """The vLLM blocks one pool object holds, from its MaruKVConnector metadata.
 
-    `block_hashes` are raw vLLM `BlockHash` bytes (what the connector hex-encodes), in prompt
-    order; `tokens` are the blocks' token ids back to back (`block_size` per block, uint32: a
-    relay holds 10^6 chunks, and a list of Python ints costs several times the memory); `parent_block_hash` is the
-    hash of the block before the first one (None for the first chunk of a prompt).
+    `block_hashes` are the blocks' hashes as vLLM announces them (`ExternalHash`), in prompt
+    order; `tokens` are the blocks' token ids back to back (`block_size` per block, uint32, as
+    vLLM's events and Dynamo's router hold them); `parent_block_hash` is the hash of the block
+    before the first one (None for the first chunk of a prompt). A chunk lives only while its
+    store is announced: relays keep block keys, not chunks.
     """
 
-    block_hashes: tuple[bytes, ...]
-    parent_block_hash: bytes | None
-    tokens: array.array
+    block_hashes: tuple[ExternalHash, ...]
+    parent_block_hash: ExternalHash | None
+    tokens: np.ndarray
     block_size: int
     lora_name: str | None = None
     chunk_index: int = 0
     rank: int = 0
 
     @classmethod
-    def from_meta(cls, meta: Any) -> PoolChunk | None:
+    def from_meta(cls, meta: Any, int_hashes: bool = True) -> PoolChunk | None:
         """Parse chunk metadata (raw JSON as events/snapshots carry it, a `ChunkMeta`, or a dict);
-        None when `meta` is not (a supported version of) `messages.ChunkMeta`."""
+        None when `meta` is not (a supported version of) `messages.ChunkMeta`. `int_hashes`:
+        vLLM announces block hashes as ints (its default; see `ExternalHash`)."""
         if isinstance(meta, PoolChunk):
-            return meta  # parsed already (snapshots parse page by page, see PoolSnapshot.from_pages)
+            return meta
         try:
-            cm = cls.chunk_meta(meta)
-            tokens = array.array("I", itertools.chain.from_iterable(cm.token_ids))
-        except (M.MessageError, OverflowError):
+            if isinstance(meta, (msgspec.Raw, bytes, bytearray, memoryview)):
+                f = _facts_decoder.decode(meta)
+                if f.v not in M.SUPPORTED_CHUNK_META_VERSIONS or f.block_size <= 0 or not f.block_hashes:
+                    return None
+                tokens = _tokens_from_json(bytes(f.token_ids), len(f.block_hashes), f.block_size)
+                if tokens is None:
+                    return None
+                facts: Any = f
+            else:
+                facts = cls.chunk_meta(meta)
+                tokens = np.array(list(itertools.chain.from_iterable(facts.token_ids)), dtype=np.int64)
+                if len(tokens) and (tokens.min() < 0 or tokens.max() >= 1 << 32):
+                    return None
+                tokens = tokens.astype(np.uint32)
+            hashes = tuple(external_of_hex(h, int_hashes) for h in facts.block_hashes)
+            parent = external_of_hex(facts.parent_block_hash, int_hashes) if facts.parent_block_hash else None
+        except (M.MessageError, ValueError, msgspec.DecodeError, msgspec.ValidationError):
             return None
-        return cls(
-            tuple(bytes.fromhex(h) for h in cm.block_hashes),
-            bytes.fromhex(cm.parent_block_hash) if cm.parent_block_hash else None,
-            tokens,
-            cm.block_size,
-            cm.lora_name,
-            cm.chunk,
-            cm.rank,
-        )
+        if facts.rank < 0:
+            return None
+        return cls(hashes, parent, tokens, facts.block_size, facts.lora_name, facts.chunk, facts.rank)
 
-    def tokens_of(self, first: int, end: int) -> array.array:
-        """The token ids of blocks first..end-1, flattened (a compact copy)."""
+    def tokens_of(self, first: int, end: int) -> np.ndarray:
+        """The token ids of blocks first..end-1, flattened (a view)."""
         return self.tokens[first * self.block_size : end * self.block_size]
 
     @staticmethod
@@ -89,7 +149,7 @@ class PoolChunk:
         except msgspec.ValidationError as exc:
             raise M.MessageError(f"not MaruKVConnector chunk metadata: {exc}") from None
 
-    def parent_of(self, i: int) -> bytes | None:
+    def parent_of(self, i: int) -> ExternalHash | None:
         """The hash of the block before block `i` of this chunk."""
         return self.block_hashes[i - 1] if i > 0 else self.parent_block_hash
 
@@ -108,13 +168,8 @@ class PoolObject:
         return (self.namespace, self.key)
 
     @classmethod
-    def from_info(cls, o: M.ObjectInfo, parse: bool = False) -> PoolObject:
-        """`parse`: keep the parsed `PoolChunk` instead of the raw metadata when it is one (a
-        snapshot of 10^6 objects then never holds all their JSON at once)."""
-        meta: Any = o.meta
-        if parse:
-            meta = PoolChunk.from_meta(meta) or meta
-        return cls(sys.intern(o.namespace), o.key, o.size, meta)
+    def from_info(cls, o: M.ObjectInfo) -> PoolObject:
+        return cls(sys.intern(o.namespace), o.key, o.size, o.meta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,12 +193,38 @@ class PoolEvent:
 
 @dataclasses.dataclass(frozen=True)
 class PoolSnapshot:
-    """`{"pool", "incarnation", "seq", "objects": [...]}`: the object set as of event `seq`."""
+    """The object set as of event `seq`, whole or one part of it (one pool page).
+
+    A snapshot read page by page is handed on as parts `part` = 0, 1, ... with `last` set on the
+    final one; every part carries the first page's `incarnation` and `seq` (see
+    `messages.SnapshotPage`). `total`: the pool's object count when the first page was taken
+    (a size hint, None when unknown). `full`: announce every block again, not only changes.
+    """
 
     pool: str
     incarnation: str
     seq: int
     objects: tuple[PoolObject, ...]
+    part: int = 0
+    last: bool = True
+    total: int | None = None
+    full: bool = False
+
+    @classmethod
+    def from_page(cls, page: M.SnapshotPage, first: M.SnapshotPage, part: int, full: bool = False) -> PoolSnapshot:
+        """Part `part` of the snapshot that began with page `first`."""
+        if page.incarnation != first.incarnation:
+            raise EventFormatError(f"pool restarted during the snapshot ({first.incarnation} -> {page.incarnation})")
+        return cls(
+            first.pool,
+            first.incarnation,
+            first.seq,
+            tuple(PoolObject.from_info(o) for o in page.objects),
+            part,
+            page.next is None,
+            first.total,
+            full,
+        )
 
     @classmethod
     def from_pages(cls, pages: Iterable[M.SnapshotPage]) -> PoolSnapshot:
@@ -153,23 +234,19 @@ class PoolSnapshot:
         for page in pages:
             if first is None:
                 first = page
-            elif page.incarnation != first.incarnation:
-                raise EventFormatError(
-                    f"pool restarted during the snapshot ({first.incarnation} -> {page.incarnation})"
-                )
-            objects.extend(PoolObject.from_info(o, parse=True) for o in page.objects)
+            objects.extend(cls.from_page(page, first, 0).objects)
         if first is None:
             raise EventFormatError("empty snapshot: no page")
-        return cls(first.pool, first.incarnation, first.seq, tuple(objects))
+        return cls(first.pool, first.incarnation, first.seq, tuple(objects), total=first.total)
 
 
 @dataclasses.dataclass(frozen=True)
 class BlocksStored:
     """Announce: these consecutive blocks now exist at the pool's tier."""
 
-    block_hashes: tuple[bytes, ...]
-    parent_block_hash: bytes | None
-    token_ids: Sequence[int]  # flattened, len == block_size * len(block_hashes)
+    block_hashes: tuple[ExternalHash, ...]
+    parent_block_hash: ExternalHash | None
+    token_ids: Sequence[int] | np.ndarray  # flattened, len == block_size * len(block_hashes)
     block_size: int
     lora_name: str | None = None
 
@@ -178,7 +255,7 @@ class BlocksStored:
 class BlocksRemoved:
     """Announce: these blocks no longer exist at the pool's tier."""
 
-    block_hashes: tuple[bytes, ...]
+    block_hashes: tuple[ExternalHash, ...]
 
 
 Announcement = BlocksStored | BlocksRemoved

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import msgspec
+import numpy as np
+from vllm import envs
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
@@ -31,6 +34,7 @@ __all__ = [
     "encode_batch",
     "encode_seq",
     "external_hash",
+    "int_block_hashes",
     "to_vllm_event",
 ]
 
@@ -42,6 +46,11 @@ _decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
 def external_hash(block_hash: bytes):
     """A vLLM `BlockHash` (bytes) as vLLM writes it into its own KV events."""
     return maybe_convert_block_hash(BlockHash(block_hash))
+
+
+def int_block_hashes() -> bool:
+    """vLLM announces block hashes as ints (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, its default)."""
+    return bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
 
 
 def encode_seq(seq: int) -> bytes:
@@ -60,19 +69,37 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return _decoder.decode(payload)
 
 
+def _token_ids(tokens: Sequence[int] | np.ndarray) -> Any:
+    """Token ids for a `BlockStored`: a list as it is, a uint32 array as its msgpack encoding
+    (an array of uint32 ints, written in one pass instead of one Python int per token)."""
+    if not isinstance(tokens, np.ndarray):
+        return tokens if isinstance(tokens, list) else list(tokens)
+    n = len(tokens)
+    head = (
+        bytes([0x90 | n])
+        if n < 16
+        else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big"))
+    )
+    body = np.empty((n, 5), dtype=np.uint8)
+    body[:, 0] = 0xCE  # msgpack uint32
+    body[:, 1:] = tokens.astype(">u4").view(np.uint8).reshape(n, 4)
+    return msgspec.Raw(head + body.tobytes())
+
+
 def to_vllm_event(a: Announcement, medium: str) -> BlockStored | BlockRemoved:
+    """vLLM's event for `a` (whose hashes are already as vLLM announces them: `external_hash`)."""
     if isinstance(a, BlocksStored):
         return BlockStored(
-            block_hashes=[external_hash(h) for h in a.block_hashes],
-            parent_block_hash=None if a.parent_block_hash is None else external_hash(a.parent_block_hash),
-            token_ids=list(a.token_ids),
+            block_hashes=list(a.block_hashes),
+            parent_block_hash=a.parent_block_hash,
+            token_ids=_token_ids(a.token_ids),
             block_size=a.block_size,
             lora_id=None,
             medium=medium,
             lora_name=a.lora_name,
         )
     if isinstance(a, BlocksRemoved):
-        return BlockRemoved(block_hashes=[external_hash(h) for h in a.block_hashes], medium=medium)
+        return BlockRemoved(block_hashes=list(a.block_hashes), medium=medium)
     raise TypeError(f"not an announcement: {a!r}")
 
 

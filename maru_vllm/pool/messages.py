@@ -153,6 +153,7 @@ class SnapshotPage(msgspec.Struct):
     and afterwards applies every event with a larger seq. An object stored or removed while the
     pages were read is then either in a page and re-stored by its event (stores are idempotent)
     or absent and added by it; a removal of an object a page no longer shows is a no-op.
+    `total`: how many objects the pool held when the page was taken (all namespaces; a size hint).
     """
 
     pool: str
@@ -160,6 +161,7 @@ class SnapshotPage(msgspec.Struct):
     seq: int
     objects: list[ObjectInfo]
     next: int | None = None
+    total: int | None = None
 
 
 class ErrorMsg(msgspec.Struct):

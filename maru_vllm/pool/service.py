@@ -472,7 +472,14 @@ class PoolService:
     def _snapshot_page(self, ns: str | None, after: int, limit: int, max_bytes: int) -> M.SnapshotPage:
         assert self.index is not None and self.region is not None
         objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes)
-        return M.SnapshotPage(self.cfg.name, self.region.info.incarnation, self.seq, [o.info() for o in objs], nxt)
+        return M.SnapshotPage(
+            self.cfg.name,
+            self.region.info.incarnation,
+            self.seq,
+            [o.info() for o in objs],
+            nxt,
+            len(self.index.objects),
+        )
 
     def _stats_from_any_thread(self) -> dict[str, Any]:
         """`_stats`, computed on the event loop (the index is not thread-safe; scrapes run on

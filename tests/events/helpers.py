@@ -14,6 +14,13 @@ def block_hash(prefix_id: int, block: int) -> bytes:
     return hashlib.sha256(f"{prefix_id}/{block}".encode()).digest()
 
 
+def ext(prefix_id: int, block: int):
+    """`block_hash(prefix_id, block)` as vLLM announces it in KV events (and the relay does)."""
+    from maru_vllm.events.vllm_format import external_hash
+
+    return external_hash(block_hash(prefix_id, block))
+
+
 def chunk_meta(
     prefix_id: int, chunk: int, blocks_per_chunk: int = 2, block_size: int = BLOCK, rank: int = 0
 ) -> dict[str, Any]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from maru_vllm.events.pool_view import NamespaceFilter, PoolView, model_namespace_prefix
 from maru_vllm.events.types import BlocksRemoved, BlocksStored, PoolChunk, PoolEvent, PoolObject, PoolSnapshot
+from maru_vllm.pool import messages as M
 from tests.connector.identity import IDENTITY
-from tests.events.helpers import BLOCK, block_hash, chunk_meta, obj
+from tests.events.helpers import BLOCK, block_hash, chunk_meta, ext, obj
 
 
 def view(**kw) -> PoolView:
@@ -20,22 +22,22 @@ def test_stored_chunk_announces_its_blocks_chained_on_its_parent() -> None:
     v = view()
     [a0] = v.stored(obj(1, 0))
     assert isinstance(a0, BlocksStored)
-    assert a0.block_hashes == (block_hash(1, 0), block_hash(1, 1)) and a0.parent_block_hash is None
+    assert a0.block_hashes == (ext(1, 0), ext(1, 1)) and a0.parent_block_hash is None
     assert a0.block_size == BLOCK and len(a0.token_ids) == 2 * BLOCK
     assert tuple(a0.token_ids[:BLOCK]) == tuple(chunk_meta(1, 0)["token_ids"][0])
     [a1] = v.stored(obj(1, 1))
-    assert a1.block_hashes == (block_hash(1, 2), block_hash(1, 3)) and a1.parent_block_hash == block_hash(1, 1)
+    assert a1.block_hashes == (ext(1, 2), ext(1, 3)) and a1.parent_block_hash == ext(1, 1)
     assert v.stored(obj(1, 1)) == []  # duplicate stored event
-    assert v.blocks == {block_hash(1, b) for b in range(4)}
+    assert v.blocks == {ext(1, b) for b in range(4)}
 
 
 def test_removed_withdraws_blocks_only_when_the_last_object_holding_them_goes() -> None:
     v = view()
     v.stored(obj(1, 0, rank=0))
     assert v.stored(obj(1, 0, rank=1)) == []  # second TP rank of the same chunk: nothing new
-    assert v.removed(obj(1, 0, rank=0).oid) == []
-    assert v.removed(obj(1, 0, rank=1).oid) == [BlocksRemoved((block_hash(1, 0), block_hash(1, 1)))]
-    assert v.removed(obj(1, 0, rank=1).oid) == []  # unknown object
+    assert v.removed(obj(1, 0, rank=0)) == []
+    assert v.removed(obj(1, 0, rank=1)) == [BlocksRemoved((ext(1, 0), ext(1, 1)))]
+    assert v.removed(obj(1, 0, rank=1)) == []  # unknown object
     assert len(v) == 0 and not v.blocks
 
 
@@ -59,9 +61,7 @@ def test_apply_routes_events() -> None:
     v = view()
     o = obj(2, 0)
     ev = PoolEvent("stored", 1, "inc", "p", o)
-    assert v.apply(ev) and v.apply(PoolEvent("removed", 2, "inc", "p", o)) == [
-        BlocksRemoved((block_hash(2, 0), block_hash(2, 1)))
-    ]
+    assert v.apply(ev) and v.apply(PoolEvent("removed", 2, "inc", "p", o)) == [BlocksRemoved((ext(2, 0), ext(2, 1)))]
 
 
 def test_resync_announces_only_the_difference_parents_first() -> None:
@@ -71,26 +71,59 @@ def test_resync_announces_only_the_difference_parents_first() -> None:
     v.stored(obj(2, 0))
     snap = PoolSnapshot("p", "inc2", 9, (obj(3, 1), obj(1, 0), obj(3, 0), obj(9, 0, namespace="x")))
     out = v.resync(snap)
-    assert out[0] == BlocksRemoved((block_hash(1, 2), block_hash(1, 3), block_hash(2, 0), block_hash(2, 1))) or set(
-        out[0].block_hashes
-    ) == {block_hash(1, 2), block_hash(1, 3), block_hash(2, 0), block_hash(2, 1)}
+    assert isinstance(out[0], BlocksRemoved)
+    assert set(out[0].block_hashes) == {ext(1, 2), ext(1, 3), ext(2, 0), ext(2, 1)}
     stores = out[1:]
-    assert [s.block_hashes[0] for s in stores] == [block_hash(3, 0), block_hash(3, 2)]  # parent chunk first
+    assert [s.block_hashes[0] for s in stores] == [ext(3, 0), ext(3, 2)]  # parent chunk first
     assert v.resync(snap) == []  # idempotent
-    assert v.blocks == {block_hash(1, 0), block_hash(1, 1)} | {block_hash(3, b) for b in range(4)}
+    assert v.blocks == {ext(1, 0), ext(1, 1)} | {ext(3, b) for b in range(4)}
+    assert obj(3, 1).oid in v and obj(2, 0).oid not in v and len(v) == 3
     cleared = v.clear()
-    assert len(cleared) == 1 and set(cleared[0].block_hashes) == {block_hash(1, 0), block_hash(1, 1)} | {
-        block_hash(3, b) for b in range(4)
-    }
+    assert len(cleared) == 1 and set(cleared[0].block_hashes) == {ext(1, 0), ext(1, 1)} | {ext(3, b) for b in range(4)}
     assert not v.blocks
 
 
-def test_announce_all_repeats_every_block_once() -> None:
+def test_a_snapshot_in_parts_announces_each_part_and_removals_at_the_end() -> None:
+    v = view()
+    v.stored(obj(1, 0))
+    v.stored(obj(2, 0))
+    part0 = PoolSnapshot("p", "inc", 5, (obj(3, 1),), part=0, last=False, total=3)  # a child before its parent
+    part1 = PoolSnapshot("p", "inc", 5, (obj(1, 0), obj(3, 0)), part=1, last=True)
+    assert v.resync(part0) == []  # held until its parent is announced
+    out = v.resync(part1)
+    assert out[0] == BlocksRemoved((ext(2, 0), ext(2, 1)))
+    assert [s.block_hashes[0] for s in out[1:]] == [ext(3, 0), ext(3, 2)]
+    assert v.blocks == {ext(1, 0), ext(1, 1)} | {ext(3, b) for b in range(4)}
+
+
+def test_an_unfinished_resync_is_withdrawn_by_the_next_one() -> None:
+    v = view()
+    [stored] = v.resync(PoolSnapshot("p", "inc", 5, (obj(4, 0),), part=0, last=False))
+    assert stored.block_hashes == (ext(4, 0), ext(4, 1))
+    # the pool restarted mid-snapshot: a new resync starts; object 4 is gone by now
+    out = v.resync(PoolSnapshot("p", "inc2", 1, (obj(5, 0),)))
+    assert BlocksRemoved((ext(4, 0), ext(4, 1))) in out and not {ext(4, 0), ext(4, 1)} & v.blocks
+
+
+def test_a_full_resync_announces_every_block_once() -> None:
     v = view()
     for o in (obj(1, 1), obj(1, 0), obj(1, 0, rank=1)):
         v.stored(o)
-    out = v.announce_all()
-    assert [a.block_hashes for a in out] == [(block_hash(1, 0), block_hash(1, 1)), (block_hash(1, 2), block_hash(1, 3))]
+    out = v.resync(PoolSnapshot("p", "inc", 3, (obj(1, 1), obj(1, 0), obj(1, 0, rank=1)), full=True))
+    assert [a.block_hashes for a in out] == [(ext(1, 0), ext(1, 1)), (ext(1, 2), ext(1, 3))]
+    assert v.resync(PoolSnapshot("p", "inc", 3, (obj(1, 1), obj(1, 0), obj(1, 0, rank=1)))) == []
+
+
+def test_the_view_keeps_block_keys_not_tokens() -> None:
+    """What a relay holds per pool object is a few table slots: 10^4 chunks of 4 blocks of 64
+    tokens each cost the view's tables well under 100 bytes per block."""
+    v = PoolView(NamespaceFilter(), block_size=64)
+    objs = [
+        PoolObject("kv:m:1", f"{i:08x}", 1, chunk_meta(i, 0, blocks_per_chunk=4, block_size=64)) for i in range(10_000)
+    ]
+    v.resync(PoolSnapshot("p", "inc", 1, tuple(objs), total=len(objs)))
+    assert len(v) == 10_000 and v.block_count == 40_000
+    assert v.nbytes < 100 * 40_000
 
 
 def test_partial_overlap_announces_only_new_runs_with_the_right_parent() -> None:
@@ -98,7 +131,7 @@ def test_partial_overlap_announces_only_new_runs_with_the_right_parent() -> None
     v.stored(obj(1, 0))  # blocks 0,1
     four = PoolObject("kv:m:1", "ff", 1, {**chunk_meta(1, 0, blocks_per_chunk=4)})  # blocks 0..3
     [a] = v.stored(four)
-    assert a.block_hashes == (block_hash(1, 2), block_hash(1, 3)) and a.parent_block_hash == block_hash(1, 1)
+    assert a.block_hashes == (ext(1, 2), ext(1, 3)) and a.parent_block_hash == ext(1, 1)
     assert len(a.token_ids) == 2 * BLOCK
 
 
@@ -119,11 +152,13 @@ def test_model_prefix_matches_the_connector_namespace() -> None:
 
 def test_chunk_meta_parsing() -> None:
     c = PoolChunk.from_meta(chunk_meta(5, 1))
-    assert (
-        c is not None
-        and c.chunk_index == 1
-        and c.parent_of(0) == block_hash(5, 1)
-        and c.parent_of(1) == block_hash(5, 2)
-    )
+    assert c is not None and c.chunk_index == 1 and c.parent_of(0) == ext(5, 1) and c.parent_of(1) == ext(5, 2)
+    assert list(c.tokens_of(1, 2)) == chunk_meta(5, 1)["token_ids"][1]
+    raw = PoolChunk.from_meta(M.encode_meta_json(chunk_meta(5, 1)))  # the JSON events and pages carry
+    assert raw is not None and raw.block_hashes == c.block_hashes and list(raw.tokens) == list(c.tokens)
+    assert PoolChunk.from_meta(chunk_meta(5, 1), int_hashes=False).block_hashes == (block_hash(5, 2), block_hash(5, 3))
     assert PoolChunk.from_meta({**chunk_meta(5, 0), "block_hashes": ["zz", "00"]}) is None
     assert PoolChunk.from_meta({**chunk_meta(5, 0), "lora_name": 3}) is None
+    for bad_tokens in ([[1, 2, 3], [4, 5, 6, 7]], [[1, 2, 3, -4], [5, 6, 7, 8]], [[1, 2, 3, 1 << 32], [5, 6, 7, 8]]):
+        bad = M.encode_meta_json({**chunk_meta(5, 0), "token_ids": bad_tokens})
+        assert PoolChunk.from_meta(bad) is None and PoolChunk.from_meta(msgspec.json.decode(bad)) is None

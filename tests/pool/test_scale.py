@@ -72,11 +72,11 @@ def test_socket_resync_of_the_event_source_reads_every_page(pool_factory) -> Non
     src = PoolEventSource(
         PoolSourceConfig("nats://127.0.0.1:1", "x", pool_address=p.address), lambda s: None, lambda e: None
     )
-    snap = src._socket_snapshot(None)
-    assert len(snap.objects) == 7000
+    pages = list(src._socket_pages(None))
+    assert len(pages) > 1 and sum(len(p.objects) for p in pages) == 7000 and pages[0].total == 7000
     from maru_vllm.events.types import PoolChunk
 
-    chunk = PoolChunk.from_meta(snap.objects[0].meta)
+    chunk = PoolChunk.from_meta(pages[0].objects[0].meta)
     assert chunk is not None and len(chunk.block_hashes) == 16
 
 
