@@ -3,9 +3,10 @@
 Starts the real graph (`graphs/run.py`'s build_plan / start_graph / stop_graph: nats-server, the
 pool, the Maru workers, Dynamo's frontend), and the moment start_graph returns (what `maru-dynamo
 graph run` announces as ready) sends a burst of streaming completions at a fixed concurrency,
-then, after a pause, a second burst of the same shape. Every prompt of both bursts is distinct
-random text (the fixture models' byte tokenizer: one character, one token), so the second burst
-measures a warm graph, not a cache hit. Prints TTFT p50/p90/p99/mean of each burst and the ratio
+then, after a pause, a second burst of the same shape. The load generator is `vllm bench serve`
+(its random dataset, a seed per burst; `--load httpx`: an in-process streaming client, random
+text, which also skips vllm's ~8 s start). Every prompt of both bursts is distinct, so the second
+burst measures a warm graph, not a cache hit. Prints TTFT p50/p90/p99/mean of each burst and the ratio
 first/warm; the target is p99 first <= 2x p99 warm.
 
 Each round starts the graph twice, as it is and with the workers' warm-up before registration
@@ -27,7 +28,9 @@ import random
 import shutil
 import statistics
 import string
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -105,6 +108,37 @@ def graph_spec(path: str, warmup: bool) -> GraphSpec:
     return dataclasses.replace(spec, workers=workers)
 
 
+VLLM = Path(sys.executable).parent / "vllm"
+
+
+def _vllm_bench_burst(name: str, url: str, model: str, seed: int, args: argparse.Namespace) -> Burst:
+    """One burst sent by `vllm bench serve` (random-token prompts of the same length range)."""
+    mid = (args.min_len + args.max_len) / 2
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [
+            str(VLLM), "bench", "serve", "--backend", "openai", "--base-url", url, "--model", model,
+            "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(round(mid)),
+            "--random-range-ratio", f"{(args.max_len - mid) / mid:.4f}", "--random-output-len", str(args.max_tokens),
+            "--ignore-eos", "--num-prompts", str(args.requests), "--max-concurrency", str(args.concurrency),
+            "--request-rate", "inf", "--seed", str(seed), "--ready-check-timeout-sec", "0", "--disable-tqdm",
+            "--save-result", "--save-detailed", "--result-dir", out, "--result-filename", "burst.json",
+        ]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if res.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed ({res.returncode}):\n{(res.stdout + res.stderr)[-3000:]}")
+        data = json.loads((Path(out) / "burst.json").read_text())
+    if data.get("completed") != args.requests:
+        raise RuntimeError(f"vllm bench serve completed {data.get('completed')} of {args.requests} requests")
+    return Burst(name, tuple(float(t) for t in data["ttfts"]), float(data["duration"]))
+
+
+def send_burst(name: str, url: str, model: str, seed: int, args: argparse.Namespace) -> Burst:
+    if args.load == "vllm-bench":
+        return _vllm_bench_burst(name, url, model, seed, args)
+    texts = prompts(seed, args.requests, args.min_len, args.max_len)
+    return asyncio.run(_burst(name, url, model, texts, args.concurrency, args.max_tokens))
+
+
 def run_round(args: argparse.Namespace, round_no: int, warmup: bool) -> tuple[Burst, Burst]:
     spec = graph_spec(args.graph, warmup)
     model = resolve_model(args.model or spec.model)
@@ -120,27 +154,9 @@ def run_round(args: argparse.Namespace, round_no: int, warmup: bool) -> tuple[Bu
             f"[round {round_no}, {label}] graph ready after {time.monotonic() - t0:.1f} s; first burst now", flush=True
         )
         seed = 1000 * round_no
-        first = asyncio.run(
-            _burst(
-                "first",
-                plan.url,
-                model,
-                prompts(seed + 1, args.requests, args.min_len, args.max_len),
-                args.concurrency,
-                args.max_tokens,
-            )
-        )
+        first = send_burst("first", plan.url, model, seed + 1, args)
         time.sleep(args.pause_s)
-        warm = asyncio.run(
-            _burst(
-                "warm",
-                plan.url,
-                model,
-                prompts(seed + 2, args.requests, args.min_len, args.max_len),
-                args.concurrency,
-                args.max_tokens,
-            )
-        )
+        warm = send_burst("warm", plan.url, model, seed + 2, args)
         return first, warm
     finally:
         supervisor.watch(force=True)  # the segments the engines opened since they started
@@ -163,6 +179,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--pause-s", type=float, default=5.0, help="pause between the two bursts")
     p.add_argument("--rounds", type=int, default=1, help="rounds (each: the graph with and without warm-up)")
     p.add_argument("--only", choices=("warmup", "both"), default="both", help="warmup: no comparison run")
+    p.add_argument(
+        "--load",
+        choices=("vllm-bench", "httpx"),
+        default="vllm-bench",
+        help="load generator: `vllm bench serve` (random dataset), or an in-process httpx streaming client "
+        "(sends the first request the moment the graph is ready, without vllm's ~8 s start)",
+    )
     p.add_argument("--keep-logs", action="store_true")
     args = p.parse_args(argv)
     for name in ("requests", "concurrency", "min_len", "max_len", "max_tokens", "rounds"):
