@@ -212,6 +212,7 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
         ]
         report["faults_missed"] = [f.kind for f in args.schedule][len(faults.records) :]
         report["probes"] = faults.probes
+        report["instances_end"] = {str(i): view.ask(view.probe_prompt(8), i) is not None for i in view.instances()}
         report["drain"] = drain(view, args.drain_timeout)
         sampler.sample()
         report["pool_counters"] = sampler.pool_totals()
@@ -324,6 +325,13 @@ def format_report(report: dict[str, Any]) -> str:
             f"pool: {c['incarnations']} incarnation(s); hits {c['hits']}, misses {c['misses']}, "
             f"stores {c['stores']}, evictions {c['evictions']}, corrupt reads {c['corrupt_reads']}"
         )
+    listed = report.get("instances_end")
+    if listed is not None:
+        stale = [i for i, ok in listed.items() if not ok]
+        lines.append(
+            f"frontend lists {len(listed)} worker instance(s) at the end; not serving a pinned request: "
+            + (", ".join(stale) if stale else "none")
+        )
     d = report.get("drain")
     if d:
         lines.append(
@@ -337,6 +345,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"  {row['process']:<48} {row['first_mib']:>7.0f} -> {row['last_mib']:>7.0f} (peak "
             f"{row['peak_mib']:.0f}) over {row['span_s']:>5.0f}s  slope {'-' if slope is None else f'{slope:+.2f}'}"
+            + (" (restarted: start-up in the fit)" if row["started_during_run"] and slope is not None else "")
         )
     lines.append(
         f"/dev/shm left of ours (removed by the soak after this report): {', '.join(report['shm_left']) or 'none'}"

@@ -145,6 +145,8 @@ class Sampler:
                     "first_mib": round(s.rss_kib[0] / MIB_KIB, 1),
                     "last_mib": round(s.rss_kib[-1] / MIB_KIB, 1),
                     "peak_mib": round(max(s.rss_kib) / MIB_KIB, 1),
+                    # started after the load did (a restart): its start-up may still be in the fit
+                    "started_during_run": s.times[0] > 2 * self.interval_s,
                     "rss_slope_mib_min": _round(slope_mib_per_min(times, [s.rss_kib[i] for i in keep]))
                     if fitted
                     else None,
