@@ -227,7 +227,7 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
             signal.signal(s, signal.SIG_IGN)
         faults.stop()
         sampler.stop()
-        seen_pids = {series.pid for series in sampler.series.values()}
+        seen_pids = set(sampler.pids_seen)
         stop_graph(group, supervisor=supervision)
         report["supervision"] = {
             "restarts": {name: supervision.restarts(name) for name in view.names()},

@@ -56,6 +56,7 @@ class Sampler:
         self.view, self.interval_s = view, interval_s
         self.series: dict[str, Series] = {}
         self.shm_seen: set[str] = set()
+        self.pids_seen: set[int] = set()  # every process of the graph seen at any scan
         self.pool_timeline: list[dict[str, Any]] = []  # {"t", stats...} per answered sample
         self._incarnations: dict[str, dict[str, int]] = {}  # incarnation -> last counters
         self._stop = threading.Event()
@@ -101,6 +102,7 @@ class Sampler:
             found = procs.shm_mappings(p) | procs.shm_fds(p)
             with self._lock:
                 self.shm_seen |= found
+                self.pids_seen.add(p)
 
     def sample(self) -> None:
         now = time.monotonic() - self.t0
