@@ -180,6 +180,10 @@ def install_warmup_before_registration(opts: WarmupOptions | None = None) -> Cal
 
 
 async def _warm_up_logged(engine_client: Any, vllm_config: Any, opts: WarmupOptions) -> None:
+    runner = getattr(vllm_config.model_config, "runner_type", "generate")
+    if runner != "generate":  # embedding / classification engines never sample
+        logger.info("maru_worker: no warm-up for a %s engine", runner)
+        return
     logger.info("maru_worker: warming up the engine before registering (ready means warm)")
     try:
         model_config = vllm_config.model_config
