@@ -153,9 +153,15 @@ class PoolView:
 
     def chunk_of(self, obj: PoolObject) -> PoolChunk | None:
         """The blocks of `obj` when it belongs to this worker, else None."""
-        if not self.namespaces.accepts(obj.namespace):
-            return None
-        chunk = PoolChunk.from_meta(obj.meta, self.int_hashes)
+        return self.chunks_of([obj])[0]
+
+    def chunks_of(self, objects: Sequence[PoolObject]) -> list[PoolChunk | None]:
+        """`chunk_of` each of `objects` (parsed together: a snapshot page)."""
+        mine = [o for o in objects if self.namespaces.accepts(o.namespace)]
+        parsed = iter(PoolChunk.many_from_meta([o.meta for o in mine], self.int_hashes))
+        return [self._checked(o, next(parsed)) if self.namespaces.accepts(o.namespace) else None for o in objects]
+
+    def _checked(self, obj: PoolObject, chunk: PoolChunk | None) -> PoolChunk | None:
         if chunk is None:
             self._warn_once(obj.namespace, "objects without MaruKVConnector chunk metadata are not announced")
             return None
@@ -227,7 +233,7 @@ class PoolView:
     def _resync_part(self, objects: Sequence[PoolObject]) -> list[Announcement]:
         rs = self._resync
         assert rs is not None
-        accepted = [(o, c) for o in objects if (c := self.chunk_of(o)) is not None]
+        accepted = [(o, c) for o, c in zip(objects, self.chunks_of(objects)) if c is not None]
         if not accepted:
             return []
         okeys = np.fromiter((object_key(o.oid) for o, _ in accepted), dtype=np.uint64, count=len(accepted))

@@ -66,20 +66,25 @@ class _ChunkFacts(msgspec.Struct):
 _facts_decoder = msgspec.json.Decoder(_ChunkFacts)
 
 
-def _tokens_from_json(raw: bytes, blocks: int, block_size: int) -> np.ndarray | None:
-    """`[[t, ...], ...]` (compact JSON, `blocks` lists of `block_size` uint32) as one flat uint32
-    array; None when it is anything else."""
+def _token_text(raw: bytes, blocks: int, block_size: int) -> bytes | None:
+    """The token ids of `[[t, ...], ...]` (compact JSON: `blocks` lists of `block_size` ints) as
+    one comma-separated run of ints; None when the lists do not have that shape."""
     if raw[:2] != b"[[" or raw[-2:] != b"]]":
         return None
     inner = raw[2:-2]
     per_block = inner.split(b"],[")
     if len(per_block) != blocks or any(b.count(b",") != block_size - 1 for b in per_block):
         return None
+    return inner.replace(b"],[", b",")
+
+
+def _parse_tokens(text: bytes, n: int) -> np.ndarray | None:
+    """`n` comma-separated uint32 token ids as an array; None when `text` is anything else."""
     try:
-        tokens = np.fromstring(inner.replace(b"],[", b","), dtype=np.int64, sep=",")
+        tokens = np.fromstring(text, dtype=np.int64, sep=",")
     except ValueError:
         return None
-    if len(tokens) != blocks * block_size or tokens.min() < 0 or tokens.max() >= 1 << 32:
+    if len(tokens) != n or (n and (tokens.min() < 0 or tokens.max() >= 1 << 32)):
         return None
     return tokens.astype(np.uint32)
 
@@ -108,30 +113,57 @@ class PoolChunk:
         """Parse chunk metadata (raw JSON as events/snapshots carry it, a `ChunkMeta`, or a dict);
         None when `meta` is not (a supported version of) `messages.ChunkMeta`. `int_hashes`:
         vLLM announces block hashes as ints (its default; see `ExternalHash`)."""
-        if isinstance(meta, PoolChunk):
-            return meta
-        try:
-            if isinstance(meta, (msgspec.Raw, bytes, bytearray, memoryview)):
-                f = _facts_decoder.decode(meta)
-                if f.v not in M.SUPPORTED_CHUNK_META_VERSIONS or f.block_size <= 0 or not f.block_hashes:
-                    return None
-                tokens = _tokens_from_json(bytes(f.token_ids), len(f.block_hashes), f.block_size)
-                if tokens is None:
-                    return None
-                facts: Any = f
+        return cls.many_from_meta([meta], int_hashes)[0]
+
+    @classmethod
+    def many_from_meta(cls, metas: Sequence[Any], int_hashes: bool = True) -> list[PoolChunk | None]:
+        """`from_meta` of each of `metas`; the token ids of all raw JSON ones are parsed in one
+        pass (a snapshot page: ~4x10^6 token ids)."""
+        out: list[PoolChunk | None] = [None] * len(metas)
+        raw: list[tuple[int, _ChunkFacts, tuple[ExternalHash, ...], ExternalHash | None, int]] = []
+        texts: list[bytes] = []
+        for i, meta in enumerate(metas):
+            if isinstance(meta, PoolChunk):
+                out[i] = meta
+            elif isinstance(meta, (msgspec.Raw, bytes, bytearray, memoryview)):
+                try:
+                    f = _facts_decoder.decode(meta)
+                    if f.v not in M.SUPPORTED_CHUNK_META_VERSIONS or f.block_size <= 0 or f.rank < 0:
+                        continue
+                    hashes = tuple(external_of_hex(h, int_hashes) for h in f.block_hashes)
+                    parent = external_of_hex(f.parent_block_hash, int_hashes) if f.parent_block_hash else None
+                except (ValueError, msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                text = _token_text(bytes(f.token_ids), len(hashes), f.block_size) if hashes else None
+                if text is not None:
+                    raw.append((i, f, hashes, parent, len(hashes) * f.block_size))
+                    texts.append(text)
             else:
-                facts = cls.chunk_meta(meta)
-                tokens = np.array(list(itertools.chain.from_iterable(facts.token_ids)), dtype=np.int64)
-                if len(tokens) and (tokens.min() < 0 or tokens.max() >= 1 << 32):
-                    return None
-                tokens = tokens.astype(np.uint32)
-            hashes = tuple(external_of_hex(h, int_hashes) for h in facts.block_hashes)
-            parent = external_of_hex(facts.parent_block_hash, int_hashes) if facts.parent_block_hash else None
-        except (M.MessageError, ValueError, msgspec.DecodeError, msgspec.ValidationError):
+                out[i] = cls._from_struct(meta, int_hashes)
+        if not raw:
+            return out
+        tokens = _parse_tokens(b",".join(texts), sum(r[4] for r in raw))
+        start = 0
+        for (i, f, hashes, parent, n), text in zip(raw, texts):
+            mine = tokens[start : start + n] if tokens is not None else _parse_tokens(text, n)
+            start += n
+            if mine is not None:
+                out[i] = cls(hashes, parent, mine, f.block_size, f.lora_name, f.chunk, f.rank)
+        return out
+
+    @classmethod
+    def _from_struct(cls, meta: Any, int_hashes: bool) -> PoolChunk | None:
+        """From a `ChunkMeta` or a dict of one."""
+        try:
+            cm = cls.chunk_meta(meta)
+            hashes = tuple(external_of_hex(h, int_hashes) for h in cm.block_hashes)
+            parent = external_of_hex(cm.parent_block_hash, int_hashes) if cm.parent_block_hash else None
+        except (M.MessageError, ValueError):
             return None
-        if facts.rank < 0:
+        tokens = np.array(list(itertools.chain.from_iterable(cm.token_ids)), dtype=np.int64)
+        if len(tokens) and (tokens.min() < 0 or tokens.max() >= 1 << 32):
             return None
-        return cls(hashes, parent, tokens, facts.block_size, facts.lora_name, facts.chunk, facts.rank)
+        return cls(hashes, parent, tokens.astype(np.uint32), cm.block_size, cm.lora_name, cm.chunk, cm.rank)
 
     def tokens_of(self, first: int, end: int) -> np.ndarray:
         """The token ids of blocks first..end-1, flattened (a view)."""
