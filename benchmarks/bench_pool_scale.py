@@ -9,24 +9,32 @@ MaruKVConnector commits (`ChunkMeta`: block hashes, token ids; `--chunk-tokens` 
 `--chunks-per-prompt` chained chunks per prompt) with empty payloads - the pool's metadata and
 the router's state do not depend on payload size, and a 1 TB region does not fit here.
 
-Per pool size it measures:
+A host runs one pool and W workers, each with its own relay; `--workers W ...` measures each W
+on the same filled pool, with a fresh router and W fresh worker stand-ins per W:
 
-* fill: commits/s into the pool, and the service's RSS per object;
-* resync: relay start -> snapshot (paged over the socket) applied -> Dynamo's router credits
-  the last prompt at the host tier; relay/worker RSS;
-* router memory: the router process's RSS before and after it holds every pool block;
-* event rate: chunks/s (and blocks/s) from commit to router credit for `--live-chunks` new
-  chunks stored after the sync;
+* fill: commits/s into the pool, and the service's RSS per chunk;
+* resync of all W at once (as after a host restart): relay start -> Dynamo's router credits the
+  last prompt at the host tier to every worker (`resync_all_s`); relay+publisher RSS (the
+  largest process, and what the relay added to it);
+* router memory: the router process's RSS before and after it holds every pool block for W
+  workers (per block and worker);
+* events: chunks/s from commit to router credit at every worker for `--live-chunks` new chunks,
+  the lag of the last one, and one chunk's commit -> credit on a quiet pool;
 * lookup: p50/p99 of `KvRouter.get_overlap_scores` for random pool prompts (timed inside the
-  router process), each checked to match every block at the host tier.
+  router process), each checked to match every block at the host tier for every worker;
+* one relay restarted (its worker restarts) while the others run: start -> router credit
+  (`resync_s`), and the pool service's RSS at the end.
 
 `--memory` instead measures the service's RSS per object for the issue's two cases (50,000
 empty objects; 40,000 objects with ~2 KiB connector metadata), optionally against another
 checkout (`--code-root`) for a before/after comparison.
 
-Usage: python benchmarks/bench_pool_scale.py [--chunks 100000 1000000] [--json out.json]
+Usage: python benchmarks/bench_pool_scale.py [--chunks 100000 1000000] [--workers 1 4 8] [--json out.json]
        python benchmarks/bench_pool_scale.py --memory [--code-root DIR]
-Run sizes of 10^6 under `flock /tmp/maru-heavy.lock` on a shared machine (~10 GB peak).
+`--json` writes the last run's figures at the top level (`chunks`, `workers`, `relay_rss_mib`,
+`resync_s`, `resync_all_s`, `service_rss_mib`, `router_rss_mib`, `lookup_p50_ms`, ...) and every
+run under `runs`. 10^6 chunks need ~4 GiB for the pool service, ~1.1 GiB of router per worker
+and ~0.7 GiB per worker stand-in (most of it vLLM's imports).
 """
 
 from __future__ import annotations
@@ -118,6 +126,13 @@ def rss(pid: int) -> int:
     return 0
 
 
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 class Stack:
     """nats-server + pool service + (later) router probe and worker stand-in, in a temp dir."""
 
@@ -194,7 +209,7 @@ class Stack:
 class Router:
     """Dynamo's KvRouter in its own process (maru_vllm.events.router_probe)."""
 
-    def __init__(self, stack: Stack, block_size: int, log: str = "router.log") -> None:
+    def __init__(self, stack: Stack, block_size: int, log: str = "router.log", event_threads: int = 4) -> None:
         self.proc = stack._spawn(
             [
                 sys.executable,
@@ -206,6 +221,8 @@ class Router:
                 str(block_size),
                 "--timeout",
                 "300",
+                "--event-threads",
+                str(event_threads),
             ],
             log=log,
             env=stack.env,
@@ -377,7 +394,7 @@ def start_workers(stack: Stack, args: argparse.Namespace, n: int, tag: str) -> t
     workers = [Worker(stack, args, f"worker-{tag}-{i}.log") for i in range(n)]
     for w in workers:
         w.wait_serving()
-    router = Router(stack, args.block_size, log=f"router-{tag}.log")
+    router = Router(stack, args.block_size, log=f"router-{tag}.log", event_threads=args.router_event_threads)
     router.lines.wait_for("ready", 300)
     time.sleep(1.0)  # let the router's event subscription settle
     return router, workers
@@ -390,7 +407,7 @@ def run_workers(
     restart. Returns (results, prompts in the pool now)."""
     bpc = work.geometry.blocks_per_chunk
     full = args.chunks_per_prompt * bpc
-    res: dict[str, Any] = dict(out, workers=n_workers)
+    res: dict[str, Any] = dict(out, workers=n_workers, router_event_threads=args.router_event_threads)
     tag = f"{out['chunks']}-w{n_workers}"
     router, workers = start_workers(stack, args, n_workers, tag)
     try:
@@ -516,6 +533,15 @@ def run_scale(args: argparse.Namespace, chunks: int) -> list[dict[str, Any]]:
             flush=True,
         )
         for n_workers in args.workers:
+            # ~300 B of router per block and worker, ~0.8 GiB per worker stand-in, 2 GiB to spare
+            need = out["blocks"] * n_workers * 300 + n_workers * (800 * MiB) + 2048 * MiB
+            if mem_available() < need:
+                print(
+                    f"[{chunks} x W={n_workers}] skipped: {mem_available() / MiB:.0f} MiB available, "
+                    f"the run needs ~{need / MiB:.0f} MiB",
+                    flush=True,
+                )
+                continue
             res, prompts = run_workers(args, stack, client, work, prompts, n_workers, out)
             results.append(res)
         client.close()
@@ -568,6 +594,9 @@ def main() -> None:
     ap.add_argument(
         "--workers", type=int, nargs="+", default=[1], help="relays (worker stand-ins) on the one pool, per run"
     )
+    ap.add_argument(
+        "--router-event-threads", type=int, default=4, help="the router's KV indexer threads (Dynamo's default: 4)"
+    )
     ap.add_argument("--live-chunks", type=int, default=20_000)
     ap.add_argument("--lookups", type=int, default=1000)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds any one phase may take")
@@ -588,7 +617,7 @@ def main() -> None:
     else:
         runs = [r for n in args.chunks for r in run_scale(args, n)]
         # the last run's figures at the top level (the largest pool with the last --workers), all in "runs"
-        results = {**runs[-1], "runs": runs}
+        results = {**(runs[-1] if runs else {}), "runs": runs}
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))

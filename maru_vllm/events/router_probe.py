@@ -31,7 +31,8 @@ async def _serve(args: argparse.Namespace) -> None:
     endpoint = runtime.endpoint(args.endpoint)
     client = await endpoint.client()
     await asyncio.wait_for(client.wait_for_instances(), args.timeout)
-    router = KvRouter(endpoint=endpoint, block_size=args.block_size, kv_router_config=KvRouterConfig())
+    config = KvRouterConfig(router_event_threads=args.event_threads)
+    router = KvRouter(endpoint=endpoint, block_size=args.block_size, kv_router_config=config)
     print("ready", flush=True)
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--endpoint", default="dynamo.backend.generate", help="namespace.component.endpoint")
     p.add_argument("--block-size", type=int, required=True)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a worker")
+    p.add_argument(
+        "--event-threads", type=int, default=4, help="KV indexer threads (the frontend's --router-event-threads)"
+    )
     asyncio.run(_serve(p.parse_args(argv)))
 
 
