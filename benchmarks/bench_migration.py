@@ -21,7 +21,8 @@ for each migrated request (its vLLM counters), whether every migrated stream arr
 and new requests sent right after each kill (`--probe-s`; their HTTP statuses and slowest
 latency: the window in which the dead worker may still be chosen).
 
-Options: --prompt-tokens 3072 --kill-after 8 --samples 3 --model bench --probe-s 10 --json.
+Options: --prompt-tokens 3072 --kill-after 8 --samples 3 --model bench --probe-s 10 --json
+--keep-logs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -241,12 +243,12 @@ class Bench:
         a = self.args
         self.log(f"[bench] graph on {self.model}; logs in {self.plan.work_dir / 'logs'}")
         supervisor = graph_run.supervise(self.plan, self.group, out=self.log)
-        graph_run.start_graph(self.plan, self.group, supervisor=supervisor)
-        supervisor.start()
         recompute: list[float] = []
         migrated: list[Migrated] = []
         probes: list[tuple[int, float]] = []
         try:
+            graph_run.start_graph(self.plan, self.group, supervisor=supervisor)
+            supervisor.start()
             self.wait_serving()
             ttft(self.plan.url, self.model, fresh_prompt(self.rng, 64))  # warm both paths once
             for sample in range(a.samples):
@@ -268,8 +270,13 @@ class Bench:
                         self.wait_serving()
             if a.probe_s > 0:
                 probes = self.probe_after_kill()
-        finally:
+        except BaseException:
+            self.log(f"[bench] failed; logs kept in {self.plan.work_dir / 'logs'}")
             graph_run.stop_graph(self.group, supervisor=supervisor)
+            raise
+        graph_run.stop_graph(self.group, supervisor=supervisor)
+        if not a.keep_logs:
+            shutil.rmtree(self.plan.work_dir, ignore_errors=True)
         return self.report(recompute, migrated, probes, supervisor.removed_segments)
 
     def report(
@@ -339,6 +346,7 @@ def main() -> int:
     ap.add_argument("--probe-s", type=float, default=10.0, help="send new requests for this long after each kill")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the graph's work dir with its logs")
     args = ap.parse_args()
     if args.prompt_tokens < CHUNK_TOKENS or args.kill_after < 1 or args.samples < 1:
         ap.error("--prompt-tokens must be >= 256, --kill-after and --samples >= 1")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from maru_vllm.launch import ManagedProcess, ProcessGroup
-from maru_vllm.launch.supervisor import CrashHistory, RestartPolicy, ShmSegments, Supervisor
+from maru_vllm.launch.supervisor import CrashHistory, RestartPolicy, ShmSegments, Supervisor, remove_dist_stores
 from tests.waiting import wait_until
 
 
@@ -56,14 +56,24 @@ def test_a_bad_policy_is_one_clear_error(kwargs: dict[str, float], message: str)
     assert str(err.value) == message
 
 
-# A fake engine: creates a /dev/shm segment, holds the pool's region open, keeps both in a child
-# (like vLLM's engine core, which outlives its killed API server), prints ready and sleeps.
+# A fake engine: creates a /dev/shm segment and a semaphore file, holds the pool's region open,
+# keeps all three in a child (like vLLM's engine core, which outlives its killed API server),
+# prints ready and sleeps.
 FAKE_ENGINE = """
 import mmap, os, sys, time
 path = sys.argv[1] + "-" + str(os.getpid())
 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
 os.ftruncate(fd, 4096)
 segment = mmap.mmap(fd, 4096)
+# A named semaphore as glibc's sem_open makes one: a temporary file, mapped, linked to its name,
+# the temporary name unlinked (the maps show only a deleted path).
+tmp = path + "-tmp"
+sem_fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.ftruncate(sem_fd, 32)
+semaphore = mmap.mmap(sem_fd, 32)
+os.link(tmp, path + "-sem")
+os.unlink(tmp)
+os.close(sem_fd)
 region = open(sys.argv[2], "rb")  # like a worker mapping the pool's region
 if os.fork() == 0:
     time.sleep(600)
@@ -95,7 +105,7 @@ def test_a_killed_tree_is_restarted_and_only_its_segments_are_removed(tmp_path: 
         engine = group.start(fake("worker:fake-engine", FAKE_ENGINE, tmp_path, prefix, str(protected)))
         engine.wait_for_log("ready")
         held = segments_of(tag) - {neighbour, protected}
-        assert len(held) == 1
+        assert len(held) == 2 and any(p.name.endswith("-sem") for p in held), held
         sup = Supervisor(
             group,
             policy=RestartPolicy(first_delay_s=0.2),
@@ -154,9 +164,9 @@ def test_segments_held_by_a_live_process_are_not_removed(tmp_path: Path) -> None
     try:
         with open(path, "rb"):
             segments = ShmSegments()
-            segments.seen = {path}
+            segments.seen = {path.stat().st_ino}
             assert segments.release() == []  # this test process holds it open
-        segments.seen = {path}
+        segments.seen = {path.stat().st_ino}
         assert segments.release() == [path] and not path.exists()
     finally:
         path.unlink(missing_ok=True)
@@ -174,7 +184,7 @@ def test_a_stop_that_ends_in_sigkill_leaves_no_segments(tmp_path: Path) -> None:
         engine = group.start(fake("worker:fake-stubborn", stubborn, tmp_path, prefix, str(region)))
         engine.wait_for_log("ready")
         held = segments_of(tag) - {region}
-        assert len(held) == 1
+        assert len(held) == 2
         sup = Supervisor(group, protect=[region], out=lambda line: None)
         sup.stop()  # looks at the live trees one last time
         group.stop_all(grace_s=0.5)
@@ -185,3 +195,14 @@ def test_a_stop_that_ends_in_sigkill_leaves_no_segments(tmp_path: Path) -> None:
         group.stop_all(grace_s=0.5)
         for p in segments_of(tag):
             p.unlink()
+
+
+def test_only_the_vllm_file_store_a_log_names_is_removed(tmp_path: Path) -> None:
+    mine = tmp_path / "vllm_dist_0123abcd"
+    theirs = tmp_path / "vllm_dist_4567ef01"
+    mine.write_text("store")
+    theirs.write_text("store")
+    log = f"(Worker pid=1) INFO parallel_state.py world_size=1 distributed_init_method=file://{mine} backend=gloo\n"
+    assert remove_dist_stores(log) == [mine]
+    assert not mine.exists() and theirs.exists()
+    assert remove_dist_stores(log) == []  # already gone: nothing to do

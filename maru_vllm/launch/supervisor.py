@@ -5,8 +5,9 @@ A `Supervisor` watches the processes of a `ProcessGroup` (each started in its ow
 
 1. kills what is left of its session (a vLLM engine core outlives a SIGKILLed API server),
 2. removes the /dev/shm segments that tree had open or mapped while it lived and that no live
-   process holds now (`ShmSegments`; killed vLLM engines leave their shared-memory queues
-   behind), never a path it was told to protect (the pool's region) nor anybody else's,
+   process holds now (`ShmSegments`; killed vLLM engines leave their shared-memory queues and
+   named semaphores behind), never a path it was told to protect (the pool's region) nor
+   anybody else's, and the vLLM file stores (`vllm_dist_*`) its log names,
 3. starts it again after the delay its `RestartPolicy` gives, or gives up on it with one line
    that says why and where its log is.
 
@@ -23,6 +24,8 @@ import collections
 import dataclasses
 import logging
 import os
+import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -126,16 +129,28 @@ def session_members(session: int) -> list[int]:
     return members
 
 
-def shm_paths_of(pid: int, shm_dir: Path = SHM_DIR) -> set[Path]:
-    """The files under `shm_dir` that `pid` has mapped or open (unlinked ones left out)."""
+def shm_inodes_of(pid: int, shm_dir: Path = SHM_DIR) -> dict[int, Path | None]:
+    """The files under `shm_dir` that `pid` has mapped or open: inode -> path (None once unlinked).
+
+    By inode, because a name is not always what a process holds: glibc's `sem_open` maps a
+    temporary file and links it to the semaphore's name (`sem.mp-*` of Python's multiprocessing
+    locks) before unlinking the temporary one, so the maps show a deleted path for a file that is
+    still in `shm_dir` under another name.
+    """
     prefix = str(shm_dir).rstrip("/") + "/"
-    found: set[Path] = set()
+    found: dict[int, Path | None] = {}
+
+    def add(inode: int, name: str) -> None:
+        path = None if name.endswith(" (deleted)") else Path(name)
+        if found.get(inode) is None:
+            found[inode] = path
+
     try:
         with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
             for line in maps:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].startswith(prefix) and not parts[5].endswith("(deleted)\n"):
-                    found.add(Path(parts[5].rstrip("\n")))
+                parts = line.rstrip("\n").split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith(prefix) and parts[4].isdigit():
+                    add(int(parts[4]), parts[5])
     except OSError:
         pass
     try:
@@ -145,41 +160,63 @@ def shm_paths_of(pid: int, shm_dir: Path = SHM_DIR) -> set[Path]:
     for fd in fds:
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith(prefix):
+                add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino, target)
         except OSError:
             continue
-        if target.startswith(prefix) and not target.endswith(" (deleted)"):
-            found.add(Path(target))
     return found
+
+
+def shm_paths_of(pid: int, shm_dir: Path = SHM_DIR) -> set[Path]:
+    """The files under `shm_dir` that `pid` has mapped or open, by name (unlinked ones left out)."""
+    return {path for path in shm_inodes_of(pid, shm_dir).values() if path is not None}
 
 
 class ShmSegments:
     """The /dev/shm files one process tree held while it lived, to remove once it is dead.
 
-    `scan(session)` adds whatever the session's processes have mapped or open now (call it while
-    the tree lives; a segment is created at engine start and held until exit). `release()`, after
-    the tree is dead, removes those still there that no live process holds and that are not in
-    `protect`; a file somebody else still maps (the pool's region, a neighbour's queue) stays.
+    `scan(session)` adds whatever the session's processes have mapped or open now, by inode (call
+    it while the tree lives; vLLM creates its segments at engine start and holds them until exit).
+    `release()`, after the tree is dead, removes the files of `shm_dir` with one of those inodes
+    that no live process holds and that are not in `protect`; a file somebody else still maps
+    (the pool's region, a neighbour's queue) stays, and so does every file the tree never held.
     """
 
     def __init__(self, shm_dir: Path = SHM_DIR) -> None:
         self.shm_dir = shm_dir
-        self.seen: set[Path] = set()
+        self.seen: set[int] = set()  # inodes
 
     def scan(self, session: int) -> None:
         for pid in session_members(session):
-            self.seen |= shm_paths_of(pid, self.shm_dir)
+            self.seen |= set(shm_inodes_of(pid, self.shm_dir))
 
     def release(self, protect: Collection[Path] = ()) -> list[Path]:
         """Remove the seen segments nobody holds now; returns the removed paths. Forgets all seen."""
-        candidates = {p for p in self.seen if p not in set(protect) and p.exists()}
-        self.seen = set()
+        seen, self.seen = self.seen, set()
+        if not seen:
+            return []
+        keep = set(protect)
+        candidates: dict[Path, int] = {}
+        try:
+            entries = list(self.shm_dir.iterdir())
+        except OSError:
+            return []
+        for path in entries:
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if st.st_ino in seen and stat.S_ISREG(st.st_mode) and path not in keep:
+                candidates[path] = st.st_ino
         if not candidates:
             return []
-        held: set[Path] = set()
+        held: set[int] = set()
         for pid in _pids():
-            held |= shm_paths_of(pid, self.shm_dir)
+            held |= set(shm_inodes_of(pid, self.shm_dir))
         removed = []
-        for path in sorted(candidates - held):
+        for path, inode in sorted(candidates.items()):
+            if inode in held:
+                continue
             try:
                 path.unlink()
             except FileNotFoundError:
@@ -199,6 +236,27 @@ def wait_session_gone(session: int, timeout_s: float = 10.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+# vLLM's file store for torch.distributed (`file://$TMPDIR/vllm_dist_<uuid>`): nobody holds it
+# open between operations and vLLM never removes it, but each engine logs its own.
+DIST_STORE_LOG = re.compile(r"distributed_init_method=file://(/\S*/vllm_dist_[0-9a-f]+)\b")
+
+
+def remove_dist_stores(log_text: str) -> list[Path]:
+    """Remove the vLLM file stores named in one start's log (its tree is dead); returns them."""
+    removed = []
+    for name in sorted(set(DIST_STORE_LOG.findall(log_text))):
+        path = Path(name)
+        try:
+            if stat.S_ISREG(path.lstat().st_mode):
+                path.unlink()
+                removed.append(path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            logger.warning("cannot remove %s: %s", path, exc)
+    return removed
 
 
 # -- the supervisor --------------------------------------------------------------------------
@@ -250,7 +308,7 @@ class Supervisor:
         self._next_scan = 0.0
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self.removed_segments: list[Path] = []  # every /dev/shm file removed after a death
+        self.removed_segments: list[Path] = []  # every file removed after a death or a stop
 
     # -- queries (thread-safe) ---------------------------------------------------------------
     def restarts(self, name: str) -> int:
@@ -327,7 +385,7 @@ class Supervisor:
                     continue
                 if not wait_session_gone(w.proc.pid):
                     logger.error("%s: processes of session %d survive its stop", w.proc.name, w.proc.pid)
-                removed += w.segments.release(self.protect)
+                removed += w.segments.release(self.protect) + remove_dist_stores(w.proc.output())
         self.removed_segments += removed
         if removed:
             logger.info("removed /dev/shm segments left by stopped processes: %s", ", ".join(p.name for p in removed))
@@ -339,10 +397,10 @@ class Supervisor:
         proc.kill()  # the rest of its session: engine cores, tokenizer workers
         if not wait_session_gone(proc.pid):
             logger.error("%s: processes of session %d survive SIGKILL", proc.name, proc.pid)
-        removed = w.segments.release(self.protect)
+        removed = w.segments.release(self.protect) + remove_dist_stores(proc.output())
         self.removed_segments += removed
         if removed:
-            logger.info("%s: removed its /dev/shm segments %s", proc.name, ", ".join(p.name for p in removed))
+            logger.info("%s: removed what its dead tree left: %s", proc.name, ", ".join(map(str, removed)))
         decision = w.history.exited(now, now - w.started_at)
         if decision.delay_s is None:
             w.given_up = decision.reason

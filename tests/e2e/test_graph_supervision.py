@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from maru_vllm.launch.engine_metrics import read_counters, running_requests
-from maru_vllm.launch.supervisor import session_members, shm_paths_of
+from maru_vllm.launch.supervisor import session_members, shm_inodes_of, shm_paths_of
 from tests.e2e.conftest import token_prompt
 from tests.e2e.openai_client import completion
 from tests.e2e.streaming_load import Load
@@ -124,7 +124,8 @@ def test_graph_run_restarts_what_dies_and_loses_no_request(tiny_model: Path) -> 
         region = Path(f"/dev/shm/maru-kv-{work.name}")
         held = set().union(*(shm_paths_of(pid) for pid in session_members(victim)))
         assert region in held and any(p.name.startswith("psm_") for p in held), held
-        segments = held - {region}
+        # By inode: the tree also holds files whose mapped name is gone (glibc's named semaphores).
+        inodes = set().union(*(shm_inodes_of(pid) for pid in session_members(victim))) - {region.stat().st_ino}
 
         # 1. SIGKILL worker-0's tree with requests running on it.
         load = Load(url, model, lambda i: token_prompt(1000 + i, PROMPT_TOKENS), MAX_TOKENS, threads=3).start()
@@ -132,7 +133,8 @@ def test_graph_run_restarts_what_dies_and_loses_no_request(tiny_model: Path) -> 
         os.killpg(victim, signal.SIGKILL)
         run.wait_line(r"\[graph\] worker:worker-0 exited with code -9; restarting it in \d+ s", timeout=60)
         run.wait_line(r"\[graph\] worker:worker-0 restarted \(pid \d+, restart 1\)", timeout=60)
-        assert not any(p.exists() for p in segments), "the dead worker's /dev/shm segments are still there"
+        left = shm_files(inodes)
+        assert not left, f"the dead worker's /dev/shm segments are still there: {left}"
         # The new worker comes up and takes requests again (its engine counts prompts).
         wait_until(lambda: _prompt_tokens(metrics) > 0, timeout=300, interval=1, what="worker-0 serving again")
         results = load.stop()
@@ -145,7 +147,7 @@ def test_graph_run_restarts_what_dies_and_loses_no_request(tiny_model: Path) -> 
 
         # 2. nats-server: started again on the same port; the graph serves on.
         children = descendants(run.proc.pid)
-        graph_segments = set().union(*(shm_paths_of(pid) for pid in children))  # the restarted worker's too
+        graph_inodes = set().union(*(shm_inodes_of(pid) for pid in children))  # the restarted worker's too
         (nats,) = [pid for pid in children if cmdline(pid).startswith("nats-server ")]
         port = int(re.search(r"-p (\d+)", cmdline(nats)).group(1))
         os.kill(nats, signal.SIGKILL)
@@ -177,7 +179,8 @@ def test_graph_run_restarts_what_dies_and_loses_no_request(tiny_model: Path) -> 
         left = sorted(pid for pid in children if alive(pid))
         assert not left, f"processes left after the graph stopped: {left}\n{text}"
         assert not region.exists(), "the pool's region was not removed"
-        assert not [p for p in graph_segments if p.exists()], "the graph left /dev/shm segments behind"
+        left = shm_files(graph_inodes)
+        assert not left, f"the graph left /dev/shm segments behind: {left}"
     finally:
         if blocker is not None:
             blocker.close()
@@ -192,6 +195,18 @@ def test_graph_run_restarts_what_dies_and_loses_no_request(tiny_model: Path) -> 
                 os.kill(pid, signal.SIGKILL)
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def shm_files(inodes: set[int]) -> list[Path]:
+    """The files in /dev/shm that are one of `inodes`."""
+    found = []
+    for path in Path("/dev/shm").iterdir():
+        try:
+            if path.lstat().st_ino in inodes:
+                found.append(path)
+        except OSError:
+            continue
+    return found
 
 
 def _prompt_tokens(metrics: str) -> int:
