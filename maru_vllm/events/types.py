@@ -64,6 +64,7 @@ class _ChunkFacts(msgspec.Struct):
 
 
 _facts_decoder = msgspec.json.Decoder(_ChunkFacts)
+_PARSE_GROUP = 1024  # chunks whose token ids are parsed in one pass
 
 
 def _token_text(raw: bytes, blocks: int, block_size: int) -> bytes | None:
@@ -140,15 +141,15 @@ class PoolChunk:
                     texts.append(text)
             else:
                 out[i] = cls._from_struct(meta, int_hashes)
-        if not raw:
-            return out
-        tokens = _parse_tokens(b",".join(texts), sum(r[4] for r in raw))
-        start = 0
-        for (i, f, hashes, parent, n), text in zip(raw, texts):
-            mine = tokens[start : start + n] if tokens is not None else _parse_tokens(text, n)
-            start += n
-            if mine is not None:
-                out[i] = cls(hashes, parent, mine, f.block_size, f.lora_name, f.chunk, f.rank)
+        for lo in range(0, len(raw), _PARSE_GROUP):  # a group's text and arrays are a few MiB at most
+            group = raw[lo : lo + _PARSE_GROUP]
+            tokens = _parse_tokens(b",".join(texts[lo : lo + _PARSE_GROUP]), sum(r[4] for r in group))
+            start = 0
+            for (i, f, hashes, parent, n), text in zip(group, texts[lo : lo + _PARSE_GROUP]):
+                mine = tokens[start : start + n] if tokens is not None else _parse_tokens(text, n)
+                start += n
+                if mine is not None:
+                    out[i] = cls(hashes, parent, mine, f.block_size, f.lora_name, f.chunk, f.rank)
         return out
 
     @classmethod
