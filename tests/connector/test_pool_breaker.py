@@ -91,3 +91,34 @@ def test_a_hung_pool_costs_one_deadline_then_every_link_serves_without_it_until_
             w.shutdown()
             for link in (sched, writer_link, w.pool):
                 link.close()
+
+
+def test_a_load_that_misses_its_deadline_is_a_miss_and_its_pins_are_released() -> None:
+    with running_pool("32M") as pool:
+        w, _kv = small_worker(pool.address, 8, NS)
+        admin = PoolClient(pool.address, timeout=30.0)
+        try:
+            w.store(MaruConnectorMetadata(stores=[ChunkStore("r1", b"c0", [3, 4], chunk_meta(0))]))
+            assert w.writer is not None and w.writer.wait(timeout=30)
+            w.load(MaruConnectorMetadata(loads=[ChunkLoad("r2", b"c0", [10, 11])]))
+            assert w.take_failed_blocks() == set()
+            w.pool.client.timeout = DEADLINE_S  # the load link's deadline (small_worker's is 5 s)
+            assert pool.proc is not None
+            os.kill(pool.proc.pid, signal.SIGSTOP)
+            try:
+                # the load's acquire waits one deadline, then the step recomputes the blocks
+                w.load(MaruConnectorMetadata(loads=[ChunkLoad("r3", b"c0", [12, 13])]))
+                assert w.take_failed_blocks() == {12, 13}
+                assert not w.pool.available
+            finally:
+                os.kill(pool.proc.pid, signal.SIGCONT)
+            wait_until(lambda: w.pool.client._breaker.wait_closed(0) or None, timeout=60, what="breaker closed")
+            w.load(MaruConnectorMetadata(loads=[ChunkLoad("r4", b"c0", [12, 13])]))
+            assert w.take_failed_blocks() == set()
+            # the timed-out acquire's pins (taken when the service resumed) went with its session
+            st = wait_until(lambda: (s := admin.stats())["pins"] == 0 and s, timeout=30, what="pins released")
+            assert st["reserved"] == 0
+        finally:
+            admin.close()
+            w.shutdown()
+            w.pool.close()
