@@ -177,6 +177,7 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
     # The graph runner's own supervision, as `maru-dynamo graph run` sets it up (here in a thread).
     supervision = supervise(plan, group, out=log)
     seen_pids: set[int] = set()
+    load: LoadGenerator | None = None
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         t_start = time.monotonic()
@@ -219,6 +220,8 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
     except _Stop as stop:
         log(f"[soak] {stop}: stopping")
         report["interrupted"] = str(stop)
+        if load is not None:  # what was sent until then
+            report["requests"] = summarize(load.results, load.sent)
     except (ProcessFailed, OSError) as exc:  # the graph did not start (its log tail is in the message)
         log(f"[soak] error: {exc}")
         report["error"] = str(exc)[-4000:]

@@ -225,6 +225,8 @@ class LoadGenerator:
                     self.results.append(result)
 
             lanes = asyncio.gather(*(lane() for _ in range(cfg.concurrency)))
+            # Cancelled when the soak is interrupted: its outcome is then retrieved here, not reported at exit.
+            lanes.add_done_callback(lambda f: f.cancelled() or f.exception())
             while not lanes.done():
                 await asyncio.wait([lanes], timeout=self.progress_s)
                 if not lanes.done() and self._on_progress is not None:
