@@ -36,8 +36,9 @@ def key_of(value: int) -> int:
 
 
 def _capacity_for(n: int) -> int:
+    """The smallest power-of-two capacity that holds `n` keys at a load of at most 0.55."""
     cap = _MIN_CAPACITY
-    while cap * 0.4 < n:
+    while cap * 0.55 < n:
         cap <<= 1
     return cap
 
