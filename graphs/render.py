@@ -74,6 +74,11 @@ def chart_values(spec: GraphSpec, opts: RenderOptions) -> dict[str, Any]:
     """The chart values that describe `spec` (deploy/k8s/values.yaml documents each key)."""
     if not opts.image:
         raise GraphSpecError("--image: missing; use the container image built from deploy/Dockerfile")
+    for i, w in enumerate(spec.workers):
+        if w.engine != "maru":
+            raise GraphSpecError(
+                f"{spec.source}: workers[{i}].engine: {w.engine!r} runs locally only; the chart runs 'maru'"
+            )
     k8s = spec.kubernetes
     backend = k8s.pool_backend or spec.pool.backend
     path = k8s.pool_path or (spec.pool.path if backend == spec.pool.backend else None)

@@ -143,18 +143,21 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
     engines = sum(worker.replicas for worker in spec.workers)
     for worker in spec.workers:
         for replica in range(worker.replicas):
-            argv = stack.maru_worker_command(
-                model,
-                pool_address,
-                spec.pool.name,
-                [
-                    "--maru-chunk-tokens",
-                    str(spec.pool.chunk_tokens),
-                    "--disaggregation-mode",
-                    worker.role,
-                    *_with_defaults(worker.args),
-                ],
-            )
+            if worker.engine == "vllm":  # plain dynamo.vllm: vLLM's own prefix cache, no pool
+                argv = [*stack.vllm_worker_command(model), *_with_defaults(worker.args)]
+            else:
+                argv = stack.maru_worker_command(
+                    model,
+                    pool_address,
+                    spec.pool.name,
+                    [
+                        "--maru-chunk-tokens",
+                        str(spec.pool.chunk_tokens),
+                        "--disaggregation-mode",
+                        worker.role,
+                        *_with_defaults(worker.args),
+                    ],
+                )
             # Each worker's metrics and health on a port of its own (the worker's env may set it).
             system = {"DYN_SYSTEM_PORT": str(free_system_port()), **worker.env}
             env = env_for(cpu_thread=stack.cpu_thread_for(engine), **system)

@@ -21,6 +21,8 @@ from maru_vllm.pool.region import BACKENDS, parse_size, validate_pool_name
 from maru_vllm.routing import validate_weight
 
 ROLES = ("agg", "prefill", "decode")
+# maru: MaruKVConnector on the graph's pool (maru_worker); vllm: a plain dynamo.vllm worker (no pool).
+ENGINES = ("maru", "vllm")
 ROUTER_MODES = ("kv", "round-robin", "random", "power-of-two", "least-loaded", "direct", "device-aware-weighted")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 # Set by the graph itself (role, pool); a copy in `args` would contradict it.
@@ -62,6 +64,7 @@ class WorkerSpec:
     replicas: int = 1
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    engine: str = "maru"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,14 +202,17 @@ def _nats_url(value: Any) -> str:
 
 
 def _worker(data: object, where: str, source: str) -> WorkerSpec:
-    f = _Fields(data, where, source, ("name", "role", "replicas", "args", "env"))
+    f = _Fields(data, where, source, ("name", "role", "replicas", "args", "env", "engine"))
     w = WorkerSpec(
         name=f.get("name", "", _dns_label, "a lowercase DNS label (a-z, 0-9, '-')", required=True),
         role=f.get("role", "agg", _choice(ROLES), "one of " + ", ".join(ROLES)),
         replicas=f.get("replicas", 1, _int_in(1, 64), "an integer from 1 to 64"),
         args=f.get("args", (), _args, "a list of command-line words for dynamo.vllm"),
         env=f.get("env", {}, _env, "a mapping of environment variable names to strings"),
+        engine=f.get("engine", "maru", _choice(ENGINES), "one of " + ", ".join(ENGINES)),
     )
+    if w.engine == "vllm" and w.role != "agg":
+        raise GraphSpecError(f"{source}: {where}.engine: 'vllm' workers are agg only (role {w.role!r})")
     for arg in w.args:
         if arg.split("=", 1)[0] in _RESERVED_WORKER_ARGS:
             raise GraphSpecError(

@@ -295,6 +295,21 @@ def maru_worker_command(
     ]
 
 
+VLLM_WORKER_MODULE = "maru_dynamo.components.vllm_worker"  # plain dynamo.vllm (text-only entry point)
+
+
+def vllm_worker_command(model: str | Path, kv_events_port: int | None = None) -> list[str]:
+    """A plain `dynamo.vllm` worker's command line on `model`, publishing KV events on its own port."""
+    return [
+        sys.executable,
+        "-m",
+        VLLM_WORKER_MODULE,
+        "--model",
+        str(model),
+        *kv_events_args(kv_events_port or free_port()),
+    ]
+
+
 def dynamo_vllm_worker(
     name: str,
     model: str | Path,
@@ -307,17 +322,11 @@ def dynamo_vllm_worker(
     cpus: Sequence[int] | None = None,
 ) -> ManagedProcess:
     """A plain `dynamo.vllm` worker (through our text-only entry point); `cpus` pins it."""
-    kv_events_port = kv_events_port or free_port()
     argv = [
-        sys.executable,
-        "-m",
-        "maru_dynamo.components.vllm_worker",
-        "--model",
-        str(model),
+        *vllm_worker_command(model, kv_events_port),
         "--max-model-len",
         str(max_model_len),
         "--enforce-eager",
-        *kv_events_args(kv_events_port),
         *extra_args,
     ]
     return ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env, cpus=cpus)

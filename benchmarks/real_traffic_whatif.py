@@ -1,0 +1,154 @@
+"""The what-if on the traffic `real_traffic.py` replayed: calibrated on that run, side by side.
+
+`calibration_from_runs` turns what the engines counted during the real runs into a
+`maru_vllm.calibration.Calibration` (prefill tokens computed per second of prefill, pool bytes
+loaded per second of loading, the model's KV bytes per token); `whatif_rows` replays the very
+scaled trace AIPerf sent through ``maru-dynamo whatif --calibration`` with the engines' block size
+and KV-cache blocks (``vllm:cache_config_info``); `side_by_side` prints both, and the TTFT p90 and
+prefill-token orderings of the configurations each one has.
+
+Real configurations and their what-if counterparts: plain-rr = round-robin, plain-kv = kv-gpu,
+maru-pool = kv-pool (maru-rr and maru-kv-gpu have none: the what-if's round-robin and kv-gpu have no pool).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from maru_vllm.calibration import Calibration
+from maru_vllm.whatif.spec import kv_bytes_per_token_of_model
+
+COUNTERPART = {"plain-rr": "round-robin", "plain-kv": "kv-gpu", "maru-pool": "kv-pool"}
+DEFAULT_LOAD_GBPS = 1.0  # only when no run loaded anything from the pool
+
+
+def cache_config(metrics_url: str) -> tuple[int, int]:
+    """(block size in tokens, KV-cache blocks) of one engine, from ``vllm:cache_config_info``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=30) as resp:
+        text = resp.read().decode(errors="replace")
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "vllm:cache_config_info":
+                blocks = s.labels.get("num_gpu_blocks") or s.labels.get("num_cpu_blocks") or "0"
+                return int(s.labels.get("block_size", "0")), int(blocks)
+    raise RuntimeError(f"{metrics_url}: no vllm:cache_config_info")
+
+
+def _memcpy_gbps(nbytes: int = 64 << 20, rounds: int = 5) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def calibration_from_runs(runs: Sequence[object], model: str) -> Calibration:
+    """Prefill speed and pool load bandwidth as the engines measured them during `runs`."""
+    prefill_tokens = sum(getattr(r, "prefill_tokens") for r in runs)  # noqa: B009
+    prefill_s = sum(getattr(r, "prefill_seconds") for r in runs)  # noqa: B009
+    load_bytes = sum(getattr(r, "load_bytes") for r in runs)  # noqa: B009
+    load_s = sum(getattr(r, "load_seconds") for r in runs)  # noqa: B009
+    if prefill_tokens <= 0 or prefill_s <= 0:
+        raise RuntimeError("no prefill was measured: cannot calibrate the what-if")
+    load_gbps = load_bytes / load_s / 1e9 if load_s > 0 and load_bytes > 0 else DEFAULT_LOAD_GBPS
+    return Calibration(
+        model=model,
+        kv_bytes_per_token=kv_bytes_per_token_of_model(model),
+        load_gbps=load_gbps,
+        store_gbps=load_gbps,
+        prefill_tokens_per_s=prefill_tokens / prefill_s,
+        memcpy_gbps=_memcpy_gbps(),
+    )
+
+
+def whatif_rows(
+    trace_file: Path,
+    cal_file: Path,
+    *,
+    workers: int,
+    trace_block_size: int,
+    block_size: int,
+    gpu_blocks: int,
+    pool_size: str,
+    configs: Sequence[str],
+) -> list[dict[str, object]]:
+    """``maru-dynamo whatif`` on `trace_file` (its rows as JSON dicts)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "maru_vllm.cli",
+        "whatif",
+        str(trace_file),
+        "--workers",
+        str(workers),
+        "--configs",
+        ",".join(configs),
+        "--trace-block-size",
+        str(trace_block_size),
+        "--block-size",
+        str(block_size),
+        "--gpu-blocks",
+        str(gpu_blocks),
+        "--pool-size",
+        pool_size,
+        "--calibration",
+        str(cal_file),
+        "--json",
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800)
+    if res.returncode != 0:
+        raise RuntimeError(f"maru-dynamo whatif exited {res.returncode}: {res.stderr.strip()[-2000:]}")
+    rows = json.loads(res.stdout)["results"]
+    return [r for r in rows if isinstance(r, dict)]
+
+
+def _order(values: dict[str, float]) -> str:
+    return " < ".join(k for k, _ in sorted(values.items(), key=lambda kv: kv[1]))
+
+
+def side_by_side(real: Sequence[dict[str, object]], whatif: Sequence[dict[str, object]], cal: Calibration) -> str:
+    """Prefill tokens and TTFT p50/p90, real vs what-if, and the orderings each one gives."""
+    by_whatif = {str(r["config"]): r for r in whatif}
+    lines = [
+        f"what-if calibrated here: prefill {cal.prefill_tokens_per_s:.0f} tokens/s, pool loads "
+        f"{cal.load_gbps:.3g} GB/s, {cal.kv_bytes_per_token} KV bytes/token",
+        f"{'config':<10} {'what-if':<12} {'prefill real':>12} {'what-if':>9} {'TTFT p50 real':>13} "
+        f"{'what-if':>9} {'TTFT p90 real':>13} {'what-if':>9}",
+    ]
+    real_p90: dict[str, float] = {}
+    sim_p90: dict[str, float] = {}
+    real_pf: dict[str, float] = {}
+    sim_pf: dict[str, float] = {}
+    for r in real:
+        name = str(r["config"])
+        twin = COUNTERPART.get(name)
+        w = by_whatif.get(twin) if twin else None
+        if w is None:
+            continue
+        lines.append(
+            f"{name:<10} {twin:<12} {r['prefill_tokens']:>12} {w['prefill_tokens']!s:>9} "
+            f"{r['ttft_p50_ms']:>13.1f} {_f(w['ttft_p50_ms']):>9} {r['ttft_p90_ms']:>13.1f} {_f(w['ttft_p90_ms']):>9}"
+        )
+        real_p90[name], real_pf[name] = float(r["ttft_p90_ms"]), float(r["prefill_tokens"])  # type: ignore[arg-type]
+        if isinstance(w["ttft_p90_ms"], (int, float)) and isinstance(w["prefill_tokens"], (int, float)):
+            sim_p90[name], sim_pf[name] = float(w["ttft_p90_ms"]), float(w["prefill_tokens"])
+    lines.append(f"TTFT p90 order   real: {_order(real_p90)}   what-if: {_order(sim_p90)}")
+    lines.append(f"prefill order    real: {_order(real_pf)}   what-if: {_order(sim_pf)}")
+    return "\n".join(lines)
+
+
+def _f(v: object) -> str:
+    return f"{v:.1f}" if isinstance(v, (int, float)) else "-"

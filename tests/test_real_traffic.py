@@ -1,0 +1,175 @@
+"""The real-traffic benchmark's parts that need no stack: traffic scaling, synthetic prefixes,
+AIPerf's export, the configurations' graphs, and one-line refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from maru_dynamo.graphs.run import build_plan
+from maru_dynamo.graphs.spec import GraphSpecError, parse_graph
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import real_traffic  # noqa: E402
+import traffic_load as T  # noqa: E402
+
+SCRIPT = ROOT / "benchmarks" / "real_traffic.py"
+
+
+def _req(ts: float, n_in: int, n_out: int, ids: list[int]) -> T.TraceRequest:
+    return T.TraceRequest(ts, n_in, n_out, tuple(ids))
+
+
+def test_scaling_keeps_each_input_inside_its_hash_blocks_and_divides_arrival_gaps() -> None:
+    raw = [_req(1000, 1024, 512, [0, 1]), _req(3000, 513, 100, [0, 2]), _req(5000, 1500, 20, [3, 4, 5])]
+    t = T.scale_trace(raw, name="x", block_tokens=16, speedup=2.0, max_output=8)
+    assert [r.input_length for r in t.requests] == [32, 17, 47]  # 2, 2 and 3 blocks of 16
+    assert [r.output_length for r in t.requests] == [8, 3, 1]  # scaled by 16/512, capped at 8, at least 1
+    assert [r.timestamp_ms for r in t.requests] == [0.0, 1000.0, 2000.0]
+    assert [r.hash_ids for r in t.requests] == [(0, 1), (0, 2), (3, 4, 5)]
+    # Block 0 is shared: an ideal cache computes it once (16 + 16 + 16 + 47).
+    assert t.unique_prefix_tokens() == 16 + 16 + 1 + 47
+
+
+def test_scaling_drops_requests_longer_than_the_context_and_counts_them() -> None:
+    raw = [_req(0, 512, 10, [0]), _req(1, 512 * 300, 10, list(range(1, 301)))]
+    t = T.scale_trace(raw, name="x", block_tokens=16, max_total=4096)
+    assert len(t.requests) == 1 and t.dropped_too_long == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_tokens": 0}, "--trace-block-size 0: use 1 to 512 tokens per hash id"),
+        ({"block_tokens": 16, "speedup": 0.0}, "--speedup 0.0: use a number > 0"),
+    ],
+)
+def test_scaling_refuses_bad_values_in_one_line(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(T.TrafficError) as exc:
+        T.scale_trace([_req(0, 10, 1, [0])], name="x", **kwargs)  # type: ignore[arg-type]
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_synthetic_requests_share_one_of_the_prefixes_for_the_given_ratio() -> None:
+    w = T.PrefixWorkload(requests=40, input_tokens=256, output_tokens=4, prefix_ratio=0.5, prefixes=2, rate=4.0)
+    t = T.synthetic_trace(w, block_tokens=16)
+    heads = {r.hash_ids[:8] for r in t.requests}
+    assert len(heads) == 2  # 128 of 256 tokens = 8 blocks shared, two distinct prefixes
+    tails = [r.hash_ids[8:] for r in t.requests]
+    assert len({x for tail in tails for x in tail}) == 40 * 8  # the rest is each request's own
+    assert all(r.input_length == 256 for r in t.requests)
+    assert [r.timestamp_ms for r in t.requests] == sorted(r.timestamp_ms for r in t.requests)
+    assert t.unique_prefix_tokens() == 2 * 128 + 40 * 128
+    assert T.synthetic_trace(w, 16) == t  # reproducible from its seed
+
+
+def test_mooncake_reader_names_the_bad_line(tmp_path: Path) -> None:
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n{"timestamp": 1}\n')
+    with pytest.raises(T.TrafficError) as exc:
+        T.read_mooncake(f)
+    assert "line 2 is not a Mooncake record" in str(exc.value)
+    assert len(T.read_mooncake(f, limit=1)) == 1
+
+
+def test_aiperf_export_is_read_per_request(tmp_path: Path) -> None:
+    recs = []
+    for i, ttft in enumerate([30.0, 10.0, 20.0]):
+        recs.append(
+            {
+                "metadata": {"request_start_ns": 1e9 + i * 1e8, "request_end_ns": 2e9 + i * 1e8},
+                "metrics": {
+                    "time_to_first_token": {"value": ttft, "unit": "ms"},
+                    "inter_token_latency": {"value": 2.0 + i, "unit": "ms"},
+                    "output_sequence_length": {"value": 8, "unit": "tokens"},
+                },
+            }
+        )
+    recs.append({"metadata": {}, "metrics": {}, "error": {"code": 500, "message": "boom"}})
+    (tmp_path / "profile_export.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    got = T.read_aiperf(tmp_path)
+    assert (got.completed, got.failed, got.output_tokens) == (3, 1, 24)
+    assert got.ttft_ms == (10.0, 20.0, 30.0)
+    assert got.ttft(50) == 20.0 and got.ttft(99) == 30.0
+    assert got.output_tokens_per_s == pytest.approx(24 / 1.2)
+
+
+def test_aiperf_runs_the_trace_with_a_local_tokenizer_on_a_fixed_schedule(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")
+    name, env = T.tokenizer_cache(model, tmp_path / "hub")
+    snapshot = tmp_path / "hub" / "models--maru-fixture--tokenizer" / "snapshots"
+    assert (next(snapshot.iterdir()) / "tokenizer.json").read_text() == "{}"
+    assert env["HF_HUB_OFFLINE"] == "1"
+    cmd = T.aiperf_command(
+        url="http://h:1",
+        model="m",
+        tokenizer=name,
+        trace_file=tmp_path / "t",
+        artifact_dir=tmp_path,
+        block_tokens=16,
+        slo_ms=500,
+    )
+    joined = " ".join(cmd)
+    for part in ("--streaming", "--custom-dataset-type mooncake_trace", "--fixed-schedule", "--isl-block-size 16"):
+        assert part in joined
+    assert "builtin" not in joined
+
+
+def test_each_configuration_is_a_graph_of_its_workers_and_router(tmp_path: Path) -> None:
+    for cfg in real_traffic.CONFIGS:
+        spec = parse_graph(cfg.graph("/m", 2))
+        plan = build_plan(spec, model="/m", work_dir=tmp_path)
+        fe = next(p for p in plan.processes if p.name == "frontend")
+        assert fe.argv[fe.argv.index("--router-mode") + 1] == cfg.router_mode
+        assert len(plan.workers) == 2
+        for w in plan.workers:
+            plain = "maru_dynamo.components.vllm_worker" in w.argv
+            assert plain == (cfg.engine == "vllm"), cfg.name
+            assert ("--maru-pool-address" in w.argv) == (cfg.engine == "maru")
+            assert ("--no-maru-pool-events" in w.argv) == (cfg.name == "maru-kv-gpu")
+
+
+def test_graph_worker_engine_is_validated() -> None:
+    with pytest.raises(GraphSpecError) as exc:
+        parse_graph({"name": "g", "workers": [{"name": "w", "engine": "sglang"}]})
+    assert "workers[0].engine: invalid value 'sglang': use one of maru, vllm" in str(exc.value)
+    with pytest.raises(GraphSpecError) as exc:
+        parse_graph(
+            {
+                "name": "g",
+                "workers": [{"name": "p", "role": "prefill", "engine": "vllm"}, {"name": "d", "role": "decode"}],
+            }
+        )
+    assert "'vllm' workers are agg only" in str(exc.value)
+
+
+def test_repeats_rotate_which_configuration_goes_first() -> None:
+    cfgs = list(real_traffic.CONFIGS[:3])
+    firsts = [real_traffic.order_for(r, cfgs)[0].name for r in range(3)]
+    assert firsts == [c.name for c in cfgs]
+    assert sorted(c.name for c in real_traffic.order_for(1, cfgs)) == sorted(c.name for c in cfgs)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--configs", "plain-kv,bogus"], "--configs 'plain-kv,bogus': unknown bogus; use plain-rr, plain-kv"),
+        (["--trace-block-size", "600"], "--trace-block-size 600: use 1 to 512 tokens per hash id"),
+        (["--trace", "/nonexistent.jsonl"], "--trace /nonexistent.jsonl: cannot read"),
+        (["--workers", "0"], "--workers 0: use 1 to 16"),
+        (["--synthetic", "--prefix-ratio", "1.5"], "--prefix-ratio 1.5: use a share from 0.0 to 1.0"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_value(args: list[str], message: str) -> None:
+    res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
