@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -362,13 +363,16 @@ def whatif_report(
     cal = calibration_from_runs(runs, model)
     cal_file = work / "calibration.json"
     write_calibration(cal_file, cal)
+    # The what-if needs whole engine blocks per hash id: where the engines' blocks are larger than
+    # the trace's, it simulates blocks of the trace's size (the same KV-cache tokens in all).
+    block = math.gcd(runs[0].block_size, traffic.block_tokens)
     rows = whatif_rows(
         trace_file,
         cal_file,
         workers=workers,
         trace_block_size=traffic.block_tokens,
-        block_size=runs[0].block_size,
-        gpu_blocks=runs[0].kv_blocks,
+        block_size=block,
+        gpu_blocks=runs[0].kv_blocks * runs[0].block_size // block,
         pool_size=POOL_SIZE,
         configs=sorted({COUNTERPART[s.config] for s in summaries if s.config in COUNTERPART}),
     )
@@ -489,13 +493,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     summaries = summarise(runs)
     summaries.sort(key=lambda s: [c.name for c in configs].index(s.config))
     print(format_table(summaries, traffic))
-    if args.whatif:
-        print(whatif_report(runs, summaries, traffic, traffic_file, model=model, workers=args.workers, work=work))
     if args.json:
         doc = {"trace": traffic.name, "requests": len(traffic.requests), "results": [s.as_json() for s in summaries]}
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     if args.plot:
         plot(summaries, args.plot, f"{traffic.name}: {len(traffic.requests)} requests, {args.workers} workers")
+    if args.whatif:
+        try:
+            print(whatif_report(runs, summaries, traffic, traffic_file, model=model, workers=args.workers, work=work))
+        except (RuntimeError, ValueError, OSError) as exc:
+            print(f"real_traffic.py: the what-if could not run: {exc}", file=sys.stderr)
+            return 1
     if not args.keep_logs:
         shutil.rmtree(work, ignore_errors=True)
     return 0

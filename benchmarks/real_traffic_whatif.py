@@ -116,7 +116,15 @@ def whatif_rows(
 
 
 def _order(values: dict[str, float]) -> str:
-    return " < ".join(k for k, _ in sorted(values.items(), key=lambda kv: kv[1]))
+    """`a < b = c`: names by value, '=' where two are within 2% of each other."""
+    out = ""
+    prev: float | None = None
+    for name, v in sorted(values.items(), key=lambda kv: kv[1]):
+        if prev is not None:
+            out += " = " if abs(v - prev) <= 0.02 * max(abs(v), abs(prev)) else " < "
+        out += name
+        prev = v
+    return out
 
 
 def side_by_side(real: Sequence[dict[str, object]], whatif: Sequence[dict[str, object]], cal: Calibration) -> str:

@@ -173,3 +173,45 @@ def test_bad_input_is_one_line_naming_the_value(args: list[str], message: str) -
     assert res.returncode == 2, res.stderr
     assert message in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_whatif_replays_the_same_scaled_trace_calibrated_on_the_run(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    import real_traffic_whatif as W
+    from maru_vllm import models
+    from maru_vllm.calibration import read_calibration, write_calibration
+
+    model = str(models.ensure_model("tiny"))
+    run = SimpleNamespace(prefill_tokens=6000, prefill_seconds=0.5, load_bytes=10**8, load_seconds=0.1)
+    cal = W.calibration_from_runs([run], model)
+    assert (cal.prefill_tokens_per_s, cal.load_gbps) == (12000.0, 1.0)
+    write_calibration(tmp_path / "cal.json", cal)
+    assert read_calibration(tmp_path / "cal.json") == cal
+    w = T.PrefixWorkload(requests=12, input_tokens=512, output_tokens=4, prefix_ratio=0.75, prefixes=2, rate=4.0)
+    trace = T.synthetic_trace(w, 16).write(tmp_path / "t.jsonl")
+    rows = W.whatif_rows(
+        trace,
+        tmp_path / "cal.json",
+        workers=2,
+        trace_block_size=16,
+        block_size=16,
+        gpu_blocks=4000,
+        pool_size="1G",
+        configs=["kv-gpu", "kv-pool"],
+    )
+    by = {r["config"]: r for r in rows}
+    assert by["kv-pool"]["prefill_tokens"] <= by["kv-gpu"]["prefill_tokens"]
+    real = [
+        {"config": "plain-kv", "prefill_tokens": 3000, "ttft_p50_ms": 30.0, "ttft_p90_ms": 60.0},
+        {"config": "maru-pool", "prefill_tokens": 2000, "ttft_p50_ms": 31.0, "ttft_p90_ms": 40.0},
+    ]
+    text = W.side_by_side(real, rows, cal)
+    assert "TTFT p90 order   real: maru-pool < plain-kv" in text
+    assert "prefill order    real: maru-pool < plain-kv" in text
+
+
+def test_orderings_call_values_within_two_percent_equal() -> None:
+    import real_traffic_whatif as W
+
+    assert W._order({"a": 100.0, "b": 101.0, "c": 150.0}) == "a = b < c"
