@@ -223,8 +223,11 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
         if load is not None:  # what was sent until then
             report["requests"] = summarize(load.results, load.sent)
     except (ProcessFailed, OSError) as exc:  # the graph did not start (its log tail is in the message)
-        log(f"[soak] error: {exc}")
-        report["error"] = str(exc)[-4000:]
+        report["error"] = str(exc).splitlines()[0]
+        # Each dead process's first traceback (the root cause) and last lines.
+        report["failed_processes"] = {
+            p.name: p.failure_report(tail=10, first_error_lines=30) for p in group if p.proc and not p.alive()
+        }
     finally:
         for s in previous:
             signal.signal(s, signal.SIG_IGN)
@@ -360,6 +363,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"processes left: {report['processes_left'] or 'none'}")
     if "error" in report:
         lines.append(f"error: {report['error']}")
+        for name, text in report.get("failed_processes", {}).items():
+            lines.append(f"--- {name} ---\n{text}")
     lines.append(
         f"verdict: {'ok' if report['ok'] else 'FAILED'}" + (f" (logs {report['logs']})" if "logs" in report else "")
     )
