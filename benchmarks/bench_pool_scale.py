@@ -33,7 +33,7 @@ Usage: python benchmarks/bench_pool_scale.py [--chunks 100000 1000000] [--worker
        python benchmarks/bench_pool_scale.py --memory [--code-root DIR]
 `--json` writes the last run's figures at the top level (`chunks`, `workers`, `relay_rss_mib`,
 `resync_s`, `resync_all_s`, `service_rss_mib`, `router_rss_mib`, `lookup_p50_ms`, ...) and every
-run under `runs`. 10^6 chunks need ~4 GiB for the pool service, ~1.1 GiB of router per worker
+run under `runs`. 10^6 chunks need ~4 GiB for the pool service, ~0.8 GiB of router per worker
 and ~0.7 GiB per worker stand-in (most of it vLLM's imports).
 """
 
@@ -533,8 +533,8 @@ def run_scale(args: argparse.Namespace, chunks: int) -> list[dict[str, Any]]:
             flush=True,
         )
         for n_workers in args.workers:
-            # ~300 B of router per block and worker, ~0.8 GiB per worker stand-in, 2 GiB to spare
-            need = out["blocks"] * n_workers * 300 + n_workers * (800 * MiB) + 2048 * MiB
+            # ~200 B of router per block and worker, ~0.8 GiB per worker stand-in, 2 GiB to spare
+            need = out["blocks"] * n_workers * 200 + n_workers * (800 * MiB) + 2048 * MiB
             if mem_available() < need:
                 print(
                     f"[{chunks} x W={n_workers}] skipped: {mem_available() / MiB:.0f} MiB available, "
