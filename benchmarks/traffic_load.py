@@ -132,12 +132,15 @@ def scale_trace(
     speedup: float = 1.0,
     max_output: int = 32,
     max_total: int = 4096,
+    min_output: int = 4,
 ) -> Traffic:
     """`requests` with each hash id standing for `block_tokens` tokens (see the module doc).
 
     Lengths shrink by ``block_tokens / 512`` (an input keeps its number of hash blocks: at least
-    one token in its last block); outputs are capped at `max_output`; requests whose input and
-    output exceed `max_total` (the engines' context) are dropped and counted.
+    one token in its last block); outputs are kept within `min_output`..`max_output` (a reply of
+    one token from a byte-level fixture model can be an incomplete UTF-8 byte, streamed as no
+    text, which AIPerf counts as a failed request); requests whose input and output exceed
+    `max_total` (the engines' context) are dropped and counted.
     """
     if not 1 <= block_tokens <= TRACE_BLOCK_TOKENS:
         raise TrafficError(f"--trace-block-size {block_tokens}: use 1 to {TRACE_BLOCK_TOKENS} tokens per hash id")
@@ -150,7 +153,7 @@ def scale_trace(
     for r in requests:
         blocks = len(r.hash_ids)
         length = min(blocks * block_tokens, max((blocks - 1) * block_tokens + 1, math.ceil(r.input_length * factor)))
-        output = max(1, min(max_output, round(r.output_length * factor)))
+        output = max(min(min_output, max_output), min(max_output, round(r.output_length * factor)))
         if length + output > max_total:
             dropped += 1
             continue

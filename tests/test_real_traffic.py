@@ -30,7 +30,7 @@ def test_scaling_keeps_each_input_inside_its_hash_blocks_and_divides_arrival_gap
     raw = [_req(1000, 1024, 512, [0, 1]), _req(3000, 513, 100, [0, 2]), _req(5000, 1500, 20, [3, 4, 5])]
     t = T.scale_trace(raw, name="x", block_tokens=16, speedup=2.0, max_output=8)
     assert [r.input_length for r in t.requests] == [32, 17, 47]  # 2, 2 and 3 blocks of 16
-    assert [r.output_length for r in t.requests] == [8, 3, 1]  # scaled by 16/512, capped at 8, at least 1
+    assert [r.output_length for r in t.requests] == [8, 4, 4]  # scaled by 16/512, kept within 4..8
     assert [r.timestamp_ms for r in t.requests] == [0.0, 1000.0, 2000.0]
     assert [r.hash_ids for r in t.requests] == [(0, 1), (0, 2), (3, 4, 5)]
     # Block 0 is shared: an ideal cache computes it once (16 + 16 + 16 + 47).
