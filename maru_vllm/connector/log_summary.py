@@ -31,6 +31,11 @@ logger = init_logger(__name__)
 MIB = 1024 * 1024
 
 
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """`1 request`, `2 requests`: a count with its noun in the right number."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
 class PoolLinkState(Protocol):
     """What the summary reads of a pool link (`PoolAccess`)."""
 
@@ -116,8 +121,8 @@ class ConnectorLogSummary:
         if lookups.requests:
             misses = lookups.requests - lookups.hits
             parts.append(
-                f"{lookups.requests} requests looked up: {lookups.hits} hits "
-                f"({lookups.hit_tokens} tokens from the pool), {misses} misses"
+                f"{_count(lookups.requests, 'request')} looked up: {_count(lookups.hits, 'hit')} "
+                f"({lookups.hit_tokens} tokens from the pool), {_count(misses, 'miss', 'misses')}"
             )
         if not transfers.is_empty():
             parts.append(self._transfer_part(transfers))

@@ -103,7 +103,11 @@ def test_scheduler_line_counts_hits_misses_and_pool_tokens() -> None:
     assert summary.take_line() is None  # the window was taken
     summary.record_lookup(0)
     line = summary.take_line()
-    assert line is not None and "1 requests looked up: 0 hits" in line and "2/6 hits" in line
+    assert (
+        line is not None
+        and "1 request looked up: 0 hits (0 tokens from the pool), 1 miss" in line
+        and "2/6 hits" in line
+    )
 
 
 def test_worker_line_counts_tokens_and_bytes_loaded_and_stored() -> None:
@@ -145,19 +149,28 @@ def test_disabled_summary_starts_no_thread_and_keeps_nothing() -> None:
 def test_the_thread_logs_each_active_interval_and_the_rest_at_stop(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    summary = ConnectorLogSummary("scheduler", 0.05, 128, [FakePoolLink()])
+    # A name of its own: other tests' summary threads may still log through the same logger.
+    summary = ConnectorLogSummary("scheduler-under-test", 0.05, 128, [FakePoolLink()])
     with caplog.at_level(logging.INFO, logger="maru_vllm.connector.log_summary"):
         summary.start()
         summary.record_lookup(256)
         from tests.waiting import wait_until
 
-        wait_until(lambda: any("1 hits" in r.getMessage() for r in caplog.records) or None, 10.0, "a summary line")
+        wait_until(
+            lambda: any("(scheduler-under-test)" in r.getMessage() for r in caplog.records) or None,
+            10.0,
+            "a summary line",
+        )
         summary.record_lookup(0)
         thread = summary._thread
         summary.stop()
-    lines = [r.getMessage() for r in caplog.records if r.name == "maru_vllm.connector.log_summary"]
-    assert any("1 requests looked up: 1 hits" in m for m in lines)
-    assert "1 requests looked up: 0 hits" in lines[-1]  # the rest, logged at stop
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "maru_vllm.connector.log_summary" and "(scheduler-under-test)" in r.getMessage()
+    ]
+    assert any("1 request looked up: 1 hit (256 tokens from the pool), 0 misses" in m for m in lines)
+    assert "1 request looked up: 0 hits" in lines[-1]  # the rest, logged at stop
     assert thread is not None and not thread.is_alive()
 
 
