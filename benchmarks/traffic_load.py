@@ -26,6 +26,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from maru_vllm.whatif.trace import TraceError, TraceRequest, read_trace, write_trace
+
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces as published
 REPO = Path(__file__).resolve().parents[1]
 AIPERF_VENV = REPO / ".venv-aiperf"
@@ -34,24 +36,6 @@ AIPERF_BIN = AIPERF_VENV / "bin" / "aiperf"
 
 class TrafficError(ValueError):
     """Traffic that cannot be built; the message names the bad value and what is allowed."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TraceRequest:
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-    def as_json(self) -> str:
-        return json.dumps(
-            {
-                "timestamp": round(self.timestamp_ms, 3),
-                "input_length": self.input_length,
-                "output_length": self.output_length,
-                "hash_ids": list(self.hash_ids),
-            }
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +69,7 @@ class Traffic:
         return total
 
     def write(self, path: Path) -> Path:
-        path.write_text("".join(r.as_json() + "\n" for r in self.requests), encoding="utf-8")
+        write_trace(path, self.requests)
         return path
 
 
@@ -95,33 +79,13 @@ def _positive(name: str, value: float, allowed: str) -> None:
 
 
 def read_mooncake(path: Path, limit: int | None = None) -> list[TraceRequest]:
-    """The first `limit` requests of a Mooncake JSONL trace (one line naming a bad line)."""
-    out: list[TraceRequest] = []
+    """The first `limit` requests of a Mooncake JSONL trace, validated as the what-if reads it
+    (`maru_vllm.whatif.trace`); a bad line is one line naming it."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise TrafficError(f"--trace {path}: cannot read: {exc.strerror or exc}") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-            req = TraceRequest(
-                float(d["timestamp"]), int(d["input_length"]), int(d["output_length"]), tuple(map(int, d["hash_ids"]))
-            )
-        except (ValueError, KeyError, TypeError):
-            raise TrafficError(
-                f"--trace {path}: line {n} is not a Mooncake record "
-                '{"timestamp": ms, "input_length": n, "output_length": n, "hash_ids": [...]}'
-            ) from None
-        if req.input_length < 1 or req.output_length < 1 or not req.hash_ids:
-            raise TrafficError(f"--trace {path}: line {n}: lengths must be >= 1 and hash_ids non-empty")
-        out.append(req)
-        if limit is not None and len(out) >= limit:
-            break
-    if not out:
-        raise TrafficError(f"--trace {path}: no requests in the file")
-    return out
+        return read_trace(path, TRACE_BLOCK_TOKENS, limit)
+    except TraceError as exc:
+        # its messages begin "trace PATH ...": the option is --trace
+        raise TrafficError(f"--{exc}") from None
 
 
 def scale_trace(
@@ -157,7 +121,7 @@ def scale_trace(
         if length + output > max_total:
             dropped += 1
             continue
-        out.append(TraceRequest((r.timestamp_ms - t0) / speedup, length, output, r.hash_ids))
+        out.append(TraceRequest(round((r.timestamp_ms - t0) / speedup, 3), length, output, r.hash_ids))
     if not out:
         raise TrafficError(f"no request of the trace fits {max_total} tokens at {block_tokens} tokens per hash id")
     return Traffic(name, block_tokens, tuple(out), dropped)
