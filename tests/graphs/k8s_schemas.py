@@ -101,5 +101,9 @@ def validate_manifest(doc: dict[str, Any]) -> None:
     elif doc["kind"] == "ServiceMonitor":
         # prometheus-operator's CRD is not available here; its shape is asserted by the tests.
         return
+    elif doc["kind"] == "PrometheusRule":
+        from tests.graphs.prom_rules import validate_prometheus_rule  # it imports ManifestError from here
+
+        validate_prometheus_rule(doc)
     else:
         validate_core(doc)

@@ -27,6 +27,7 @@ from maru_dynamo.graphs.render import RenderOptions, chart_values, render_yaml
 from maru_dynamo.graphs.spec import load_graph, parse_graph
 from maru_vllm.hash_seed import GRAPH_HASH_SEED
 from tests.graphs.k8s_schemas import ManifestError, validate_core, validate_dgd, validate_manifest
+from tests.graphs.prom_rules import exported_metric_names, metric_names, validate_prometheus_rule
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "k8s"
@@ -91,7 +92,7 @@ def test_every_rendered_object_passes_its_real_schema(rendered: dict[str, Any]) 
         render_values(
             {
                 "image": IMAGE,
-                "metrics": {"serviceMonitor": {"enabled": True}},
+                "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
                 "nodeSelector": {"maru.io/pool": "true"},
                 "tolerations": [{"key": "gpu", "operator": "Exists"}],
             }
@@ -116,7 +117,7 @@ def test_every_rendered_object_passes_its_real_schema(rendered: dict[str, Any]) 
         for doc in docs:
             validate_manifest(doc)
             kinds.add(doc["kind"])
-    assert kinds == {"ConfigMap", "DaemonSet", "DynamoGraphDeployment", "Service", "ServiceMonitor"}
+    assert kinds == {"ConfigMap", "DaemonSet", "DynamoGraphDeployment", "Service", "ServiceMonitor", "PrometheusRule"}
 
 
 def test_dgd_is_v1beta1_with_typed_components(rendered: dict[str, Any]) -> None:
@@ -356,6 +357,70 @@ def test_dax_pool_mounts_the_device_privileged_or_by_device_plugin() -> None:
         )
 
 
+# -- the optional PrometheusRule: the runbook's alerts -------------------------------------------
+def alert_rules(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    return {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+
+
+def test_prometheus_rule_is_off_by_default_and_its_alerts_use_only_exported_metrics() -> None:
+    assert "PrometheusRule" not in by_kind(render_values({"image": IMAGE}))
+    values = {
+        "image": IMAGE,
+        "pool": {"name": "kv2"},
+        "metrics": {
+            "serviceMonitor": {"enabled": True},
+            "prometheusRule": {"enabled": True, "labels": {"release": "kp"}},
+        },
+    }
+    docs = render_values(values, release="maru", namespace="llm")
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    validate_prometheus_rule(rule)
+    assert rule["metadata"]["labels"]["release"] == "kp" and rule["metadata"]["namespace"] == "llm"
+    exported = exported_metric_names()
+    for name, r in alert_rules(docs).items():
+        used = metric_names(r["expr"])
+        assert used and used <= exported, f"{name}: {sorted(used - exported)} is exported by nothing"
+        # Each alert looks at this release's namespace only, and at this release's pool.
+        assert 'namespace="llm"' in r["expr"], name
+        if any(m.startswith("maru_pool_") for m in used):
+            assert all(sel.count('pool="kv2"') for sel in re.findall(r"maru_pool_\w+\{[^}]*\}", r["expr"])), name
+        assert r["labels"]["severity"] in {"critical", "warning", "info"}, name
+        assert r["annotations"]["summary"] and "docs/operations.md" in r["annotations"]["description"], name
+    assert alert_rules(docs)["MaruPoolDown"]["expr"].startswith('up{namespace="llm", job="maru-pool-metrics"}')
+    # The ServiceMonitor's Service names the job; without it that alert would never match anything.
+    values["metrics"]["serviceMonitor"]["enabled"] = False
+    assert "MaruPoolDown" not in alert_rules(render_values(values, release="maru", namespace="llm"))
+
+
+def test_the_runbook_documents_exactly_the_charts_alerts() -> None:
+    docs = render_values(
+        {"image": IMAGE, "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}}
+    )
+    runbook = (ROOT / "docs" / "operations.md").read_text()
+    documented = set(re.findall(r"^\| `(Maru[A-Za-z]+)` \|", runbook, re.M))
+    assert documented == set(alert_rules(docs))
+
+
+def test_negative_the_rule_checks_refuse_unknown_metrics_keys_and_durations() -> None:
+    with pytest.raises(AssertionError):
+        assert metric_names("rate(maru_pool_hit_total[5m]) > 0") <= exported_metric_names()
+    with pytest.raises(ValueError, match="unbalanced"):
+        metric_names("sum(rate(maru_pool_hits_total[5m]) > 0")
+    docs = render_values({"image": IMAGE, "metrics": {"prometheusRule": {"enabled": True}}})
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    validate_prometheus_rule(rule)
+    misspelt = json.loads(json.dumps(rule))
+    first = misspelt["spec"]["groups"][0]["rules"][0]
+    first["exp"] = first.pop("expr")
+    with pytest.raises(ManifestError, match="'exp' was unexpected"):
+        validate_prometheus_rule(misspelt)
+    bad_for = json.loads(json.dumps(rule))
+    bad_for["spec"]["groups"][0]["rules"][0]["for"] = "10 minutes"
+    with pytest.raises(ManifestError, match="does not match"):
+        validate_prometheus_rule(bad_for)
+
+
 # -- the chart itself: one source, linted by Helm ------------------------------------------------
 @pytest.mark.parametrize("graph", ["agg", "disagg"])
 def test_chart_defaults_are_the_bundled_graphs(graph: str) -> None:
@@ -372,6 +437,8 @@ def test_helm_lint_is_clean_for_the_chart_and_the_example() -> None:
     assert helm.lint({**yaml.safe_load(CXL_EXAMPLE.read_text()), "image": IMAGE}) == []
     values = chart_values(load_graph(ROOT / "graphs" / "disagg.yaml"), RenderOptions(image=IMAGE))
     assert helm.lint(values) == []
+    alerts = {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True, "labels": {"release": "kp"}}}
+    assert helm.lint({"image": IMAGE, "metrics": alerts}) == []
 
 
 def test_negative_broken_template_is_refused_by_helm(tmp_path: Path) -> None:
