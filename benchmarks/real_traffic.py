@@ -14,7 +14,9 @@ Load: AIPerf 0.13 (``aiperf profile``, its own venv from ``make aiperf``) replay
 Mooncake-format trace with ``--fixed-schedule`` on the frontend's streaming completions endpoint,
 the fixture model's tokenizer from its directory. Traffic is a published trace scaled to this
 machine (``--trace FILE --trace-block-size N --speedup X --requests N``: each hash id becomes N
-tokens) or Dynamo-router-benchmark-style synthetic prefix traffic (``--synthetic``).
+tokens; ``--sample-sessions K`` replays every K-th conversation session of the whole trace, which
+keeps its prefix reuse where its first N requests do not) or Dynamo-router-benchmark-style
+synthetic prefix traffic (``--synthetic``).
 
 Per configuration (median over ``--repeats``): completed/failed, TTFT p50/p90/p99, ITL p50, output
 tokens/s, goodput at ``--slo-ttft-ms``, AIPerf's schedule lag (sent minus scheduled), prefill tokens
@@ -24,8 +26,9 @@ requests per worker, and the frontend's CPU seconds per request (its router's co
 engines' measured prefill speed and pool load bandwidth) and prints both side by side.
 
 Usage: python benchmarks/real_traffic.py [--trace ../shared/traces/mooncake_conversation.jsonl
-       --trace-block-size 16 --speedup 20 --requests 200 | --synthetic] [--configs ...] [--workers 2]
-       [--repeats 1] [--json FILE] [--plot FILE.png] [--whatif]
+       --trace-block-size 16 --speedup 20 --requests 200 [--sample-sessions K] | --synthetic]
+       [--configs ...] [--workers 2] [--repeats 1] [--json FILE] [--detail-json FILE] [--plot FILE.png]
+       [--whatif]
 Run it under the machine's slot limiter where others share the machine.
 """
 
@@ -44,6 +47,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 for p in (REPO, REPO / "benchmarks"):
@@ -62,6 +66,7 @@ from traffic_load import (  # noqa: E402
     median,
     read_aiperf,
     read_mooncake,
+    sample_sessions,
     scale_trace,
     synthetic_trace,
     tokenizer_cache,
@@ -121,6 +126,36 @@ class Run:
     load_seconds: float
     block_size: int = 0  # the engines' KV block size and KV-cache blocks (vllm:cache_config_info)
     kv_blocks: int = 0
+    repeat: int = 0
+    loadavg: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average before / after the replay
+    nats_msgs: int = 0  # messages and bytes into nats-server during the replay (its /varz)
+    nats_bytes: int = 0
+    replay_s: float = 0.0  # wall time of the AIPerf replay
+
+
+def with_nats_monitoring(plan: Any) -> tuple[Any, str | None]:
+    """`plan` with its nats-server serving its monitoring endpoint on a free loopback port, and
+    that endpoint's URL (None where the graph uses an outside NATS)."""
+    from maru_vllm.launch.ports import free_port
+    from maru_vllm.launch.stack import LOOPBACK
+
+    port = free_port()
+    out, url = [], None
+    for p in plan.processes:
+        if p.name == "nats-server":
+            p = dataclasses.replace(p, argv=(*p.argv, "-m", str(port)))
+            url = f"http://{LOOPBACK}:{port}/varz"
+        out.append(p)
+    return dataclasses.replace(plan, processes=tuple(out)), url
+
+
+def nats_counters(varz_url: str | None) -> tuple[int, int]:
+    """(messages, bytes) nats-server has received so far; (0, 0) without a monitoring URL."""
+    if varz_url is None:
+        return 0, 0
+    with urllib.request.urlopen(varz_url, timeout=10) as resp:
+        doc = json.loads(resp.read())
+    return int(doc.get("in_msgs", 0)), int(doc.get("in_bytes", 0))
 
 
 def _metric_sum(url: str, name: str) -> float:
@@ -168,6 +203,7 @@ def run_config(
     slo_ms: float,
     work_dir: Path,
     log: Callable[[str], None],
+    repeat: int = 0,
 ) -> Run:
     """A fresh graph for `cfg`, warm-up, AIPerf replay, counters; the graph is stopped after."""
     from maru_dynamo.graphs import run as graph_run
@@ -177,7 +213,7 @@ def run_config(
 
     spec = parse_graph(cfg.graph(model, workers), f"<{cfg.name}>")
     gdir = Path(tempfile.mkdtemp(prefix=f"maru-traffic-{cfg.name}-", dir=work_dir))
-    plan = graph_run.build_plan(spec, model=model, work_dir=gdir)
+    plan, varz = with_nats_monitoring(graph_run.build_plan(spec, model=model, work_dir=gdir))
     group = ProcessGroup()
     supervisor = graph_run.supervise(plan, group, out=log)
     t0 = time.monotonic()
@@ -199,6 +235,9 @@ def run_config(
         front = procs["frontend"]
         assert front.proc is not None
         cpu0 = _cpu_seconds(front.proc.pid)
+        nats0 = nats_counters(varz)
+        load0 = os.getloadavg()[0]
+        replay0 = time.monotonic()
         artifacts = gdir / "aiperf"
         tokenizer, tok_env = tokenizer_cache(Path(model), work_dir / "hf-hub")
         cmd = aiperf_command(
@@ -218,6 +257,8 @@ def run_config(
             tail = (gdir / "aiperf.log").read_text(errors="replace").splitlines()[-25:]
             raise RuntimeError(f"[{cfg.name}] aiperf exited {rc}:\n" + "\n".join(tail))
         cpu1 = _cpu_seconds(front.proc.pid)
+        replay_s = time.monotonic() - replay0
+        nats1 = nats_counters(varz)
         # Engines count a request's tokens when it finishes; AIPerf returns once every one has.
         after = [read_counters(m) for m in metrics]
         delta = [a - b for a, b in zip(after, before)]
@@ -242,6 +283,11 @@ def run_config(
             load_a[1] - load_b[1],
             block_size,
             kv_blocks,
+            repeat,
+            (load0, os.getloadavg()[0]),
+            nats1[0] - nats0[0],
+            nats1[1] - nats0[1],
+            replay_s,
         )
     except BaseException:
         log(f"[{cfg.name}] failed; logs in {gdir / 'logs'}")
@@ -277,6 +323,31 @@ class Summary:
             "pool_loaded_tokens": int(self._med(lambda r: r.pool_loaded_tokens)),
         }
 
+    def detail(self) -> dict[str, object]:
+        """The summary's extras and every run's own figures (for the record beside --json)."""
+        runs = [
+            {
+                "repeat": r.repeat,
+                "completed": r.load.completed,
+                "failed": r.load.failed,
+                "ttft_p50_ms": round(r.load.ttft(50), 2),
+                "ttft_p90_ms": round(r.load.ttft(90), 2),
+                "ttft_p99_ms": round(r.load.ttft(99), 2),
+                "itl_p50_ms": round(median(r.load.itl_ms), 3),
+                "prefill_tokens": r.prefill_tokens,
+                "pool_loaded_tokens": r.pool_loaded_tokens,
+                "requests_per_worker": r.requests_per_worker,
+                "frontend_cpu_s": round(r.frontend_cpu_s, 3),
+                "nats_msgs": r.nats_msgs,
+                "nats_bytes": r.nats_bytes,
+                "replay_s": round(r.replay_s, 2),
+                "loadavg_1m_before_after": [round(v, 2) for v in r.loadavg],
+                "schedule_lag_p99_ms": r.load.schedule_lag_p99_ms,
+            }
+            for r in self.runs
+        ]
+        return {"config": self.config, **self.as_json(), **self.extras(), "runs": runs}
+
     def extras(self) -> dict[str, object]:
         n = max(1, int(self._med(lambda r: r.load.completed + r.load.failed)))
         return {
@@ -285,6 +356,9 @@ class Summary:
             "schedule_lag_p99_ms": self._med(lambda r: r.load.schedule_lag_p99_ms),
             "requests_per_worker": [sorted(r.requests_per_worker, reverse=True) for r in self.runs],
             "frontend_cpu_ms_per_request": self._med(lambda r: r.frontend_cpu_s) * 1000 / n,
+            "nats_msgs_per_s": self._med(lambda r: r.nats_msgs / r.replay_s if r.replay_s else 0.0),
+            "nats_kib_per_s": self._med(lambda r: r.nats_bytes / 1024 / r.replay_s if r.replay_s else 0.0),
+            "nats_bytes_per_request": self._med(lambda r: r.nats_bytes) / n,
         }
 
 
@@ -296,7 +370,8 @@ def summarise(runs: Sequence[Run]) -> list[Summary]:
 def format_table(summaries: Sequence[Summary], traffic: Traffic) -> str:
     head = (
         f"{'config':<12} {'done':>5} {'fail':>4} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} "
-        f"{'out tok/s':>9} {'goodput':>7} {'lag p99':>7} {'prefill':>8} {'pool-ld':>8} {'fe ms/req':>9}  req/worker"
+        f"{'out tok/s':>9} {'goodput':>7} {'lag p99':>7} {'prefill':>8} {'pool-ld':>8} {'fe ms/req':>9} "
+        f"{'nats msg/s':>10} {'KiB/s':>7}  req/worker"
     )
     rows = [head, "-" * len(head)]
     for s in summaries:
@@ -305,7 +380,8 @@ def format_table(summaries: Sequence[Summary], traffic: Traffic) -> str:
             f"{s.config:<12} {j['completed']:>5} {j['failed']:>4} {j['ttft_p50_ms']:>9.1f} {j['ttft_p90_ms']:>8.1f} "
             f"{j['ttft_p99_ms']:>8.1f} {j['itl_p50_ms']:>8.2f} {j['output_tokens_per_s']:>9.1f} "
             f"{x['goodput_rps']:>7.2f} {x['schedule_lag_p99_ms']:>7.1f} {j['prefill_tokens']:>8} "
-            f"{j['pool_loaded_tokens']:>8} {x['frontend_cpu_ms_per_request']:>9.2f}  "
+            f"{j['pool_loaded_tokens']:>8} {x['frontend_cpu_ms_per_request']:>9.2f} "
+            f"{x['nats_msgs_per_s']:>10.1f} {x['nats_kib_per_s']:>7.1f}  "
             + " ".join("/".join(map(str, r)) for r in x["requests_per_worker"])  # type: ignore[attr-defined]
         )
     rows.append(
@@ -407,10 +483,15 @@ def build_traffic(args: argparse.Namespace) -> Traffic:
     path = Path(args.trace)
     if args.requests is not None and args.requests < 1:
         raise TrafficError(f"--requests {args.requests}: use an integer >= 1")
-    raw = read_mooncake(path, args.requests)
+    if args.sample_sessions is None:
+        raw = read_mooncake(path, args.requests)
+        sample = ""
+    else:
+        raw = sample_sessions(read_mooncake(path), args.sample_sessions)[: args.requests]
+        sample = f", every {args.sample_sessions}th session"
     return scale_trace(
         raw,
-        name=f"{path.name} x{args.trace_block_size}/512 tokens, speedup {args.speedup:g}",
+        name=f"{path.name}{sample} x{args.trace_block_size}/512 tokens, speedup {args.speedup:g}",
         block_tokens=args.trace_block_size,
         speedup=args.speedup,
         max_output=args.max_output_tokens,
@@ -424,6 +505,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace-block-size", type=int, default=16, help="tokens per trace hash id here (default 16)")
     ap.add_argument("--speedup", type=float, default=20.0, help="divide the trace's arrival gaps by this")
     ap.add_argument("--requests", type=int, default=None, help="first N requests of the trace (synthetic: 64)")
+    ap.add_argument(
+        "--sample-sessions",
+        type=int,
+        default=None,
+        metavar="K",
+        help="keep every K-th conversation session of the whole trace (all its turns) before --requests",
+    )
     ap.add_argument("--max-output-tokens", type=int, default=32, help="cap on each scaled output (default 32)")
     ap.add_argument("--synthetic", action="store_true", help="prefix-ratio synthetic traffic instead of --trace")
     ap.add_argument("--prefix-ratio", type=float, default=0.75)
@@ -437,6 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput SLO on TTFT (default 1000)")
     ap.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the figures as JSON")
+    ap.add_argument(
+        "--detail-json", type=Path, default=None, metavar="FILE", help="also every run's figures, NATS volume, load"
+    )
     ap.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="TTFT CDFs and prefill tokens")
     ap.add_argument("--whatif", action="store_true", help="also replay the trace with maru-dynamo whatif")
     ap.add_argument("--keep-logs", action="store_true")
@@ -480,6 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     slo_ms=args.slo_ttft_ms,
                     work_dir=work,
                     log=log,
+                    repeat=rep,
                 )
                 runs.append(run)
                 log(
@@ -496,6 +588,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         doc = {"trace": traffic.name, "requests": len(traffic.requests), "results": [s.as_json() for s in summaries]}
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    if args.detail_json:
+        doc = {
+            "trace": traffic.name,
+            "requests": len(traffic.requests),
+            "input_tokens": traffic.input_tokens,
+            "prefix_tree_tokens": traffic.unique_prefix_tokens(),
+            "repeats": args.repeats,
+            "order": [[c.name for c in order_for(rep, configs)] for rep in range(args.repeats)],
+            "results": [s.detail() for s in summaries],
+        }
+        args.detail_json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     if args.plot:
         plot(summaries, args.plot, f"{traffic.name}: {len(traffic.requests)} requests, {args.workers} workers")
     if args.whatif:

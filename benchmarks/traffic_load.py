@@ -4,6 +4,9 @@
   ``hash_ids`` of ``TRACE_BLOCK_TOKENS``-token blocks) into one for a small CPU engine: each hash
   id stands for ``block_tokens`` tokens instead, lengths shrink by the same factor (inputs stay
   within their hash blocks), arrivals are divided by ``speedup``.
+* `sample_sessions` keeps every k-th conversation session of a trace (all of its turns, at their
+  own times), so a short replay keeps the whole trace's prefix reuse: the first N requests of a
+  conversation trace share less than the whole, because later turns of its sessions fall outside.
 * `synthetic_trace` writes the prefix-ratio workload of Dynamo's router benchmark in the same
   format: every request starts with one of ``prefixes`` shared prefixes covering ``prefix_ratio``
   of its input, the rest is its own; Poisson arrivals at ``rate`` requests/s.
@@ -125,6 +128,32 @@ def scale_trace(
     if not out:
         raise TrafficError(f"no request of the trace fits {max_total} tokens at {block_tokens} tokens per hash id")
     return Traffic(name, block_tokens, tuple(out), dropped)
+
+
+def session_of(requests: Sequence[TraceRequest]) -> list[int]:
+    """Each request's conversation session, numbered in order of first appearance.
+
+    A session is the requests whose second hash id is the same (the first one is the system
+    prompt every request of the Mooncake traces shares; a later turn repeats the whole earlier
+    conversation, so its prefix starts with the session's first own block). A request of one
+    hash id is a session of its own.
+    """
+    number: dict[object, int] = {}
+    out = []
+    for i, r in enumerate(requests):
+        key: object = r.hash_ids[1] if len(r.hash_ids) > 1 else ("single", i)
+        out.append(number.setdefault(key, len(number)))
+    return out
+
+
+def sample_sessions(requests: Sequence[TraceRequest], every: int) -> list[TraceRequest]:
+    """The requests of sessions 0, k, 2k, ... (`session_of`), in trace order, times unchanged.
+
+    The rule depends only on the order sessions appear in, never on what any configuration does.
+    """
+    if every < 1:
+        raise TrafficError(f"--sample-sessions {every}: use an integer >= 1 (keep every k-th session)")
+    return [r for r, s in zip(requests, session_of(requests)) if s % every == 0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -215,3 +215,18 @@ def test_orderings_call_values_within_two_percent_equal() -> None:
     import real_traffic_whatif as W
 
     assert W._order({"a": 100.0, "b": 101.0, "c": 150.0}) == "a = b < c"
+
+
+def test_session_sample_keeps_every_turn_of_every_kth_conversation() -> None:
+    from maru_vllm.whatif.trace import TraceRequest
+
+    def req(t: float, *ids: int) -> TraceRequest:
+        return TraceRequest(t, 16 * len(ids), 4, ids)
+
+    trace = [req(0, 0, 1), req(1, 0, 2), req(2, 0, 1, 3), req(3, 0), req(4, 0, 2, 4), req(5, 0, 5)]
+    assert T.session_of(trace) == [0, 1, 0, 2, 1, 3]
+    # sessions 0 and 2: both turns of the first conversation, and the lone one-block request
+    assert T.sample_sessions(trace, 2) == [trace[0], trace[2], trace[3]]
+    assert T.sample_sessions(trace, 1) == trace
+    with pytest.raises(T.TrafficError, match=r"--sample-sessions 0: use an integer >= 1"):
+        T.sample_sessions(trace, 0)
