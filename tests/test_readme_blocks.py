@@ -388,6 +388,44 @@ def test_substitutions_make_a_block_private() -> None:
     assert commands("a \\\n  b\n# c\n\nd &  # e\nf '#g' # h\n") == ["a b", "d &", "f '#g'"]
 
 
+def test_the_options_table_lists_every_connector_key_with_its_default() -> None:
+    """README's kv_connector_extra_config table: exactly maru_vllm.connector.config.KEYS, same defaults."""
+    from maru_vllm.connector.config import KEYS
+
+    rows = dict(re.findall(r"^\| `(maru_\w+)` \| ([^|]+) \|", README.read_text(), re.M))
+    assert sorted(rows) == sorted(KEYS), "README's options table and connector.config.KEYS differ"
+
+    def matches(cell: str, default: object) -> bool:
+        value = cell.strip("`")
+        if default is None:
+            return cell == "none"
+        if isinstance(default, bool):
+            return value == str(default).lower()
+        if isinstance(default, int | float):
+            return float(value) == default
+        return json.loads(value) == default
+
+    for key, (default, _) in KEYS.items():
+        cell = rows[key].strip()
+        assert matches(cell, default) or (key == "maru_pool_address" and cell == "`$MARU_POOL_ADDRESS`"), (
+            f"{key}: README says {cell}, the code's default is {default!r}"
+        )
+
+
+HISTORY = re.compile(r"issue #\d+|#\d+'s|\b\d\d:\d\d UTC\b|\bbefore (this|the) change\b|\bwas \d[\d.]*x\b", re.I)
+
+
+def test_user_docs_describe_the_product_without_history() -> None:
+    """No issue numbers, run timestamps or before/after figures in the user docs."""
+    found = [
+        f"{path.relative_to(REPO)}:{n}: {m.group(0)!r}"
+        for path in DOCUMENTS
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        for m in HISTORY.finditer(line)
+    ]
+    assert not found, "\n".join(found)
+
+
 def _run_blocks() -> list[Block]:
     return [b for b in doc_blocks() if b.kind == "run"]
 
