@@ -426,6 +426,31 @@ def test_user_docs_describe_the_product_without_history() -> None:
     assert not found, "\n".join(found)
 
 
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    out = set()
+    for heading in re.findall(r"^#+\s+(.+?)\s*$", re.sub(r"```.*?```", "", text, flags=re.S), re.M):
+        out.add(re.sub(r"[^\w\- ]", "", heading.replace("`", "").lower()).replace(" ", "-"))
+    return out
+
+
+def test_every_relative_link_in_the_docs_resolves() -> None:
+    """Links between the docs (and to files in the repository) name files and headings that exist."""
+    problems = []
+    for path in DOCUMENTS:
+        text = path.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                problems.append(f"{path.relative_to(REPO)}: {target}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
+                problems.append(f"{path.relative_to(REPO)}: {target}: no such heading")
+    assert not problems, "\n".join(problems)
+
+
 def _run_blocks() -> list[Block]:
     return [b for b in doc_blocks() if b.kind == "run"]
 
