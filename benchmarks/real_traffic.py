@@ -530,6 +530,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="TTFT CDFs and prefill tokens")
     ap.add_argument("--whatif", action="store_true", help="also replay the trace with maru-dynamo whatif")
+    ap.add_argument(
+        "--calibration-out",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the what-if calibration measured by these runs (for real_traffic_scale.py)",
+    )
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -601,6 +608,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.detail_json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     if args.plot:
         plot(summaries, args.plot, f"{traffic.name}: {len(traffic.requests)} requests, {args.workers} workers")
+    if args.calibration_out:
+        try:
+            write_calibration(args.calibration_out, calibration_from_runs(runs, model))
+        except RuntimeError as exc:
+            print(f"real_traffic.py: no calibration: {exc}", file=sys.stderr)
     if args.whatif:
         try:
             print(whatif_report(runs, summaries, traffic, traffic_file, model=model, workers=args.workers, work=work))

@@ -115,7 +115,7 @@ def whatif_rows(
     return [r for r in rows if isinstance(r, dict)]
 
 
-def _order(values: dict[str, float]) -> str:
+def order_of(values: dict[str, float]) -> str:
     """`a < b = c`: names by value, '=' where two are within 2% of each other."""
     out = ""
     prev: float | None = None
@@ -153,8 +153,8 @@ def side_by_side(real: Sequence[dict[str, object]], whatif: Sequence[dict[str, o
         real_p90[name], real_pf[name] = float(r["ttft_p90_ms"]), float(r["prefill_tokens"])  # type: ignore[arg-type]
         if isinstance(w["ttft_p90_ms"], (int, float)) and isinstance(w["prefill_tokens"], (int, float)):
             sim_p90[name], sim_pf[name] = float(w["ttft_p90_ms"]), float(w["prefill_tokens"])
-    lines.append(f"TTFT p90 order   real: {_order(real_p90)}   what-if: {_order(sim_p90)}")
-    lines.append(f"prefill order    real: {_order(real_pf)}   what-if: {_order(sim_pf)}")
+    lines.append(f"TTFT p90 order   real: {order_of(real_p90)}   what-if: {order_of(sim_p90)}")
+    lines.append(f"prefill order    real: {order_of(real_pf)}   what-if: {order_of(sim_pf)}")
     return "\n".join(lines)
 
 

@@ -214,7 +214,7 @@ def test_whatif_replays_the_same_scaled_trace_calibrated_on_the_run(tmp_path: Pa
 def test_orderings_call_values_within_two_percent_equal() -> None:
     import real_traffic_whatif as W
 
-    assert W._order({"a": 100.0, "b": 101.0, "c": 150.0}) == "a = b < c"
+    assert W.order_of({"a": 100.0, "b": 101.0, "c": 150.0}) == "a = b < c"
 
 
 def test_session_sample_keeps_every_turn_of_every_kth_conversation() -> None:
@@ -230,3 +230,24 @@ def test_session_sample_keeps_every_turn_of_every_kth_conversation() -> None:
     assert T.sample_sessions(trace, 1) == trace
     with pytest.raises(T.TrafficError, match=r"--sample-sessions 0: use an integer >= 1"):
         T.sample_sessions(trace, 0)
+
+
+def test_scale_whatif_gives_every_worker_the_real_runs_request_rate() -> None:
+    import real_traffic_scale as S
+    from maru_vllm.whatif.trace import TraceRequest
+
+    reqs = tuple(TraceRequest(i * 1000.0, 16, 4, (i,)) for i in range(11))  # 11 requests over 10 s: 1.1/s
+    traffic = T.Traffic("t", 16, reqs)
+    for workers in (8, 64):
+        speedup = S.speedup_for(traffic, workers, 2.0)
+        assert len(reqs) / (traffic.duration_s / speedup) == pytest.approx(2.0 * workers)
+
+
+def test_scale_whatif_refuses_bad_worker_counts_in_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import real_traffic_scale as S
+
+    cal = tmp_path / "cal.json"
+    cal.write_text("{}")
+    assert S.main(["--calibration", str(cal), "--workers", "8,x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["real_traffic_scale.py: error: --workers '8,x': use comma-separated integers >= 1"]
