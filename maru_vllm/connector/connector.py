@@ -13,6 +13,13 @@ policy lives in `scheduler.py`, the data movement in `worker.py`, and every hook
 that no exception from the connector reaches vLLM's scheduler or model forward. Containment
 fails closed on the load path: a failed load hook reports the step's planned blocks as failed
 (`load_guard.py`), so vLLM recomputes them instead of running the forward over unwritten KV.
+
+It declares vLLM's `SupportsHMA`, so vLLM keeps its hybrid KV cache manager (sliding-window
+models free the KV outside the window). An engine with several KV cache groups, or a
+sliding-window one, is served group by group (`scheduler_groups.py`, `worker_groups.py`): one
+namespace per group, sliding-window groups only the window's blocks, and asynchronous loads
+whose failures vLLM recomputes per request (`get_transfer_results`). `engine_support.py`
+decides, once, whether and how the engine is served.
 """
 
 from __future__ import annotations
@@ -26,22 +33,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.logger import init_logger
 
 from maru_vllm.connector.chunks import ChunkGeometry
 from maru_vllm.connector.config import parse_config
 from maru_vllm.connector.engine_support import engine_support
+from maru_vllm.connector.kv_groups import announced_group, kv_groups
 from maru_vllm.connector.load_guard import SchedulerLoadGuard
 from maru_vllm.connector.log_summary import ConnectorLogSummary
 from maru_vllm.connector.logging_setup import follow_vllm_logging
 from maru_vllm.connector.metadata import MaruConnectorMetadata
-from maru_vllm.connector.namespace import identity_from_vllm
+from maru_vllm.connector.namespace import group_namespaces, identity_from_vllm
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.scheduler import MaruSchedulerSide
+from maru_vllm.connector.scheduler_groups import GroupedSchedulerSide
 from maru_vllm.connector.stats import MaruConnectorStats, MaruPromMetrics
 from maru_vllm.connector.transfer import FORMAT_PAGES, copy_format
 from maru_vllm.connector.worker import MaruWorkerSide
+from maru_vllm.connector.worker_groups import GroupedWorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,7 +94,7 @@ def _contained(default: Any, on_error: str | None = None) -> Callable[[Callable[
     return wrap
 
 
-class MaruKVConnector(KVConnectorBase_V1):
+class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
@@ -98,9 +110,16 @@ class MaruKVConnector(KVConnectorBase_V1):
         salt = (
             self.config.namespace if self.copy_format == FORMAT_PAGES else f"{self.config.namespace}|{self.copy_format}"
         )
-        support = engine_support(vllm_config, kv_cache_config)  # UnsupportedModel: the engine does not start
-        identity = identity_from_vllm(vllm_config, kv_cache_config, salt)
-        self.namespace = identity.namespace()
+        support = engine_support(vllm_config, kv_cache_config)
+        # Served group by group (vLLM's hybrid KV cache manager, sliding-window layers): one
+        # namespace per group, the announced group's is `self.namespace`.
+        self.grouped = support.serves and support.grouped
+        groups = kv_groups(kv_cache_config)
+        if self.grouped:
+            namespaces = group_namespaces(vllm_config, kv_cache_config, salt)
+            self.namespace = namespaces[announced_group(groups)]
+        else:
+            self.namespace = identity_from_vllm(vllm_config, kv_cache_config, salt).namespace()
         self.can_load = bool(transfer.is_kv_consumer) and support.serves
         self.can_store = bool(transfer.is_kv_producer) and support.serves
         if not support.serves and role == KVConnectorRole.SCHEDULER:
@@ -118,10 +137,20 @@ class MaruKVConnector(KVConnectorBase_V1):
         who = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self.pool = self._pool_access(who)
         self.scheduler_side: MaruSchedulerSide | None = None
-        self.worker_side: MaruWorkerSide | None = None
-        self.load_guard = SchedulerLoadGuard(block_size)
+        self.worker_side: MaruWorkerSide | GroupedWorkerSide | None = None
+        self.load_guard = SchedulerLoadGuard(block_size, asynchronous=self.grouped)
         pools = [self.pool]  # the links the periodic log summary reports on
-        if role == KVConnectorRole.SCHEDULER:
+        if role == KVConnectorRole.SCHEDULER and self.grouped:
+            self.scheduler_side = GroupedSchedulerSide(
+                geometry,
+                groups,
+                namespaces,
+                announced_group(groups),
+                self.pool,
+                can_load=self.can_load,
+                can_store=self.can_store,
+            )
+        elif role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = MaruSchedulerSide(
                 geometry, self.namespace, self.pool, can_load=self.can_load, can_store=self.can_store
             )
@@ -132,8 +161,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             store_pool = self._pool_access("worker-store") if self.can_store else None
             if store_pool is not None:
                 pools.append(store_pool)
-            self.worker_side = MaruWorkerSide(
-                namespace=self.namespace,
+            worker_args: dict[str, Any] = dict(
                 rank=_worker_rank(),
                 pool=self.pool,
                 store_pool=store_pool,
@@ -145,14 +173,21 @@ class MaruKVConnector(KVConnectorBase_V1):
                 use_lmcache_kernels=self.config.use_lmcache_kernels,
                 enable_fused_load=self.config.enable_fused_load,
             )
+            if self.grouped:
+                self.worker_side = GroupedWorkerSide(groups=groups, namespaces=namespaces, **worker_args)
+            else:
+                self.worker_side = MaruWorkerSide(namespace=self.namespace, **worker_args)
         logger.info(
-            "MaruKVConnector (%s): pool %s, namespace %s, chunk %d tokens, load=%s store=%s",
+            "MaruKVConnector (%s): pool %s, namespace %s, chunk %d tokens, load=%s store=%s%s",
             who,
             self.config.pool_address,
             self.namespace,
             self.config.chunk_tokens,
             self.can_load,
             self.can_store,
+            f", {len(groups)} KV cache groups ({'; '.join(g.describe() for g in groups)}), loads asynchronous"
+            if self.grouped
+            else "",
         )
         self.log_summary = ConnectorLogSummary(who, self.config.log_stats_interval_s, block_size, pools)
         self.log_summary.start()
@@ -212,6 +247,14 @@ class MaruKVConnector(KVConnectorBase_V1):
         )
         return (done or None), None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished stores, and (served group by group) the asynchronous loads' verdicts."""
+        sending, _ = self.get_finished(finished_req_ids)
+        results = KVConnectorTransferResults(finished_sending=set(sending or ()))
+        if isinstance(self.worker_side, GroupedWorkerSide):
+            results.finished_recving, results.failed_recving = self.worker_side.take_load_results()
+        return results
+
     @_contained(set, on_error="_all_planned_blocks")
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed_blocks() if self.worker_side is not None else set()
@@ -221,6 +264,8 @@ class MaruKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if self.worker_side is not None:
             self.worker_side.failed_blocks = set()
+        if isinstance(self.worker_side, GroupedWorkerSide):
+            return set()  # its verdicts are per request (get_transfer_results); vLLM takes no block ids
         return meta.planned_load_blocks() if isinstance(meta, MaruConnectorMetadata) else set()
 
     @_contained(None)
@@ -277,6 +322,12 @@ class MaruKVConnector(KVConnectorBase_V1):
         if self.scheduler_side is None:
             return False, None
         return bool(self.scheduler_side.request_finished(request)), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager: the request finished in every group (`request_finished`)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def _forget_request(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """request_finished failed: still drop the request's state (it must not outlive the request),

@@ -35,8 +35,11 @@ logger = init_logger(__name__)
 
 
 class SchedulerLoadGuard:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, asynchronous: bool = False) -> None:
         self.block_size = block_size
+        # Loads are asynchronous (engines served group by group): vLLM waits for a verdict on
+        # every request it granted tokens, so each must be in `async_loads`, failed if unplanned.
+        self.asynchronous = asynchronous
         self.granted: dict[str, int] = {}  # req_id -> external tokens vLLM granted this step
         self.broken: set[str] = set()  # requests a load hook failed for this step
         self.failed_loads = 0  # requests whose granted load was turned into a failure
@@ -62,6 +65,8 @@ class SchedulerLoadGuard:
                 "Maru load plan has %d chunk loads for requests vLLM granted no external tokens; dropped", len(unasked)
             )
             meta.loads = [ld for ld in meta.loads if ld.req_id in granted]
+        if self.asynchronous:
+            return self._seal_async(meta, granted, broken)
         for req_id, num_computed, block_ids in _admitted(scheduler_output):
             external = granted.get(req_id, 0)
             if not external:
@@ -82,6 +87,19 @@ class SchedulerLoadGuard:
             meta.loads = [ld for ld in meta.loads if ld.req_id != req_id]
             meta.load_failures.append(LoadFailure(req_id, expected))
             self.failed_loads += 1
+        return meta
+
+    def _seal_async(
+        self, meta: MaruConnectorMetadata, granted: dict[str, int], broken: set[str]
+    ) -> MaruConnectorMetadata:
+        """Every granted request gets a verdict: its planned loads, or failed without any."""
+        unplanned = {r for r in granted if r not in meta.async_loads or r in broken}
+        if unplanned:
+            logger.error("Maru load plan misses %d requests vLLM granted pool tokens; recomputing them", len(unplanned))
+            meta.loads = [ld for ld in meta.loads if ld.req_id not in unplanned]
+            meta.async_loads |= unplanned
+            meta.async_failed |= unplanned
+            self.failed_loads += len(unplanned)
         return meta
 
 

@@ -24,6 +24,7 @@ class ChunkLoad:
     block_ids: list[int]
     skip_blocks: int = 0
     chunk_blocks: int = 0
+    group: int = 0  # the KV cache group whose layers and namespace the blocks are of
 
 
 @dataclasses.dataclass
@@ -35,6 +36,7 @@ class ChunkStore:
     block_ids: list[int]
     meta: ChunkMeta
     parts: list[bytes] = dataclasses.field(default_factory=list)  # rank-less part keys (ChunkGeometry.part_hashes)
+    group: int = 0  # the KV cache group whose layers and namespace the blocks are of
 
 
 @dataclasses.dataclass
@@ -58,9 +60,30 @@ class MaruConnectorMetadata(KVConnectorMetadata):
     # Nothing is computed this step (the engine only steps to collect finished transfers).
     idle: bool = False
     load_failures: list[LoadFailure] = dataclasses.field(default_factory=list)
+    # Requests whose blocks vLLM handed to another use this step while a write-behind copy may
+    # still read them (sliding-window blocks leave a running request): like preempted requests,
+    # their copies are finished before anything writes the blocks.
+    flush_req_ids: set[str] = dataclasses.field(default_factory=set)
+    # Asynchronous loads (engines served group by group): every request vLLM admitted to wait
+    # for a load this step; the worker reports each finished, and failed unless all its loads
+    # succeeded. `async_failed`: the scheduler side could not plan them (no loads planned).
+    async_loads: set[str] = dataclasses.field(default_factory=set)
+    async_failed: set[str] = dataclasses.field(default_factory=set)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.preempted_req_ids or self.held_for_stores or self.load_failures)
+        return not (
+            self.loads
+            or self.stores
+            or self.preempted_req_ids
+            or self.held_for_stores
+            or self.load_failures
+            or self.flush_req_ids
+            or self.async_loads
+        )
+
+    def copies_to_finish(self) -> set[str]:
+        """Requests whose write-behind copies must be done before this step writes any block."""
+        return self.preempted_req_ids | self.flush_req_ids
 
     def planned_load_blocks(self) -> set[int]:
         """Every block this step's loads (or failed loads) cover."""

@@ -367,11 +367,14 @@ class MaruWorkerSide:
         self.counters.store_hold_seconds += time.perf_counter() - t0
 
     def handle_preemptions(self, meta: MaruConnectorMetadata) -> None:
-        """vLLM freed the blocks of `meta.preempted_req_ids`: finish their copies before the forward."""
-        if not meta.preempted_req_ids or self.writer is None:
+        """vLLM freed blocks that copies of `meta.copies_to_finish()` may still read (preempted
+        requests, sliding-window blocks handed out again): finish those copies before the step
+        writes any block."""
+        waiting = meta.copies_to_finish()
+        if not waiting or self.writer is None:
             return
         t0 = time.perf_counter()
-        self.writer.wait(meta.preempted_req_ids)
+        self.writer.wait(waiting)
         self.counters.store_hold_seconds += time.perf_counter() - t0
 
     def finished_stores(self, finished_req_ids: set[str], meta: MaruConnectorMetadata | None) -> set[str]:

@@ -1,4 +1,4 @@
-"""Which engines the connector serves, stands aside on, or refuses (engine_support.py).
+"""Which engines the connector serves, and how, or stands aside on (engine_support.py).
 
 The MLA cases use vLLM's real configuration: a `VllmConfig` of the DeepSeek-V2-shaped fixture
 built on this (CPU) platform is the one vLLM adjusts for its CPU MLA backend, and the GPU case
@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from maru_vllm.connector.engine_support import UnsupportedModel, engine_support
+from maru_vllm.connector.engine_support import engine_support
 from maru_vllm.connector.namespace import identity_from_vllm
 from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.models import ensure_model
@@ -123,27 +123,35 @@ def test_prefix_caching_off_alone_still_loads() -> None:
     assert not engine_support(engine(prefix_caching=False, chunked_prefill=False), kv_config(FULL)).serves
 
 
-def test_all_sliding_window_layers_stand_aside() -> None:
-    support = engine_support(engine(), kv_config(SLIDING))
-    assert not support.serves and "SlidingWindowSpec" in (support.reason or "")
+def test_sliding_window_layers_are_served_group_by_group() -> None:
+    """vLLM frees their blocks outside the window mid-request: served with per-group objects,
+    window-only loads and flushes (scheduler_groups.py), alone or beside full attention."""
+    for specs in ((SLIDING,), (SLIDING, FULL), (FULL, SLIDING, SLIDING)):
+        support = engine_support(engine(), kv_config(*specs))
+        assert support.serves and support.grouped, specs
+    assert not engine_support(engine(), kv_config(FULL)).grouped  # one full group: chunk by chunk
 
 
 def test_uniform_type_group_is_judged_by_its_members() -> None:
     full_128 = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
     uniform = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": FULL, "b": full_128})
-    assert engine_support(engine(), kv_config(uniform)).serves
-    mixed = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": SLIDING, "b": SLIDING})
+    support = engine_support(engine(), kv_config(uniform))
+    assert support.serves and not support.grouped
+    mixed = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": SLIDING, "b": FULL})
     assert not engine_support(engine(), kv_config(mixed)).serves
+
+
+FULL_32 = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize(
     ("specs", "says"),
     [
-        ((FULL, MAMBA), "does not support models with Mamba/linear-attention state (MambaSpec)"),
-        ((FULL, SLIDING), "does not support 2 KV cache groups"),
+        ((FULL, MAMBA), "keeps Mamba/linear-attention state (MambaSpec)"),
+        ((FULL, FULL_32), "different block sizes (16, 32)"),
     ],
 )
-def test_state_the_pool_cannot_hold_is_refused_in_one_line(specs: tuple, says: str) -> None:
-    with pytest.raises(UnsupportedModel) as err:
-        engine_support(engine(), kv_config(*specs))
-    assert says in str(err.value) and "\n" not in str(err.value)
+def test_state_the_pool_cannot_hold_stands_aside_in_one_line(specs: tuple, says: str) -> None:
+    support = engine_support(engine(), kv_config(*specs))
+    assert not support.serves
+    assert says in (support.reason or "") and "\n" not in (support.reason or "")
