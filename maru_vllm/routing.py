@@ -20,7 +20,7 @@ Measured by ``benchmarks/bench_connector.py`` as ``1 - load time / recompute tim
 prompt on the bench model: a pool hit's time to first token minus a local prefix-cache hit's,
 over a cold prefill's minus the local hit's, subtracted from 1 (the share of the recompute time
 that loading from the pool saves), on this project's CPU machine; the run's figures are in the
-README ("Pool-tier weight"). On CPU, prefill is slow and a load from the pool is fast, so a pool
+docs/performance.md ("Pool-aware routing"). On CPU, prefill is slow and a load from the pool is fast, so a pool
 hit is worth almost a device hit; on a GPU prefill is far faster and the weight will be lower.
 
 To redo it on GPU hardware: ``make setup GPU=1`` on the target machine (same GPU, same pool

@@ -52,7 +52,7 @@ class MaruConnectorConfig:
         return self.pool_deadline_ms / 1000.0
 
 
-# key -> (default, description); the README's "The connector" section has the same table.
+# key -> (default, description); the README's "Configuration" table lists the same keys and defaults.
 KEYS: dict[str, tuple[Any, str]] = {
     "maru_pool_address": (
         None,

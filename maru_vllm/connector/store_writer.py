@@ -1,7 +1,7 @@
 """Write-behind stores: a step hands its chunks over and goes on; one thread copies and commits.
 
-Why write-behind (`benchmarks/bench_store.py` measures it; figures in the README "Performance"):
-a synchronous store holds the step for reserve + page copy + checksum + commit, a cost that
+Why write-behind (`benchmarks/bench_store.py` measures it; figures in docs/performance.md,
+"Stores: write-behind"): a synchronous store holds the step for reserve + page copy + checksum + commit, a cost that
 grows with the bytes stored. Next to a CPU prefill, which produces KV slowly, that is a small
 share of a miss; next to a GPU prefill, which produces KV orders of magnitude faster, it is a
 visible share. Handed to a thread, the step is held only for building the job (a cost per job,

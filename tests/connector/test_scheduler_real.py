@@ -299,11 +299,11 @@ def test_prompt_sharing_part_of_a_pool_chunk_loads_the_shared_blocks(new_sim, cl
 
 
 def test_part_keys_raise_the_pool_hit_rate_on_the_chat_workload(new_sim, client):
-    """The README's routing workload (2 system prompts of 2.5 chunks, 5 sessions x 3 turns), round
-    robin over four engines sharing one pool. A session's system prompt ends mid-chunk; once a
-    longer prompt stored that chunk, an engine new to the system prompt loads its shared first
-    block with part keys instead of computing it (measured here: 5248 -> 4992 prompt tokens
-    computed of 13440)."""
+    """The routing comparison's workload (docs/performance.md; 2 system prompts of 2.5 chunks,
+    5 sessions x 3 turns), round robin over four engines sharing one pool. A session's system
+    prompt ends mid-chunk; once a longer prompt stored that chunk, an engine new to the system
+    prompt loads its shared first block with part keys instead of computing it (measured here:
+    5248 -> 4992 prompt tokens computed of 13440)."""
     from maru_vllm.workload import WorkloadSpec, build_workload
 
     workload = build_workload(WorkloadSpec())
