@@ -36,6 +36,7 @@ import xxhash
 
 from maru_vllm.events import vllm_format as vf
 from maru_vllm.events.block_table import CountedKeys, key_of
+from maru_vllm.events.packed_chunks import ChunkColumns, ChunkStores
 from maru_vllm.events.types import (
     Announcement,
     BlocksRemoved,
@@ -47,6 +48,7 @@ from maru_vllm.events.types import (
     PoolObject,
     PoolSnapshot,
 )
+from maru_vllm.pool.messages import BINARY_META_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +205,7 @@ class PoolView:
         return [BlocksRemoved(tuple(gone))] if gone else []
 
     # -- snapshots -------------------------------------------------------------------------
-    def resync(self, snapshot: PoolSnapshot | Iterable[PoolObject]) -> list[Announcement]:
+    def resync(self, snapshot: PoolSnapshot | Iterable[PoolObject]) -> list[Announcement | ChunkStores]:
         """Apply one snapshot part (a whole snapshot when it is not a `PoolSnapshot` or has one part)."""
         if not isinstance(snapshot, PoolSnapshot):
             snapshot = PoolSnapshot("", "", 0, tuple(snapshot))
@@ -212,10 +214,10 @@ class PoolView:
         out = self._resync_part(snapshot.objects)
         if snapshot.last:
             removed, deferred = self._end()
-            out = removed + out + deferred
+            out = [*removed, *out, *deferred]
         return out
 
-    def clear(self) -> list[Announcement]:
+    def clear(self) -> list[Announcement | ChunkStores]:
         """Forget everything; announce the removal of every block."""
         return self.resync(())
 
@@ -230,7 +232,81 @@ class PoolView:
         blocks_per_object = max((len(c.block_hashes) for c in sample if c is not None), default=1)
         self._resync = _Resync(first.full, CountedKeys(expected * blocks_per_object), CountedKeys(expected))
 
-    def _resync_part(self, objects: Sequence[PoolObject]) -> list[Announcement]:
+    def _resync_part(self, objects: Sequence[PoolObject]) -> list[Announcement | ChunkStores]:
+        """Count a part's objects in the resync; the stores of what is new (parents first)."""
+        out: list[Announcement | ChunkStores] = []
+        if self.int_hashes:
+            binary = [
+                i
+                for i, o in enumerate(objects)
+                if type(o.meta) is bytes and o.meta[:3] == BINARY_META_PREFIX and self.namespaces.accepts(o.namespace)
+            ]
+            cols = ChunkColumns.of([objects[i].meta for i in binary], self.block_size) if binary else None
+            if cols is not None:
+                taken = np.zeros(len(objects), dtype=bool)
+                taken[np.asarray(binary, dtype=np.int64)[cols.rows]] = True
+                okeys = np.fromiter(
+                    (object_key(objects[binary[r]].oid) for r in cols.rows.tolist()), dtype=np.uint64, count=len(cols)
+                )
+                out.extend(self._resync_columns(cols, okeys))
+                objects = [o for o, t in zip(objects, taken.tolist()) if not t]
+        out.extend(self._resync_objects(objects))
+        return out
+
+    def _resync_columns(self, cols: ChunkColumns, okeys: np.ndarray) -> list[Announcement | ChunkStores]:
+        """`_resync_objects` for chunks read as columns: whole-chunk stores stay columns."""
+        rs = self._resync
+        assert rs is not None
+        new = rs.objects.add_many(okeys) == 0
+        cols = cols.take(np.flatnonzero(new))
+        cols = cols.take(np.argsort(cols.chunk_index, kind="stable"))
+        n, nb = cols.hashes.shape
+        if n == 0:
+            return []
+        keys = cols.hashes.reshape(-1).copy()
+        keys[keys == 0] = 1  # block_table.key_of
+        fresh = rs.blocks.add_many(keys) == 0  # first time this resync sees the block
+        if not rs.full:
+            fresh &= self._blocks.counts_of(keys) == 0  # ... and not announced before it
+        fresh = fresh.reshape(n, nb)
+        pkeys = cols.parent.copy()
+        pkeys[pkeys == 0] = 1
+        orphan = cols.has_parent & fresh[:, 0]
+        orphan &= (rs.blocks.counts_of(pkeys) == 0) & (self._blocks.counts_of(pkeys) == 0)
+        # kinds, in chunk order: 0 whole & no parent, 1 whole & parent, 2 partly new or held back, 3 nothing new
+        kind = np.where(fresh.all(axis=1), cols.has_parent.astype(np.int8), np.int8(2))
+        kind[~fresh.any(axis=1)] = 3
+        kind[orphan] = 2
+        out: list[Announcement | ChunkStores] = []
+        bounds = np.flatnonzero(np.diff(kind)) + 1
+        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), n]):
+            k = int(kind[lo])
+            if k in (0, 1):
+                out.append(ChunkStores(cols.take(np.arange(lo, hi))))
+            elif k == 2:
+                for i in range(lo, hi):
+                    chunk = PoolChunk(
+                        tuple(cols.hashes[i].tolist()),
+                        int(cols.parent[i]) if cols.has_parent[i] else None,
+                        cols.tokens[i],
+                        cols.block_size,
+                        None,
+                        int(cols.chunk_index[i]),
+                    )
+                    out.extend(self._held_back(rs, chunk, _runs(chunk, fresh[i].tolist())))
+        return out
+
+    def _held_back(self, rs: _Resync, c: PoolChunk, runs: list[BlocksStored]) -> list[Announcement]:
+        """`runs` of chunk `c`, unless its parent is in no page seen so far: then they are held
+        until the parent comes (at most MAX_DEFERRED; beyond, sent at once)."""
+        if runs and runs[0].parent_block_hash is not None and len(rs.deferred) < MAX_DEFERRED:
+            parent = _block_key(runs[0].parent_block_hash)
+            if rs.blocks.count(parent) == 0 and self._blocks.count(parent) == 0:
+                rs.deferred.extend((c.chunk_index, r) for r in runs)
+                return []
+        return list(runs)
+
+    def _resync_objects(self, objects: Sequence[PoolObject]) -> list[Announcement]:
         rs = self._resync
         assert rs is not None
         accepted = [(o, c) for o, c in zip(objects, self.chunks_of(objects)) if c is not None]
@@ -250,15 +326,8 @@ class PoolView:
         fresh_list = fresh.tolist()
         i = 0
         for c, n in zip(chunks, sizes):
-            runs = _runs(c, fresh_list[i : i + n])
+            out.extend(self._held_back(rs, c, _runs(c, fresh_list[i : i + n])))
             i += n
-            if runs and runs[0].parent_block_hash is not None and len(rs.deferred) < MAX_DEFERRED:
-                parent = _block_key(runs[0].parent_block_hash)
-                if rs.blocks.count(parent) == 0 and self._blocks.count(parent) == 0:
-                    # its parent is in no page seen so far: hold it until the parent comes
-                    rs.deferred.extend((c.chunk_index, r) for r in runs)
-                    continue
-            out.extend(runs)
         return out
 
     def _end(self) -> tuple[list[Announcement], list[Announcement]]:

@@ -30,7 +30,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 import zmq
@@ -38,13 +38,13 @@ import zmq.asyncio
 
 from maru_vllm.events import vllm_format as vf
 from maru_vllm.events.nats_source import PoolEventSource, PoolSourceConfig
+from maru_vllm.events.packed_chunks import ChunkStores
 from maru_vllm.events.pool_view import NamespaceFilter, PoolView
 from maru_vllm.events.types import (
     DEFAULT_MEDIUM,
     KNOWN_MEDIUMS,
     Announcement,
     BlocksRemoved,
-    BlocksStored,
     PoolEvent,
     PoolSnapshot,
 )
@@ -281,21 +281,24 @@ class KvEventRelay:
         self._announce(self.view.apply(ev))
 
     # -- output ----------------------------------------------------------------------------
-    def _announce(self, announcements: list[Announcement]) -> None:
+    def _announce(self, announcements: Sequence[Announcement | ChunkStores]) -> None:
         """Send announcements as KVEventBatches of at most MAX_BATCH_BLOCKS blocks each (a resync
         of 10^6 chunks must not become one gigabyte-sized message for Dynamo's publisher)."""
-        batch: list[Announcement] = []
+        batch: list[Announcement | ChunkStores] = []
         blocks = 0
-        for a in _split_removals(announcements):
+        for a in _split(announcements):
+            if batch and blocks + _blocks_of(a) > MAX_BATCH_BLOCKS:
+                self._announce_batch(batch)
+                batch, blocks = [], 0
             batch.append(a)
-            blocks += len(a.block_hashes)
+            blocks += _blocks_of(a)
             if blocks >= MAX_BATCH_BLOCKS:
                 self._announce_batch(batch)
                 batch, blocks = [], 0
         if batch:
             self._announce_batch(batch)
 
-    def _announce_batch(self, announcements: list[Announcement]) -> None:
+    def _announce_batch(self, announcements: list[Announcement | ChunkStores]) -> None:
         try:
             payload = vf.encode_announcements(announcements, self.medium, data_parallel_rank=self.dp_rank)
         except Exception:
@@ -305,15 +308,15 @@ class KvEventRelay:
         logger.debug(
             "announcing pool blocks at %s: %s",
             self.medium,
-            ", ".join(f"{type(a).__name__}x{len(a.block_hashes)}" for a in announcements),
+            ", ".join(f"{type(a).__name__}x{_blocks_of(a)}" for a in announcements),
         )
         blocks = 0
         for a in announcements:
-            blocks += len(a.block_hashes)
-            if isinstance(a, BlocksStored):
-                self.stats.pool_blocks_stored += len(a.block_hashes)
+            blocks += _blocks_of(a)
+            if isinstance(a, BlocksRemoved):
+                self.stats.pool_blocks_removed += _blocks_of(a)
             else:
-                self.stats.pool_blocks_removed += len(a.block_hashes)
+                self.stats.pool_blocks_stored += _blocks_of(a)
         if self._open:
             self._send(payload)
         elif self._held_pool_blocks + blocks <= self._max_held_pool_blocks and not self._announce_on_join:
@@ -351,11 +354,18 @@ class KvEventRelay:
         self.stats.sent += 1
 
 
-def _split_removals(announcements: list[Announcement]) -> Iterator[Announcement]:
+def _blocks_of(a: Announcement | ChunkStores) -> int:
+    return a.block_count if isinstance(a, ChunkStores) else len(a.block_hashes)
+
+
+def _split(announcements: Sequence[Announcement | ChunkStores]) -> Iterator[Announcement | ChunkStores]:
+    """`announcements` with every removal and run of chunk stores cut to MAX_BATCH_BLOCKS blocks."""
     for a in announcements:
         if isinstance(a, BlocksRemoved) and len(a.block_hashes) > MAX_BATCH_BLOCKS:
             for i in range(0, len(a.block_hashes), MAX_BATCH_BLOCKS):
                 yield BlocksRemoved(a.block_hashes[i : i + MAX_BATCH_BLOCKS])
+        elif isinstance(a, ChunkStores):
+            yield from a.split(MAX_BATCH_BLOCKS)
         else:
             yield a
 

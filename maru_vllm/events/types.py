@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from maru_vllm.pool import chunk_codec
 from maru_vllm.pool import messages as M
 
 ObjectId = tuple[str, str]  # (namespace, key hex): a pool object's identity
@@ -126,6 +127,8 @@ class PoolChunk:
         for i, meta in enumerate(metas):
             if isinstance(meta, PoolChunk):
                 out[i] = meta
+            elif isinstance(meta, bytes) and meta[:3] == M.BINARY_META_PREFIX:
+                out[i] = cls.from_binary(meta, int_hashes)
             elif isinstance(meta, (msgspec.Raw, bytes, bytearray, memoryview)):
                 try:
                     f = _facts_decoder.decode(meta)
@@ -151,6 +154,26 @@ class PoolChunk:
                 if mine is not None:
                     out[i] = cls(hashes, parent, mine, f.block_size, f.lora_name, f.chunk, f.rank)
         return out
+
+    @classmethod
+    def from_binary(cls, data: bytes, int_hashes: bool = True) -> PoolChunk | None:
+        """From binary chunk metadata (`chunk_codec`), sliced, never parsed token by token; None
+        when it is not well-formed or of a format or version this code does not read."""
+        try:
+            lay = chunk_codec.Layout(data)
+            lora = lay.lora_name(data)
+        except M.MessageError:
+            return None
+        hashes: tuple[ExternalHash, ...] = tuple(lay.low64(data)) if int_hashes else tuple(lay.hashes(data))
+        if lay.parent < 0:
+            parent: ExternalHash | None = None
+        elif int_hashes:
+            parent = int.from_bytes(
+                data[lay.parent + lay.hash_len - min(8, lay.hash_len) : lay.parent + lay.hash_len], "big"
+            )
+        else:
+            parent = lay.parent_hash(data)
+        return cls(hashes, parent, lay.token_array(data), lay.block_size, lora, lay.chunk, lay.rank)
 
     @classmethod
     def _from_struct(cls, meta: Any, int_hashes: bool) -> PoolChunk | None:
@@ -202,7 +225,7 @@ class PoolObject:
 
     @classmethod
     def from_info(cls, o: M.ObjectInfo) -> PoolObject:
-        return cls(sys.intern(o.namespace), o.key, o.size, o.meta)
+        return cls(sys.intern(o.namespace), o.key, o.size, o.meta if o.bmeta is None else o.bmeta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +240,8 @@ class PoolEvent:
 
     @classmethod
     def from_msg(cls, m: M.PoolEventMsg) -> PoolEvent:
-        return cls(m.type, m.seq, m.incarnation, m.pool, PoolObject(m.namespace, m.key, m.size, m.meta))
+        meta = m.meta if m.bmeta is None else m.bmeta
+        return cls(m.type, m.seq, m.incarnation, m.pool, PoolObject(m.namespace, m.key, m.size, meta))
 
     @classmethod
     def from_json(cls, data: bytes) -> PoolEvent:

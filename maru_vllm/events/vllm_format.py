@@ -10,6 +10,7 @@ for the same blocks on the GPU.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from vllm import envs
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
+from maru_vllm.events.packed_chunks import ChunkStores, StoreTemplate
 from maru_vllm.events.types import KNOWN_MEDIUMS, Announcement, BlocksRemoved, BlocksStored
 
 __all__ = [
@@ -35,7 +37,9 @@ __all__ = [
     "encode_seq",
     "external_hash",
     "int_block_hashes",
+    "store_template",
     "to_vllm_event",
+    "to_vllm_events",
 ]
 
 
@@ -86,6 +90,42 @@ def _token_ids(tokens: Sequence[int] | np.ndarray) -> Any:
     return msgspec.Raw(head + body.tobytes())
 
 
+@functools.lru_cache(maxsize=64)
+def store_template(block_size: int, medium: str) -> StoreTemplate | None:
+    """How msgspec lays out vLLM's `BlockStored` (no LoRA) around its three arrays, from one
+    encoded with empty ones; None if this vLLM's layout is not the expected one (the relay then
+    encodes every store through vLLM's struct)."""
+    sample = _encoder.encode(
+        BlockStored(
+            block_hashes=[],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=block_size,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+        )
+    )
+    hashes_key, parent_key, tokens_key = (
+        _encoder.encode(k) for k in ("block_hashes", "parent_block_hash", "token_ids")
+    )
+    marker = hashes_key + b"\x90" + parent_key + b"\xc0" + tokens_key + b"\x90"
+    at = sample.find(marker)
+    if at < 0 or sample.find(marker, at + 1) >= 0:
+        return None
+    return StoreTemplate(sample[:at] + hashes_key, parent_key, tokens_key, sample[at + len(marker) :])
+
+
+def to_vllm_events(a: Announcement | ChunkStores, medium: str) -> list[Any]:
+    """vLLM's events for `a`: one, or one encoded `BlockStored` per chunk of `ChunkStores`."""
+    if isinstance(a, ChunkStores):
+        template = store_template(a.cols.block_size, medium)
+        if template is not None:
+            return a.raw_events(template)
+        return [to_vllm_event(s, medium) for s in a.announcements()]
+    return [to_vllm_event(a, medium)]
+
+
 def to_vllm_event(a: Announcement, medium: str) -> BlockStored | BlockRemoved:
     """vLLM's event for `a` (whose hashes are already as vLLM announces them: `external_hash`)."""
     if isinstance(a, BlocksStored):
@@ -104,14 +144,14 @@ def to_vllm_event(a: Announcement, medium: str) -> BlockStored | BlockRemoved:
 
 
 def encode_announcements(
-    announcements: Sequence[Announcement] | Iterable[Announcement],
+    announcements: Sequence[Announcement | ChunkStores] | Iterable[Announcement | ChunkStores],
     medium: str,
     *,
     data_parallel_rank: int | None = None,
     ts: float | None = None,
 ) -> bytes:
     """One `KVEventBatch` payload carrying `announcements` (in order) at tier `medium`."""
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared] = [to_vllm_event(a, medium) for a in announcements]
+    events: list[Any] = [e for a in announcements for e in to_vllm_events(a, medium)]
     return encode_batch(
         KVEventBatch(ts=time.time() if ts is None else ts, events=events, data_parallel_rank=data_parallel_rank)
     )

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from maru_vllm.pool import chunk_codec
 from maru_vllm.pool import messages as M
 from maru_vllm.pool import protocol as P
 from maru_vllm.pool.breaker import PoolBreaker
@@ -174,7 +175,9 @@ class PoolClient(PoolConnection):
         parts: Sequence[Sequence[bytes] | None] | None = None,
     ) -> list[bool]:
         """Publish written reservations. Each meta (a JSON-shaped dict or msgspec Struct, e.g.
-        `messages.ChunkMeta`, or None) is stored as JSON and rides on events and snapshots;
+        `messages.ChunkMeta`, or None) is stored with the object and rides on events and
+        snapshots: a `ChunkMeta` in its binary form (`chunk_codec`) where the pool accepts it
+        (its hello says so), everything else as JSON;
         `parts[i][j]` (optional) is a key naming the first j + 1 units of object i, for
         `lookup_parts` / `acquire_parts`."""
         if metas is not None and len(metas) != len(reservations):
@@ -191,6 +194,7 @@ class PoolClient(PoolConnection):
             send_parts: list[list[bytes] | None] = []
             idx: list[int] = []
             out = [False] * len(reservations)
+            binary = self.hello.get("chunk_meta_format") == chunk_codec.FORMAT
             for i, r in enumerate(reservations):
                 if r.done or r._gen != self._gen:
                     r.done = True
@@ -205,7 +209,10 @@ class PoolClient(PoolConnection):
                     known_checksum=r.payload_checksum,
                 )
                 send.append(r.oid)
-                send_metas.append(metas[i] if metas is not None else None)
+                meta = metas[i] if metas is not None else None
+                if binary and isinstance(meta, M.ChunkMeta):
+                    meta = chunk_codec.encode(meta) or meta  # None: no binary form, sent as JSON
+                send_metas.append(meta)
                 part_keys = parts[i] if parts is not None else None
                 send_parts.append(_keys(part_keys) if part_keys else None)
                 idx.append(i)
@@ -374,7 +381,12 @@ class PoolClient(PoolConnection):
         for page in self.snapshot_pages(namespace):
             first = first or page
             objects.extend(
-                {"namespace": o.namespace, "key": o.key, "size": o.size, "meta": msgspec.json.decode(o.meta)}
+                {
+                    "namespace": o.namespace,
+                    "key": o.key,
+                    "size": o.size,
+                    "meta": msgspec.json.decode(o.meta) if o.bmeta is None else chunk_codec.to_builtins(o.bmeta),
+                }
                 for o in page.objects
             )
         assert first is not None
@@ -391,7 +403,7 @@ class PoolClient(PoolConnection):
         after = 0
         incarnation = None
         while True:
-            data = self._call("snapshot", {"ns": ns, "after": after, "limit": page_size})
+            data = self._call("snapshot", {"ns": ns, "after": after, "limit": page_size, "encoding": "msgpack"})
             try:
                 page = M.decode_snapshot_page(data)
             except M.MessageError as exc:

@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 
 from maru_vllm.pool.allocator import Allocation, Allocator
-from maru_vllm.pool.messages import NULL, EventType, ObjectInfo
+from maru_vllm.pool.messages import BINARY_META_PREFIX, NULL, EventType, ObjectInfo
 from maru_vllm.pool.objects import OBJ_HEADER_SIZE
 from maru_vllm.pool.protocol import MAX_PARTS
 
@@ -63,7 +63,7 @@ class Obj:
     alloc: Allocation
     data_offset: int  # absolute region offset of the data area
     session: int
-    meta: bytes | None = None  # the committer's metadata, JSON (messages.encode_meta_json)
+    meta: bytes | None = None  # the committer's metadata: JSON (messages.encode_meta_json) or binary (chunk_codec)
     parts: tuple[bytes, ...] = ()  # parts[i] names the first i + 1 units (see module docstring)
     committed: bool = False
     pins: int = 0
@@ -84,7 +84,10 @@ class Obj:
         return self.header_offset + OBJ_HEADER_SIZE
 
     def info(self) -> ObjectInfo:
-        return ObjectInfo(self.ns, self.key.hex(), self.size, NULL if self.meta is None else msgspec.Raw(self.meta))
+        meta = self.meta
+        if meta is not None and meta[:3] == BINARY_META_PREFIX:
+            return ObjectInfo(self.ns, self.key.hex(), self.size, NULL, meta)
+        return ObjectInfo(self.ns, self.key.hex(), self.size, NULL if meta is None else msgspec.Raw(meta))
 
 
 @dataclass(slots=True)
@@ -422,7 +425,10 @@ class PoolIndex:
             i += 1
             if (ns is None or o.ns == ns) and self.objects.get((o.ns, o.key)) is o:
                 out.append(o)
-                nbytes += o.meta_cost + len(o.key) + len(o.ns) + 64  # its JSON size (key as hex), roughly
+                m = o.meta
+                # its JSON size, roughly: key as hex, binary metadata as base64
+                mlen = 0 if m is None else (len(m) * 4 // 3 + 4 if m[:3] == BINARY_META_PREFIX else len(m))
+                nbytes += mlen + 2 * len(o.key) + len(o.ns) + 64
         return out, (order[i - 1].cseq if i < len(order) else None)
 
     def stats(self) -> dict[str, Any]:

@@ -13,10 +13,12 @@ message fails with one line naming the field (`MessageError`):
 * MaruKVConnector chunk metadata (`ChunkMeta`), which the pool carries opaquely and the event
   relay turns into router events.
 
-Object metadata travels as JSON everywhere after the commit (the pool stores the JSON bytes it
-validated at commit, counts them against its metadata budget, and embeds them unchanged in
-events and snapshot pages), so `ObjectInfo.meta` / `PoolEventMsg.meta` are `msgspec.Raw` JSON
-that a reader decodes only when it cares (e.g. `decode_chunk_meta`).
+Object metadata is stored as the bytes it was committed as and served unchanged: JSON (a dict
+or a struct, e.g. `ChunkMeta` from a client of a pool that predates binary metadata) in
+`ObjectInfo.meta` / `PoolEventMsg.meta` as `msgspec.Raw`, or a `ChunkMeta` in its compact binary
+form (`chunk_codec`) in `.bmeta` (base64 in JSON, raw bytes in msgpack). A reader decodes
+either only when it cares (`decode_chunk_meta` takes both). A reader that predates `bmeta`
+ignores it and sees an object without metadata, which it does not announce.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ PartKeys = Annotated[list[Key], msgspec.Meta(max_length=MAX_PARTS)]
 
 class CommitArgs(msgspec.Struct):
     oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_BATCH)]
-    metas: list[dict[str, Any] | None] | None = None
+    # per object: a JSON-shaped dict, binary chunk metadata (`chunk_codec`), or None
+    metas: list[dict[str, Any] | bytes | None] | None = None
     # Per object, keys naming its leading parts: parts[i][j] names the first j + 1 units.
     parts: list[PartKeys | None] | None = None
 
@@ -92,6 +95,9 @@ class SnapshotArgs(msgspec.Struct):
     ns: Namespace | None = None
     after: Annotated[int, msgspec.Meta(ge=0)] = 0  # cursor: `next` of the previous page (0: first page)
     limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_SNAPSHOT_PAGE)] = MAX_SNAPSHOT_PAGE
+    # how the page comes back: a SnapshotPage as JSON, or a PackedSnapshotPage as msgpack
+    # (binary metadata without base64); a pool that predates the field answers JSON
+    encoding: Literal["json", "msgpack"] = "json"
 
 
 HexHash = Annotated[str, msgspec.Meta(min_length=2, max_length=256, pattern="^([0-9a-f]{2})+$")]
@@ -115,6 +121,8 @@ class HelloResult(msgspec.Struct):
     backend: str
     lease_s: float
     protocol: int
+    # the binary chunk metadata layout (`chunk_codec.FORMAT`) this pool accepts at commit; 0: none
+    chunk_meta_format: int = 0
 
 
 class Placement(msgspec.Struct, array_like=True):
@@ -137,12 +145,24 @@ class PartPlacement(msgspec.Struct, array_like=True):
 
 
 class ObjectInfo(msgspec.Struct):
-    """One committed object as snapshots list it (`meta` is the committer's JSON, raw)."""
+    """One committed object as snapshots list it: `meta` is the committer's JSON (raw), or
+    `bmeta` its binary chunk metadata (`chunk_codec`; `meta` is then null)."""
 
     namespace: str
     key: str  # hex
     size: int
     meta: msgspec.Raw = NULL
+    bmeta: bytes | None = None
+
+
+class PackedObject(msgspec.Struct, array_like=True):
+    """An `ObjectInfo` in a msgpack page: `meta` is the stored metadata bytes (JSON text or
+    binary chunk metadata, told apart by `chunk_codec.is_binary`), None when there is none."""
+
+    namespace: str
+    key: str  # hex
+    size: int
+    meta: bytes | None
 
 
 class SnapshotPage(msgspec.Struct):
@@ -160,6 +180,17 @@ class SnapshotPage(msgspec.Struct):
     incarnation: str
     seq: int
     objects: list[ObjectInfo]
+    next: int | None = None
+    total: int | None = None
+
+
+class PackedSnapshotPage(msgspec.Struct):
+    """A `SnapshotPage` as the socket `snapshot` op sends it with `encoding="msgpack"`."""
+
+    pool: str
+    incarnation: str
+    seq: int
+    objects: list[PackedObject]
     next: int | None = None
     total: int | None = None
 
@@ -188,6 +219,7 @@ class PoolEventMsg(msgspec.Struct):
     size: int
     meta: msgspec.Raw = NULL
     ts: float = 0.0
+    bmeta: bytes | None = None  # binary chunk metadata (base64 in JSON); `meta` is then null
 
 
 # -- MaruKVConnector chunk metadata -----------------------------------------------------------
@@ -225,6 +257,8 @@ _event_decoder = msgspec.json.Decoder(PoolEventMsg)
 _page_decoder = msgspec.json.Decoder(SnapshotPage)
 _chunk_decoder = msgspec.json.Decoder(ChunkMeta)
 _error_decoder = msgspec.json.Decoder(ErrorMsg)
+_packed_page_decoder = msgspec.msgpack.Decoder(PackedSnapshotPage)
+msgpack_encoder = msgspec.msgpack.Encoder()
 
 #: What each op's reply `result` decodes to (the client validates every reply with these).
 OP_RESULTS: dict[str, Any] = {
@@ -240,7 +274,7 @@ OP_RESULTS: dict[str, Any] = {
     "acquire_parts": list[PartPlacement | None],
     "release": int,
     "stats": dict[str, int | float | str | bool | None],
-    "snapshot": bytes,  # the JSON of one SnapshotPage (decode_snapshot_page)
+    "snapshot": bytes,  # one SnapshotPage as JSON or PackedSnapshotPage as msgpack (decode_snapshot_page)
     "remove": int,
 }
 _result_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in OP_RESULTS.items()}
@@ -269,7 +303,10 @@ def decode_event(data: bytes) -> PoolEventMsg:
 
 
 def decode_snapshot_page(data: bytes) -> SnapshotPage:
-    """A snapshot page (JSON); an `ErrorMsg` answer raises MessageError with the pool's reason."""
+    """A snapshot page (JSON, or a msgpack `PackedSnapshotPage`); an `ErrorMsg` answer raises
+    MessageError with the pool's reason."""
+    if data[:1] != b"{":
+        return _unpack_page(data)
     try:
         return _page_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -280,7 +317,33 @@ def decode_snapshot_page(data: bytes) -> SnapshotPage:
         raise MessageError(f"pool answered the snapshot request with {err.error}: {err.message}") from None
 
 
+def _unpack_page(data: bytes) -> SnapshotPage:
+    try:
+        p = _packed_page_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageError(f"malformed pool snapshot page: {_what(exc)}") from None
+    objects = [
+        ObjectInfo(o.namespace, o.key, o.size, NULL, o.meta)
+        if o.meta is not None and o.meta[:3] == BINARY_META_PREFIX
+        else ObjectInfo(o.namespace, o.key, o.size, NULL if o.meta is None else msgspec.Raw(o.meta))
+        for o in p.objects
+    ]
+    return SnapshotPage(p.pool, p.incarnation, p.seq, objects, p.next, p.total)
+
+
+#: How binary chunk metadata starts (`chunk_codec.MAGIC` without its format byte).
+BINARY_META_PREFIX = b"MKC"
+
+
 def decode_chunk_meta(raw: msgspec.Raw | bytes | bytearray | memoryview) -> ChunkMeta:
+    """`ChunkMeta` from its JSON or its binary form (`chunk_codec`); MessageError when neither."""
+    if not isinstance(raw, msgspec.Raw) and bytes(raw[:3]) == BINARY_META_PREFIX:
+        from maru_vllm.pool import chunk_codec
+
+        try:
+            return chunk_codec.decode(bytes(raw))
+        except MessageError as exc:
+            raise MessageError(f"not MaruKVConnector chunk metadata: {exc}") from None
     try:
         return _chunk_decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import msgspec
 
+from maru_vllm.pool import chunk_codec
 from maru_vllm.pool import messages as M
 from maru_vllm.pool import protocol as P
 from maru_vllm.pool.address import Address, default_listen, parse_address
@@ -357,6 +358,7 @@ class PoolService:
                 backend=info.backend,
                 lease_s=self.cfg.lease_s,
                 protocol=P.PROTOCOL_VERSION,
+                chunk_meta_format=chunk_codec.FORMAT,
             ),
         ), True
 
@@ -387,8 +389,20 @@ class PoolService:
         parts = args.parts if args.parts is not None else [None] * len(args.oids)
         if len(parts) != len(args.oids):
             raise P.FrameError("bad_request", f"commit has {len(args.oids)} oids but {len(parts)} part lists")
-        encoded = []
+        encoded: list[bytes | None] = []
         for m, p in zip(metas, parts):
+            if isinstance(m, bytes):
+                problem = chunk_codec.problem(m)
+                if problem is not None:
+                    raise P.FrameError("bad_request", f"meta: {problem}")
+                size = len(m) + sum(map(len, p or ()))
+                if size > P.MAX_META_BYTES:
+                    raise P.FrameError(
+                        "bad_request",
+                        f"meta and part keys of {size} bytes exceed {P.MAX_META_BYTES} bytes per object",
+                    )
+                encoded.append(m)
+                continue
             try:
                 e = None if m is None else M.encode_meta_json(m)
             except RecursionError:  # what the frame decoder just managed, a few frames higher up
@@ -437,6 +451,8 @@ class PoolService:
         return self._stats()
 
     def _op_snapshot(self, sid: int, args: P.SnapshotArgs) -> bytes:
+        if args.encoding == "msgpack":
+            return M.msgpack_encoder.encode(self._packed_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES))
         return M.json_encoder.encode(self._snapshot_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES))
 
     # -- helpers ----------------------------------------------------------------------------
@@ -453,6 +469,7 @@ class PoolService:
         self.seq += 1
         if self.publisher is None or self.region is None:
             return
+        binary = obj.meta is not None and chunk_codec.is_binary(obj.meta)
         self.publisher.emit(
             M.encode_event(
                 M.PoolEventMsg(
@@ -463,8 +480,9 @@ class PoolService:
                     namespace=obj.ns,
                     key=obj.key.hex(),
                     size=obj.size,
-                    meta=M.NULL if obj.meta is None else msgspec.Raw(obj.meta),
+                    meta=M.NULL if obj.meta is None or binary else msgspec.Raw(obj.meta),
                     ts=time.time(),
+                    bmeta=obj.meta if binary else None,
                 )
             )
         )
@@ -477,6 +495,18 @@ class PoolService:
             self.region.info.incarnation,
             self.seq,
             [o.info() for o in objs],
+            nxt,
+            len(self.index.objects),
+        )
+
+    def _packed_page(self, ns: str | None, after: int, limit: int, max_bytes: int) -> M.PackedSnapshotPage:
+        assert self.index is not None and self.region is not None
+        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes)
+        return M.PackedSnapshotPage(
+            self.cfg.name,
+            self.region.info.incarnation,
+            self.seq,
+            [M.PackedObject(o.ns, o.key.hex(), o.size, o.meta) for o in objs],
             nxt,
             len(self.index.objects),
         )

@@ -14,7 +14,7 @@ from maru_vllm.pool import PoolClient, PoolProtocolError
 from maru_vllm.pool import protocol as P
 from maru_vllm.pool.allocator import Allocator
 from maru_vllm.pool.index import PoolIndex
-from maru_vllm.pool.messages import ChunkMeta, decode_snapshot_page, encode_meta_json
+from maru_vllm.pool.messages import ChunkMeta, decode_chunk_meta, decode_snapshot_page, encode_meta_json
 
 BLOCK = 16
 
@@ -31,22 +31,23 @@ def _meta(i: int, blocks: int = 16) -> ChunkMeta:
     )
 
 
-def _fill(c: PoolClient, n: int, ns: str = "default", batch: int = 500, start: int = 0) -> int:
+def _fill(c: PoolClient, n: int, ns: str = "default", batch: int = 500, start: int = 0, blocks: int = 16) -> int:
     stored = 0
     for lo in range(start, start + n, batch):
         ids = range(lo, min(lo + batch, start + n))
         res = c.reserve([(b"k%08d" % i, 0) for i in ids], ns)
-        ok = c.commit([r for r in res if r], [_meta(i) for i, r in zip(ids, res) if r])
+        ok = c.commit([r for r in res if r], [_meta(i, blocks) for i, r in zip(ids, res) if r])
         stored += sum(ok)
     return stored
 
 
 def test_snapshot_larger_than_a_frame_is_paged_and_the_connection_stays_usable(pool_factory) -> None:
-    """8,000 connector chunks are ~20 MiB of metadata: more than one 16 MiB frame, so the snapshot
-    comes in pages and the client stays in step with the connection (no "reply frame of N bytes")."""
+    """8,000 connector chunks of 32 blocks are ~21 MiB of (binary) metadata: more than one 16 MiB
+    frame, so the snapshot comes in pages and the client stays in step with the connection (no
+    "reply frame of N bytes")."""
     p = pool_factory(size="64M")
     with PoolClient.connect(p.address, heartbeat=False) as c:
-        assert _fill(c, 4000, "a") + _fill(c, 4000, "b", start=4000) == 8000
+        assert _fill(c, 4000, "a", blocks=32) + _fill(c, 4000, "b", start=4000, blocks=32) == 8000
         st = c.stats()
         assert st["metadata_bytes"] > P.MAX_FRAME
         pages = list(c.snapshot_pages())
@@ -54,7 +55,7 @@ def test_snapshot_larger_than_a_frame_is_paged_and_the_connection_stays_usable(p
         assert {len(x.objects) for x in pages[:-1]} != {0}
         keys = [o.key for page in pages for o in page.objects]
         assert len(keys) == len(set(keys)) == 8000
-        assert msgspec.json.decode(pages[0].objects[0].meta, type=ChunkMeta).block_size == BLOCK
+        assert decode_chunk_meta(pages[0].objects[0].bmeta) == _meta(0, 32)  # committed binary, read back exactly
         assert len(c.snapshot("b")) == 4000  # the dict form still works, namespace-filtered
         assert c.stats()["objects"] == 8000  # same connection, still in step
     # `pool clear --all` lists namespaces from the paged snapshot
@@ -76,7 +77,7 @@ def test_socket_resync_of_the_event_source_reads_every_page(pool_factory) -> Non
     assert len(pages) > 1 and sum(len(p.objects) for p in pages) == 7000 and pages[0].total == 7000
     from maru_vllm.events.types import PoolChunk
 
-    chunk = PoolChunk.from_meta(pages[0].objects[0].meta)
+    chunk = PoolChunk.from_meta(pages[0].objects[0].bmeta)
     assert chunk is not None and len(chunk.block_hashes) == 16
 
 
@@ -256,7 +257,7 @@ def test_nats_snapshot_pages_fit_the_max_payload(pool_factory, nats) -> None:
 
     p = pool_factory(size="64M", extra=["--nats", nats_url])
     with PoolClient.connect(p.address, heartbeat=False) as c:
-        assert _fill(c, 1500) == 1500  # ~3.7 MiB of metadata: above NATS's default 1 MiB payload
+        assert _fill(c, 1500, blocks=32) == 1500  # ~5 MiB of metadata as base64: above NATS's default 1 MiB payload
 
     async def main():
         nc = await nats_py.connect(nats_url)
