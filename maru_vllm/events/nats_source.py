@@ -275,13 +275,22 @@ class PoolEventSource:
                     return
                 after = page.next
         pages = self._socket_pages(namespace)
+        # the next page is fetched (the pool builds it, the thread decodes it) while this one is handled
+        fetch: asyncio.Future[SnapshotPage | None] | None = asyncio.ensure_future(asyncio.to_thread(_next_page, pages))
         try:
-            while True:
-                got = await asyncio.to_thread(_next_page, pages)
+            while fetch is not None:
+                got = await fetch
+                fetch = None
                 if got is None:
                     return
+                if got.next is not None:
+                    fetch = asyncio.ensure_future(asyncio.to_thread(_next_page, pages))
                 yield got
         finally:
+            if fetch is not None:  # the generator must not be closed while a thread runs it
+                await asyncio.wait([fetch])
+                if not fetch.cancelled():
+                    fetch.exception()  # retrieved: an error of a page nobody asked for is not logged
             await asyncio.to_thread(pages.close)
 
     def _socket_pages(self, namespace: str | None) -> Generator[SnapshotPage, None, None]:

@@ -119,8 +119,8 @@ class ChunkColumns:
             block_size=bs,
         )
 
-    def take(self, idx: np.ndarray) -> ChunkColumns:
-        """The rows `idx` (an index or mask array), in that order."""
+    def take(self, idx: np.ndarray | slice) -> ChunkColumns:
+        """The rows `idx` (an index or mask array, in that order; or a slice, as views)."""
         return ChunkColumns(
             self.rows[idx],
             self.chunk_index[idx],
@@ -169,7 +169,7 @@ class ChunkStores:
         n = len(self.cols)
         if n <= per:
             return [self]
-        return [ChunkStores(self.cols.take(np.arange(i, min(n, i + per)))) for i in range(0, n, per)]
+        return [ChunkStores(self.cols.take(slice(i, i + per))) for i in range(0, n, per)]
 
     def announcements(self) -> list[BlocksStored]:
         """The same stores as `BlocksStored` (what `raw_events` encodes; the slow, general form)."""

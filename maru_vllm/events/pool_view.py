@@ -131,6 +131,7 @@ class PoolView:
         self._raw: dict[int, bytes] = {}  # key -> vLLM's bytes hash, only when vLLM announces bytes
         self._resync: _Resync | None = None
         self._warned: set[str] = set()
+        self._accepts: dict[str, bool] = {}  # namespace -> accepted (cached: a resync asks per object)
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -236,10 +237,13 @@ class PoolView:
         """Count a part's objects in the resync; the stores of what is new (parents first)."""
         out: list[Announcement | ChunkStores] = []
         if self.int_hashes:
+            accepts = self._accepts
             binary = [
                 i
                 for i, o in enumerate(objects)
-                if type(o.meta) is bytes and o.meta[:3] == BINARY_META_PREFIX and self.namespaces.accepts(o.namespace)
+                if type(o.meta) is bytes
+                and o.meta[:3] == BINARY_META_PREFIX
+                and (accepts[o.namespace] if o.namespace in accepts else self._accept(o.namespace))
             ]
             cols = ChunkColumns.of([objects[i].meta for i in binary], self.block_size) if binary else None
             if cols is not None:
@@ -282,7 +286,7 @@ class PoolView:
         for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), n]):
             k = int(kind[lo])
             if k in (0, 1):
-                out.append(ChunkStores(cols.take(np.arange(lo, hi))))
+                out.append(ChunkStores(cols.take(slice(lo, hi))))
             elif k == 2:
                 for i in range(lo, hi):
                     chunk = PoolChunk(
@@ -352,6 +356,12 @@ class PoolView:
 
     def _external(self, key: int) -> ExternalHash:
         return self._raw.get(key, key)
+
+    def _accept(self, namespace: str) -> bool:
+        if len(self._accepts) >= 4096:
+            self._accepts.clear()
+        ok = self._accepts[namespace] = self.namespaces.accepts(namespace)
+        return ok
 
     def _warn_once(self, namespace: str, why: str) -> None:
         if namespace not in self._warned:

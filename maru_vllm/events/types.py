@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -210,9 +210,9 @@ class PoolChunk:
         return self.block_hashes[i - 1] if i > 0 else self.parent_block_hash
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PoolObject:
-    """One committed pool object as a snapshot or an event describes it."""
+class PoolObject(NamedTuple):
+    """One committed pool object as a snapshot or an event describes it (a named tuple: a
+    resync makes one per pool object, and a tuple is the cheapest immutable record)."""
 
     namespace: str
     key: str  # hex
