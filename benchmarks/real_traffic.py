@@ -128,6 +128,7 @@ class Run:
     kv_blocks: int = 0
     repeat: int = 0
     loadavg: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average before / after the replay
+    prefill_probe_tokens_per_s: float = 0.0  # a cold prompt alone (see _prefill_probe)
     nats_msgs: int = 0  # messages and bytes into nats-server during the replay (its /varz)
     nats_bytes: int = 0
     replay_s: float = 0.0  # wall time of the AIPerf replay
@@ -193,6 +194,36 @@ def _warm_up(url: str, model: str, metrics: Sequence[str], log: Callable[[str], 
     log("[traffic] warning: not every worker served a warm-up request")
 
 
+PROBE_TOKENS = (16, 1536)
+
+
+def _prefill_probe(url: str, model: str, rounds: int = 3) -> float:
+    """Prefill tokens/s of a cold prompt alone: the latency of fresh 1536- and 16-character prompts (never
+    seen, so computed in full), min of `rounds`, their difference over the difference in tokens.
+    The per-request costs both pay (HTTP, routing, one decode step) cancel; run before the replay.
+
+    Summed per-request prefill times (vllm:request_prefill_time_seconds) are no substitute: requests
+    that prefill together each count the shared time, which under load understates the speed."""
+    import random
+
+    rng = random.Random(time.monotonic_ns())
+    best = dict.fromkeys(PROBE_TOKENS, (math.inf, 0))  # (seconds, prompt tokens as the server counted)
+    for _ in range(rounds):
+        for n in PROBE_TOKENS:
+            # random letters: about one token each with the byte-level fixture tokenizers
+            prompt = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
+            body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            req = urllib.request.Request(f"{url}/v1/completions", body.encode(), {"content-type": "application/json"})
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                usage = json.loads(resp.read()).get("usage") or {}
+            dt = time.perf_counter() - t0
+            if dt < best[n][0]:
+                best[n] = (dt, int(usage.get("prompt_tokens") or n))
+    (t_short, n_short), (t_long, n_long) = best[PROBE_TOKENS[0]], best[PROBE_TOKENS[1]]
+    return (n_long - n_short) / (t_long - t_short) if t_long > t_short and n_long > n_short else 0.0
+
+
 def run_config(
     cfg: Config,
     traffic_file: Path,
@@ -225,6 +256,7 @@ def run_config(
                 procs[w.name].wait_for_log(r"pool '\S+' synced at seq", timeout=120)
         metrics = [w.metrics_url for w in plan.workers if w.metrics_url]
         _warm_up(plan.url, model, metrics, log)
+        probe = _prefill_probe(plan.url, model)
         log(f"[{cfg.name}] graph ready in {time.monotonic() - t0:.0f}s: {plan.url}")
         before = [read_counters(m) for m in metrics]
         prefill_before = sum(_metric_sum(m, "vllm:request_prefill_time_seconds_sum") for m in metrics)
@@ -285,6 +317,7 @@ def run_config(
             kv_blocks,
             repeat,
             (load0, os.getloadavg()[0]),
+            probe,
             nats1[0] - nats0[0],
             nats1[1] - nats0[1],
             replay_s,
@@ -341,6 +374,7 @@ class Summary:
                 "nats_msgs": r.nats_msgs,
                 "nats_bytes": r.nats_bytes,
                 "replay_s": round(r.replay_s, 2),
+                "prefill_probe_tokens_per_s": round(r.prefill_probe_tokens_per_s, 1),
                 "loadavg_1m_before_after": [round(v, 2) for v in r.loadavg],
                 "schedule_lag_p99_ms": r.load.schedule_lag_p99_ms,
             }

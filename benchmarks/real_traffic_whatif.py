@@ -56,12 +56,20 @@ def _memcpy_gbps(nbytes: int = 64 << 20, rounds: int = 5) -> float:
 
 
 def calibration_from_runs(runs: Sequence[object], model: str) -> Calibration:
-    """Prefill speed and pool load bandwidth as the engines measured them during `runs`."""
+    """Prefill speed and pool load bandwidth as the engines measured them during `runs`: the median
+    prefill probe (`real_traffic._prefill_probe`) where the runs have one, else prefill tokens over
+    the engines' summed prefill seconds (which understates the speed when prefills overlap)."""
     prefill_tokens = sum(getattr(r, "prefill_tokens") for r in runs)  # noqa: B009
     prefill_s = sum(getattr(r, "prefill_seconds") for r in runs)  # noqa: B009
     load_bytes = sum(getattr(r, "load_bytes") for r in runs)  # noqa: B009
     load_s = sum(getattr(r, "load_seconds") for r in runs)  # noqa: B009
-    if prefill_tokens <= 0 or prefill_s <= 0:
+    probes = sorted(float(getattr(r, "prefill_probe_tokens_per_s", 0.0)) for r in runs)
+    probes = [p for p in probes if p > 0]
+    if probes:  # a cold prompt alone, as the mocker's prefill speed is defined
+        prefill_rate = probes[len(probes) // 2]
+    elif prefill_tokens > 0 and prefill_s > 0:
+        prefill_rate = prefill_tokens / prefill_s
+    else:
         raise RuntimeError("no prefill was measured: cannot calibrate the what-if")
     load_gbps = load_bytes / load_s / 1e9 if load_s > 0 and load_bytes > 0 else DEFAULT_LOAD_GBPS
     return Calibration(
@@ -69,7 +77,7 @@ def calibration_from_runs(runs: Sequence[object], model: str) -> Calibration:
         kv_bytes_per_token=kv_bytes_per_token_of_model(model),
         load_gbps=load_gbps,
         store_gbps=load_gbps,
-        prefill_tokens_per_s=prefill_tokens / prefill_s,
+        prefill_tokens_per_s=prefill_rate,
         memcpy_gbps=_memcpy_gbps(),
     )
 
