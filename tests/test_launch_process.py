@@ -62,3 +62,34 @@ def test_failure_report_shows_the_first_traceback_even_when_the_tail_does_not(tm
     report = proc.failure_report(tail=60)
     assert "Address already in use (root cause)" in report
     assert report.rstrip().endswith("noise 199")
+
+
+# A stand-in for a vLLM engine that ignores SIGTERM (named as a fake): it maps a queue file named
+# like vLLM's and another /dev/shm file (as an engine maps the pool's region), then waits.
+HOLDS_SHM = (
+    "import mmap, os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "maps = []\n"
+    "for name in sys.argv[1:]:\n"
+    "    fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o600)\n"
+    "    os.ftruncate(fd, 4096)\n"
+    "    maps.append(mmap.mmap(fd, 4096))\n"
+    "print('holding', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_a_stop_that_has_to_kill_removes_the_vllm_queues_it_left_and_nothing_else(tmp_path: Path) -> None:
+    tag = f"{os.getpid()}-{tmp_path.name}"
+    queue, region = Path(f"/dev/shm/psm_fake{tag}"), Path(f"/dev/shm/maru-fake{tag}")
+    proc = ManagedProcess(
+        "fake-engine", [sys.executable, "-c", HOLDS_SHM, str(queue), str(region)], log_path=tmp_path / "fake.log"
+    ).start()
+    try:
+        proc.wait_until(lambda: "holding" in proc.log_text(), 30, "the fake engine to map its files")
+        proc.stop(grace_s=0.5)  # SIGTERM is ignored: the tree is SIGKILLed
+        assert not queue.exists()  # vLLM's kind of file, held by nobody now
+        assert region.exists()  # not vLLM's: maybe a pool's region, which outlives its users
+    finally:
+        region.unlink(missing_ok=True)
+        queue.unlink(missing_ok=True)

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from maru_vllm.launch.shm import VLLM_SHM_PREFIXES, ShmSegments, remove_dist_stores, wait_session_gone
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_STOP_GRACE_S = 10.0
@@ -101,10 +103,15 @@ class ManagedProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace_s: float = DEFAULT_STOP_GRACE_S) -> int | None:
-        """SIGTERM the process, wait up to `grace_s`, then SIGKILL its group. Returns the exit code."""
+        """SIGTERM the process, wait up to `grace_s`, then SIGKILL its group. Returns the exit code.
+
+        A tree that had to be killed leaves vLLM's /dev/shm queues and semaphores and its file
+        store: those nobody holds any more are removed (`shm.py`)."""
         if self.proc is None:
             return None
+        segments = ShmSegments()
         if self.proc.poll() is None:
+            segments.scan(self.proc.pid)
             # SIGTERM the leader only: it shuts its children down in order (vLLM's engine core,
             # Dynamo's runtime). Signalling the whole group kills the engine core under it and
             # turns a graceful stop into an "engine dead" exit.
@@ -122,6 +129,10 @@ class ManagedProcess:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             logger.error("%s (pid %d) survived SIGKILL", self.name, self.proc.pid)
+        if wait_session_gone(self.proc.pid, timeout_s=5.0):
+            removed = segments.release(only=VLLM_SHM_PREFIXES) + remove_dist_stores(self.output())
+            if removed:
+                logger.info("%s left %d shared-memory files; removed", self.name, len(removed))
         return self.proc.returncode
 
     def kill(self) -> None:
