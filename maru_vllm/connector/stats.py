@@ -33,12 +33,18 @@ class TransferCounters:
     store_failures: int = 0
     stores_skipped: int = 0
 
+    # Called every engine step (take_counters): field by field, without astuple's deep copy.
     def is_empty(self) -> bool:
-        return not any(dataclasses.astuple(self))
+        return not any(getattr(self, name) for name in _COUNTER_NAMES)
 
     def add(self, other: TransferCounters) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in _COUNTER_NAMES:
+            value = getattr(other, name)
+            if value:
+                setattr(self, name, getattr(self, name) + value)
+
+
+_COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(TransferCounters))
 
 
 class MaruConnectorStats(KVConnectorStats):
