@@ -12,7 +12,8 @@ the router's state do not depend on payload size, and a 1 TB region does not fit
 A host runs one pool and W workers, each with its own relay; `--workers W ...` measures each W
 on the same filled pool, with a fresh router and W fresh worker stand-ins per W:
 
-* fill: commits/s into the pool, and the service's RSS per chunk;
+* fill: commits/s into the pool, and the service's RSS per chunk, whole (VmRSS, which counts
+  the region pages the service itself wrote: object metadata) and private (RssAnon);
 * resync of all W at once (as after a host restart): relay start -> Dynamo's router credits the
   last prompt at the host tier to every worker (`resync_all_s`); relay+publisher RSS (the
   largest process, and what the relay added to it);
@@ -126,6 +127,21 @@ def rss(pid: int) -> int:
     return 0
 
 
+def rss_private(pid: int) -> int:
+    """The process's private resident memory (RssAnon): its RSS without the shared-memory pages
+    it touched, which for the pool service are the region's (payloads and object metadata)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def mem_available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -147,7 +163,8 @@ class Stack:
                 raise SystemExit("nats-server is not on PATH (make setup installs it)")
             nats_proc, self.nats_url = nats_server(self.dir)
             self.servers.start(nats_proc).wait_for_log(NATS_READY_PATTERN, timeout=30)
-        size = max(64 * MiB, chunks * 160)  # 64 B header per empty object, slab slack
+        # per chunk: 64 B header of the empty payload, its ~1.2 KiB metadata block, slab slack
+        size = max(64 * MiB, chunks * 1792)
         self.pool = PoolProcess(
             self.name,
             size,
@@ -350,6 +367,7 @@ async def worker_main(args: argparse.Namespace) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     await reader.readline()  # "go": the router is up and subscribed
     rss_before = rss(os.getpid())
+    cpu0 = cpu_s(os.getpid())
     t0 = time.time()
     relay = KvEventRelay(
         upstream=f"tcp://127.0.0.1:{free_port()}",  # no engine: nothing publishes vLLM events here
@@ -370,6 +388,8 @@ async def worker_main(args: argparse.Namespace) -> None:
                 "objects": len(relay.view),
                 "rss_before": rss_before,
                 "rss": rss(os.getpid()),
+                "cpu_s": cpu_s(os.getpid()) - cpu0,  # the relay and Dynamo's publisher, start -> synced
+                "full_announcements": relay.stats.full_announcements,
             }
         ),
         flush=True,
@@ -413,10 +433,16 @@ def run_workers(
     try:
         res["router_rss_empty_mib"] = rss(router.proc.pid) / MiB
         last = work.prompt_tokens(prompts - 1)
+        cpu0 = (cpu_s(stack.pool.pid), cpu_s(router.proc.pid))
         for w in workers:  # all W together, as after a host's restart
             w.send("go")
         synced = [w.wait_synced(args.timeout) for w in workers]
         credited = router.wait_credit(last, full, {w.worker_id for w in workers}, args.timeout)
+        # where the time went: CPU seconds of each part, start -> the router credits all
+        res["resync_all_cpu_service_s"] = cpu_s(stack.pool.pid) - cpu0[0]
+        res["resync_all_cpu_router_s"] = cpu_s(router.proc.pid) - cpu0[1]
+        res["resync_all_cpu_relay_s"] = max(s["cpu_s"] for s in synced)  # relay + publisher, the busiest
+        res["resync_all_full_announcements"] = sum(s["full_announcements"] for s in synced)
         start = min(s["relay_start"] for s in synced)
         res["resync_all_s"] = credited - start
         res["resync_all_relay_s"] = max(s["synced"] for s in synced) - start
@@ -431,7 +457,9 @@ def run_workers(
         )
         print(
             f"[{out['chunks']} x W={n_workers}] resync of all: relays {res['resync_all_relay_s']:.1f} s, router "
-            f"credits all {res['resync_all_s']:.1f} s; relay+publisher RSS {res['relay_rss_mib']:.0f} MiB "
+            f"credits all {res['resync_all_s']:.1f} s (CPU s: relay+publisher {res['resync_all_cpu_relay_s']:.1f} "
+            f"each at most, pool {res['resync_all_cpu_service_s']:.1f}, router {res['resync_all_cpu_router_s']:.1f}); "
+            f"relay+publisher RSS {res['relay_rss_mib']:.0f} MiB "
             f"(+{res['relay_rss_delta_mib']:.0f} MiB for the relay); router RSS {res['router_rss_empty_mib']:.0f} "
             f"-> {res['router_rss_mib']:.0f} MiB",
             flush=True,
@@ -486,16 +514,24 @@ def run_workers(
         workers[0] = again
         again.wait_serving()
         time.sleep(1.0)
+        cpu0 = (cpu_s(stack.pool.pid), cpu_s(router.proc.pid))
         again.send("go")
         s = again.wait_synced(args.timeout)
         credited = router.wait_credit(work.prompt_tokens(prompts - 1), full, {again.worker_id}, args.timeout)
+        res["resync_cpu_service_s"] = cpu_s(stack.pool.pid) - cpu0[0]
+        res["resync_cpu_router_s"] = cpu_s(router.proc.pid) - cpu0[1]
+        res["resync_cpu_relay_s"] = s["cpu_s"]
         res["resync_s"] = credited - s["relay_start"]
         res["resync_relay_s"] = s["synced"] - s["relay_start"]
         res["relay_rss_mib"] = max(res["relay_rss_mib"], s["rss"] / MiB, *(w.rss() / MiB for w in workers))
         res["service_rss_mib"] = rss(stack.pool.pid) / MiB
+        res["service_private_end_mib"] = rss_private(stack.pool.pid) / MiB
         print(
             f"[{out['chunks']} x W={n_workers}] one relay restarted: synced {res['resync_relay_s']:.1f} s, router "
-            f"credits all {res['resync_s']:.1f} s after its start; pool service RSS {res['service_rss_mib']:.0f} MiB",
+            f"credits all {res['resync_s']:.1f} s after its start (CPU s: relay+publisher "
+            f"{res['resync_cpu_relay_s']:.1f}, pool {res['resync_cpu_service_s']:.1f}, "
+            f"router {res['resync_cpu_router_s']:.1f}); pool service RSS "
+            f"{res['service_rss_mib']:.0f} MiB (private {res['service_private_end_mib']:.0f} MiB)",
             flush=True,
         )
     finally:
@@ -519,16 +555,19 @@ def run_scale(args: argparse.Namespace, chunks: int) -> list[dict[str, Any]]:
     stack = Stack(chunks)
     try:
         client = PoolClient.connect(stack.address, populate=False, timeout=120)
-        rss0 = rss(stack.pool.pid)
+        rss0, private0 = rss(stack.pool.pid), rss_private(stack.pool.pid)
         stored, spent = fill(client, work, 0, prompts)
         st = client.stats()
         out["fill_chunks_per_s"] = stored / spent
         out["service_rss_filled_mib"] = rss(stack.pool.pid) / MiB
         out["service_rss_per_chunk_b"] = (rss(stack.pool.pid) - rss0) / stored
+        out["service_private_mib"] = rss_private(stack.pool.pid) / MiB
+        out["service_private_per_chunk_b"] = (rss_private(stack.pool.pid) - private0) / stored
         out["pool_metadata_mib"] = st["metadata_bytes"] / MiB
         print(
             f"[{chunks}] pool filled: {stored} chunks at {out['fill_chunks_per_s']:.0f}/s, service RSS "
-            f"{out['service_rss_filled_mib']:.0f} MiB ({out['service_rss_per_chunk_b']:.0f} B/chunk, metadata "
+            f"{out['service_rss_filled_mib']:.0f} MiB ({out['service_rss_per_chunk_b']:.0f} B/chunk; private "
+            f"{out['service_private_mib']:.0f} MiB, {out['service_private_per_chunk_b']:.0f} B/chunk; metadata "
             f"{out['pool_metadata_mib']:.0f} MiB)",
             flush=True,
         )

@@ -154,6 +154,8 @@ class CountedKeys:
     def counts_of(self, keys: np.ndarray) -> np.ndarray:
         """The count of each of `keys` (uint64), 0 where absent."""
         out = np.zeros(len(keys), dtype=np.int64)
+        if self.live == 0:  # e.g. a fresh relay's announced set during its first resync
+            return out
         slots = self._find(keys)
         found = slots >= 0
         out[found] = self._nc[slots[found]]

@@ -155,8 +155,9 @@ def register(subparsers: Any) -> None:
         "--metadata-budget",
         type=_arg_type(parse_size, "size"),
         default=DEFAULT_METADATA_BUDGET,
-        help="service memory for object metadata (keys + meta JSON): bytes, 512M, 1G; beyond it LRU "
-        "objects are evicted, and a store is skipped when none can be (default 1G)",
+        help="bytes of object metadata the pool keeps (keys and part keys in service memory, each "
+        "object's meta JSON or binary chunk metadata in the region beside the payloads): bytes, 512M, "
+        "1G; beyond it LRU objects are evicted, and a store is skipped when none can be (default 1G)",
     )
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     serve.add_argument(

@@ -23,12 +23,17 @@ whole key it does not share. The part index holds at most MAX_PARTS entries per 
 object and drops them when the object is hidden (evicted, removed, found corrupt).
 
 Memory: the index's own memory is bounded, not only the region. Every live object counts
-against `max_objects` and every committed object's metadata (its JSON bytes plus its key)
-against `metadata_budget` bytes. Like region space, both are reclaimed by evicting LRU objects;
-when nothing evictable is left a reserve (object cap) or a commit (metadata budget) is refused,
-which the connector treats as a skipped store. Metadata is kept as the JSON bytes it arrives as
-(a parsed dict of token lists costs several times the memory), and snapshots are served in pages in commit order
-(`snapshot_page`), so neither a snapshot nor `stats` ever walks or copies the whole set at once.
+against `max_objects` and every committed object's metadata (its stored bytes, its key and part
+keys) against `metadata_budget` bytes. Like region space, both are reclaimed by evicting LRU
+objects; when nothing evictable is left a reserve (object cap) or a commit (metadata budget, or
+no region space for the metadata) is refused, which the connector treats as a skipped store.
+Metadata is kept as the bytes it arrives as (JSON, or binary chunk metadata), and with a
+`MetaIO` (the service's region) not in the index's memory at all: each object's metadata is
+written into a region block of its own, beside the payloads (`[u32 length][u32 checksum][bytes]`),
+and read back from there for events and snapshots; a block whose checksum no longer matches
+reads as no metadata (the object is then not announced), never as other metadata. Snapshots are
+served in pages in commit order (`snapshot_page`), so neither a snapshot nor `stats` ever walks
+or copies the whole set at once.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import xxhash
 
 from maru_vllm.pool.allocator import Allocation, Allocator
 from maru_vllm.pool.messages import BINARY_META_PREFIX, NULL, EventType, ObjectInfo
@@ -63,7 +69,10 @@ class Obj:
     alloc: Allocation
     data_offset: int  # absolute region offset of the data area
     session: int
-    meta: bytes | None = None  # the committer's metadata: JSON (messages.encode_meta_json) or binary (chunk_codec)
+    # the committer's metadata (JSON or binary chunk metadata): its bytes, or the region block
+    # holding them (PoolIndex.meta_of reads either)
+    meta: bytes | Allocation | None = None
+    meta_len: int = 0
     parts: tuple[bytes, ...] = ()  # parts[i] names the first i + 1 units (see module docstring)
     committed: bool = False
     pins: int = 0
@@ -73,7 +82,7 @@ class Obj:
     @property
     def meta_cost(self) -> int:
         """Bytes this object counts against the metadata budget (key, metadata JSON, part keys)."""
-        return len(self.key) + (len(self.meta) if self.meta is not None else 0) + sum(map(len, self.parts))
+        return len(self.key) + self.meta_len + sum(map(len, self.parts))
 
     @property
     def header_offset(self) -> int:
@@ -83,11 +92,38 @@ class Obj:
     def payload_offset(self) -> int:
         return self.header_offset + OBJ_HEADER_SIZE
 
-    def info(self) -> ObjectInfo:
-        meta = self.meta
+    def info(self, meta: bytes | None) -> ObjectInfo:
+        """This object as snapshots list it, with `meta` (`PoolIndex.meta_of`)."""
         if meta is not None and meta[:3] == BINARY_META_PREFIX:
             return ObjectInfo(self.ns, self.key.hex(), self.size, NULL, meta)
         return ObjectInfo(self.ns, self.key.hex(), self.size, NULL if meta is None else msgspec.Raw(meta))
+
+
+META_HEADER = 8  # u32 length, u32 checksum (XXH3-64, low 32 bits) of the metadata bytes
+
+
+class MetaIO:
+    """Metadata bytes in region blocks: `view` is the region, offsets are absolute."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+    def write(self, at: int, meta: bytes) -> None:
+        v = self.view
+        v[at + META_HEADER : at + META_HEADER + len(meta)] = meta
+        check = xxhash.xxh3_64_intdigest(meta) & 0xFFFFFFFF
+        v[at : at + META_HEADER] = len(meta).to_bytes(4, "little") + check.to_bytes(4, "little")
+
+    def read(self, at: int, length: int) -> bytes | None:
+        """The `length` bytes written at `at`; None when the block no longer holds them."""
+        v = self.view
+        head = bytes(v[at : at + META_HEADER])
+        if int.from_bytes(head[:4], "little") != length:
+            return None
+        meta = bytes(v[at + META_HEADER : at + META_HEADER + length])
+        if xxhash.xxh3_64_intdigest(meta) & 0xFFFFFFFF != int.from_bytes(head[4:], "little"):
+            return None
+        return meta
 
 
 @dataclass(slots=True)
@@ -125,8 +161,11 @@ class PoolIndex:
         *,
         max_objects: int = DEFAULT_MAX_OBJECTS,
         metadata_budget: int = DEFAULT_METADATA_BUDGET,
+        meta_io: MetaIO | None = None,
     ) -> None:
+        """`meta_io`: keep metadata in region blocks through it (None: in this process's memory)."""
         self.alloc = allocator
+        self.meta_io = meta_io
         self.limits = limits or SessionLimits()
         self.data_offset = data_offset
         self.on_event = on_event
@@ -159,6 +198,8 @@ class PoolIndex:
                 "quota_refusals",
                 "object_cap_refusals",
                 "metadata_budget_refusals",
+                "metadata_space_refusals",
+                "metadata_unreadable",
             ),
             0,
         )
@@ -359,7 +400,7 @@ class PoolIndex:
                 self._free(obj)
                 out.append(False)
                 continue
-            obj.meta = meta
+            obj.meta_len = len(meta) if meta is not None else 0
             part_keys = parts[i] if parts is not None else None
             obj.parts = tuple(part_keys[:MAX_PARTS]) if part_keys else ()
             cost = obj.meta_cost
@@ -372,6 +413,11 @@ class PoolIndex:
                     self.metadata_budget,
                 )
                 self.counters["metadata_budget_refusals"] += 1
+                self._free(obj)
+                out.append(False)
+                continue
+            if not self._keep_meta(obj, meta):
+                self.counters["metadata_space_refusals"] += 1
                 self._free(obj)
                 out.append(False)
                 continue
@@ -403,10 +449,34 @@ class PoolIndex:
         self.counters["aborts"] += n
         return n
 
+    def _keep_meta(self, obj: Obj, meta: bytes | None) -> bool:
+        """Store `meta` for `obj`: in a region block of its own (with `meta_io`), else as it is."""
+        if meta is None or self.meta_io is None:
+            obj.meta = meta
+            return True
+        block = self._alloc_evicting(META_HEADER + len(meta))
+        if block is None:
+            return False
+        self.meta_io.write(self.data_offset + block.offset, meta)
+        obj.meta = block
+        return True
+
+    def meta_of(self, obj: Obj) -> bytes | None:
+        """The metadata `obj` was committed with (None: none, or its region block was damaged)."""
+        meta = obj.meta
+        if not isinstance(meta, Allocation):
+            return meta
+        assert self.meta_io is not None
+        got = self.meta_io.read(self.data_offset + meta.offset, obj.meta_len)
+        if got is None:
+            self.counters["metadata_unreadable"] += 1
+            logger.warning("metadata of %s/%s in the region is damaged; served without it", obj.ns, obj.key.hex())
+        return got
+
     # -- views ------------------------------------------------------------------------------
     def snapshot(self, ns: str | None = None) -> list[ObjectInfo]:
         """Every visible object (tests and small pools; the service serves `snapshot_page`)."""
-        return [o.info() for o in self.objects.values() if ns is None or o.ns == ns]
+        return [o.info(self.meta_of(o)) for o in self.objects.values() if ns is None or o.ns == ns]
 
     def snapshot_page(
         self, ns: str | None, after: int, limit: int, max_bytes: int, max_scan: int = 65536
@@ -425,10 +495,8 @@ class PoolIndex:
             i += 1
             if (ns is None or o.ns == ns) and self.objects.get((o.ns, o.key)) is o:
                 out.append(o)
-                m = o.meta
-                # its JSON size, roughly: key as hex, binary metadata as base64
-                mlen = 0 if m is None else (len(m) * 4 // 3 + 4 if m[:3] == BINARY_META_PREFIX else len(m))
-                nbytes += mlen + 2 * len(o.key) + len(o.ns) + 64
+                # its JSON size, roughly: key as hex, (binary) metadata as base64
+                nbytes += o.meta_len * 4 // 3 + 4 + 2 * len(o.key) + len(o.ns) + 64
         return out, (order[i - 1].cseq if i < len(order) else None)
 
     def stats(self) -> dict[str, Any]:
@@ -440,7 +508,7 @@ class PoolIndex:
             pinned += o.pins > 0
             pins += o.pins
             doomed += o.doomed
-            live_alloc += o.alloc.capacity
+            live_alloc += o.alloc.capacity + (o.meta.capacity if isinstance(o.meta, Allocation) else 0)
         st.update(
             objects=len(self.objects),
             object_bytes=self.object_bytes,
@@ -545,6 +613,9 @@ class PoolIndex:
     def _free(self, obj: Obj) -> None:
         if self.live.pop(obj.oid, None) is not None:
             self.alloc.free(obj.alloc)
+            if isinstance(obj.meta, Allocation):
+                self.alloc.free(obj.meta)
+                obj.meta = None
             if obj.committed:
                 self.metadata_bytes -= obj.meta_cost
 

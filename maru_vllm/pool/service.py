@@ -37,7 +37,7 @@ from maru_vllm.pool.auth import check_token
 from maru_vllm.pool.connections import Conn, ConnectionSlots, peer_name
 from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.events import EventPublisher
-from maru_vllm.pool.index import DEFAULT_MAX_OBJECTS, DEFAULT_METADATA_BUDGET, Obj, PoolIndex, SessionLimits
+from maru_vllm.pool.index import DEFAULT_MAX_OBJECTS, DEFAULT_METADATA_BUDGET, MetaIO, Obj, PoolIndex, SessionLimits
 from maru_vllm.pool.logthrottle import AuthThrottle, ThrottledLog
 from maru_vllm.pool.metrics import PoolMetrics
 from maru_vllm.pool.objects import key_digest, validate
@@ -125,6 +125,7 @@ class PoolService:
             limits,
             max_objects=self.cfg.max_objects,
             metadata_budget=self.cfg.metadata_budget,
+            meta_io=MetaIO(self.region.view),
         )
         if self.cfg.nats:
             self.publisher = EventPublisher(self.cfg.nats, self.cfg.name, self._snapshot_page)
@@ -469,7 +470,9 @@ class PoolService:
         self.seq += 1
         if self.publisher is None or self.region is None:
             return
-        binary = obj.meta is not None and chunk_codec.is_binary(obj.meta)
+        assert self.index is not None
+        meta = self.index.meta_of(obj)
+        binary = meta is not None and chunk_codec.is_binary(meta)
         self.publisher.emit(
             M.encode_event(
                 M.PoolEventMsg(
@@ -480,9 +483,9 @@ class PoolService:
                     namespace=obj.ns,
                     key=obj.key.hex(),
                     size=obj.size,
-                    meta=M.NULL if obj.meta is None or binary else msgspec.Raw(obj.meta),
+                    meta=M.NULL if meta is None or binary else msgspec.Raw(meta),
                     ts=time.time(),
-                    bmeta=obj.meta if binary else None,
+                    bmeta=meta if binary else None,
                 )
             )
         )
@@ -494,7 +497,7 @@ class PoolService:
             self.cfg.name,
             self.region.info.incarnation,
             self.seq,
-            [o.info() for o in objs],
+            [o.info(self.index.meta_of(o)) for o in objs],
             nxt,
             len(self.index.objects),
         )
@@ -506,7 +509,7 @@ class PoolService:
             self.cfg.name,
             self.region.info.incarnation,
             self.seq,
-            [M.PackedObject(o.ns, o.key.hex(), o.size, o.meta) for o in objs],
+            [M.PackedObject(o.ns, o.key.hex(), o.size, self.index.meta_of(o)) for o in objs],
             nxt,
             len(self.index.objects),
         )

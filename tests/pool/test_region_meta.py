@@ -1,0 +1,101 @@
+"""Object metadata kept in region blocks beside the payloads, not in the service's memory."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from maru_vllm.pool import chunk_codec
+from maru_vllm.pool.allocator import Allocation, Allocator
+from maru_vllm.pool.index import META_HEADER, MetaIO, PoolIndex
+from maru_vllm.pool.messages import ChunkMeta
+
+DATA = 4096
+
+
+def _meta(i: int) -> bytes:
+    m = ChunkMeta(
+        v=1,
+        chunk=i,
+        block_size=4,
+        block_hashes=[f"{i:016x}{b:016x}" for b in range(2)],
+        parent_block_hash=None,
+        token_ids=[[i, i + 1, i + 2, i + 3]] * 2,
+    )
+    data = chunk_codec.encode(m)
+    assert data is not None
+    return data
+
+
+def _index(capacity: int = 1 << 20, events: list | None = None, **kw) -> tuple[PoolIndex, bytearray]:
+    region = bytearray(DATA + capacity)
+
+    def sink(kind, obj):
+        if events is not None:
+            events.append((kind, obj.key, idx.meta_of(obj)))
+
+    idx = PoolIndex(Allocator(capacity), DATA, sink, meta_io=MetaIO(memoryview(region)), **kw)
+    return idx, region
+
+
+def _store(idx: PoolIndex, sid: int, key: bytes, meta: bytes | None) -> bool:
+    (o,) = idx.reserve(sid, "ns", [(key, 100)])
+    assert o is not None
+    return idx.commit(sid, [o.oid], [meta], lambda o: None) == [True]
+
+
+def test_metadata_lives_in_the_region_and_is_served_from_it_until_the_object_goes() -> None:
+    events: list = []
+    idx, region = _index(events=events)
+    sid = idx.open_session()
+    base = idx.alloc.allocated_bytes
+    for i in range(5):
+        assert _store(idx, sid, b"k%d" % i, _meta(i))
+    obj = idx.objects[("ns", b"k3")]
+    assert isinstance(obj.meta, Allocation)  # the index holds where, not the bytes
+    at = DATA + obj.meta.offset + META_HEADER
+    assert bytes(region[at : at + len(_meta(3))]) == _meta(3)
+    assert [o.bmeta for o in idx.snapshot()] == [_meta(i) for i in range(5)]
+    assert [e[2] for e in events] == [_meta(i) for i in range(5)]  # stored events carry it
+    st = idx.stats()
+    assert st["allocated_bytes"] == st["live_object_alloc_bytes"]  # payload and metadata blocks
+    assert idx.metadata_bytes == sum(len(b"k%d" % i) + len(_meta(i)) for i in range(5))
+    assert idx.remove("ns", None) == 5
+    assert [e[0] for e in events[5:]] == ["removed"] * 5 and [e[2] for e in events[5:]] == [_meta(i) for i in range(5)]
+    assert idx.alloc.allocated_bytes == base and idx.metadata_bytes == 0
+
+
+def test_a_damaged_metadata_block_reads_as_no_metadata_in_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    idx, region = _index()
+    sid = idx.open_session()
+    assert _store(idx, sid, b"k", _meta(1))
+    obj = idx.objects[("ns", b"k")]
+    assert isinstance(obj.meta, Allocation)
+    region[DATA + obj.meta.offset + META_HEADER + 40] ^= 0xFF  # a stray write into the block
+    with caplog.at_level(logging.WARNING, logger="maru_vllm.pool.index"):
+        (info,) = idx.snapshot()
+    assert info.bmeta is None and bytes(info.meta) == b"null" and idx.counters["metadata_unreadable"] == 1
+    assert [r.getMessage() for r in caplog.records] == ["metadata of ns/6b in the region is damaged; served without it"]
+
+
+def test_no_region_space_for_the_metadata_refuses_the_commit_and_gives_the_space_back() -> None:
+    idx, _ = _index(capacity=256 * 1024)
+    sid = idx.open_session()
+    (o,) = idx.reserve(sid, "ns", [(b"big", 256 * 1024 - 64)])  # the whole region
+    assert o is not None
+    assert idx.commit(sid, [o.oid], [_meta(0)], lambda o: None) == [False]
+    assert idx.counters["metadata_space_refusals"] == 1 and idx.alloc.allocated_bytes == 0
+    assert _store(idx, sid, b"small", _meta(0))  # with room it works
+
+
+def test_metadata_budget_still_bounds_the_metadata_kept_in_the_region() -> None:
+    per = len(b"k0000000") + len(_meta(0))
+    idx, _ = _index(metadata_budget=10 * per)
+    sid = idx.open_session()
+    for i in range(30):
+        assert _store(idx, sid, b"k%07d" % i, _meta(0))
+        assert idx.metadata_bytes <= 10 * per
+    st = idx.stats()
+    assert st["objects"] == 10 and st["evictions"] == 20
+    assert st["allocated_bytes"] == st["live_object_alloc_bytes"]
