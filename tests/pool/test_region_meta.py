@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 import pytest
 
 from maru_vllm.pool import chunk_codec
@@ -99,3 +100,34 @@ def test_metadata_budget_still_bounds_the_metadata_kept_in_the_region() -> None:
     st = idx.stats()
     assert st["objects"] == 10 and st["evictions"] == 20
     assert st["allocated_bytes"] == st["live_object_alloc_bytes"]
+
+
+def test_a_pool_that_predates_binary_metadata_gets_json_and_a_new_one_binary(pool_factory) -> None:
+    from maru_vllm.pool import PoolClient
+
+    meta = chunk_codec.decode(_meta(7))
+    p = pool_factory(size="16M")
+    with PoolClient.connect(p.address, heartbeat=False) as c:
+        assert c.hello["chunk_meta_format"] == chunk_codec.FORMAT
+        (r,) = c.reserve([(b"new", 10)], "ns")
+        assert c.commit([r], [meta]) == [True]
+        c.hello["chunk_meta_format"] = 0  # as an older pool's hello reads (the field absent)
+        (r,) = c.reserve([(b"old", 10)], "ns")
+        assert c.commit([r], [meta]) == [True]
+        (page,) = list(c.snapshot_pages("ns"))
+        new, old = page.objects
+        assert new.bmeta == _meta(7) and bytes(new.meta) == b"null"
+        assert old.bmeta is None and msgspec.json.decode(old.meta, type=ChunkMeta) == meta
+        assert [o["meta"] for o in c.snapshot("ns")] == [msgspec.to_builtins(meta)] * 2  # the same to every reader
+
+
+def test_events_carry_binary_metadata_as_base64_and_the_relay_reads_it() -> None:
+    from maru_vllm.events.types import PoolChunk, PoolEvent
+    from maru_vllm.pool import messages as M
+
+    ev = M.PoolEventMsg("stored", 1, "inc", "pool", "ns", "6b", 10, bmeta=_meta(2))
+    data = M.encode_event(ev)
+    assert b'"meta":null' in data  # a relay that predates bmeta sees no metadata: it announces nothing
+    got = PoolEvent.from_json(data)
+    chunk = PoolChunk.from_meta(got.obj.meta)
+    assert got.obj.meta == _meta(2) and chunk is not None and chunk.chunk_index == 2
