@@ -20,10 +20,11 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-# What vLLM's engines create there (its shm message queues, multiprocessing's named semaphores):
+# What vLLM's engines create there (its shm message queues, multiprocessing's named semaphores,
+# the CPU tensor-parallel communicator's `vllm_dist_*` buffers):
 # all `ManagedProcess.stop` removes, since any other file a tree maps may be somebody's (a pool's
 # region outlives every engine that maps it).
-VLLM_SHM_PREFIXES = ("psm_", "sem.mp-")
+VLLM_SHM_PREFIXES = ("psm_", "sem.mp-", "vllm_dist_")
 
 
 def _stat_fields(pid: int) -> list[str] | None:
