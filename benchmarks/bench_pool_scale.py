@@ -34,8 +34,9 @@ Usage: python benchmarks/bench_pool_scale.py [--chunks 100000 1000000] [--worker
        python benchmarks/bench_pool_scale.py --memory [--code-root DIR]
 `--json` writes the last run's figures at the top level (`chunks`, `workers`, `relay_rss_mib`,
 `resync_s`, `resync_all_s`, `service_rss_mib`, `router_rss_mib`, `lookup_p50_ms`, ...) and every
-run under `runs`. 10^6 chunks need ~4 GiB for the pool service, ~0.8 GiB of router per worker
-and ~0.7 GiB per worker stand-in (most of it vLLM's imports).
+run under `runs`. 10^6 chunks need ~1 GiB for the pool service plus a 1.7 GiB region in /dev/shm
+(the chunks' metadata lives there), ~0.8-0.9 GiB of router per worker and ~1 GiB per worker
+stand-in (most of it vLLM's imports); W=8 at 10^6 needs ~20 GiB free.
 """
 
 from __future__ import annotations
