@@ -452,7 +452,7 @@ def plot(summaries: Sequence[Summary], path: Path, title: str) -> None:
     )
     ax2.set_ylabel("prompt tokens (median over repeats)")
     ax2.set_title("prefill tokens computed")
-    ax2.legend()
+    ax2.legend(loc="lower right")
     ax2.tick_params(axis="x", rotation=20)
     fig.suptitle(title)
     fig.tight_layout()
