@@ -553,7 +553,8 @@ def run_scale(args: argparse.Namespace, chunks: int) -> list[dict[str, Any]]:
         "chunk_tokens": args.chunk_tokens,
     }
     results = []
-    stack = Stack(chunks)
+    # Room for the live chunks every W run adds, so that no chunk is evicted (lookups stay full).
+    stack = Stack(chunks + (args.live_chunks + args.chunks_per_prompt) * len(args.workers))
     try:
         client = PoolClient.connect(stack.address, populate=False, timeout=120)
         rss0, private0 = rss(stack.pool.pid), rss_private(stack.pool.pid)
