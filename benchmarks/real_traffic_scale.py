@@ -34,7 +34,7 @@ for p in (REPO, REPO / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from real_traffic_whatif import COUNTERPART, order_of  # noqa: E402
+from real_traffic_whatif import COUNTERPART, order_of, whatif_rows  # noqa: E402
 from traffic_load import Traffic, TrafficError, read_mooncake, scale_trace  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
@@ -61,38 +61,18 @@ def replay(
     repeats: int,
 ) -> list[dict[str, object]]:
     """``maru-dynamo whatif`` at one worker count (its JSON rows)."""
-    import subprocess
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "maru_vllm.cli",
-        "whatif",
-        str(trace_file),
-        "--workers",
-        str(workers),
-        "--configs",
-        ",".join(CONFIGS),
-        "--trace-block-size",
-        str(block_tokens),
-        "--block-size",
-        str(block_size),
-        "--gpu-blocks",
-        str(gpu_blocks),
-        "--pool-size",
-        pool_size,
-        "--calibration",
-        str(calibration),
-        "--arrival-speedup",
-        f"{speedup:.6g}",
-        "--repeats",
-        str(repeats),
-        "--json",
-    ]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600)
-    if res.returncode != 0:
-        raise RuntimeError(f"maru-dynamo whatif exited {res.returncode}: {res.stderr.strip()[-2000:]}")
-    return [r for r in json.loads(res.stdout)["results"] if isinstance(r, dict)]
+    return whatif_rows(
+        trace_file,
+        calibration,
+        workers=workers,
+        trace_block_size=block_tokens,
+        block_size=block_size,
+        gpu_blocks=gpu_blocks,
+        pool_size=pool_size,
+        configs=CONFIGS,
+        extra_args=["--arrival-speedup", f"{speedup:.6g}", "--repeats", str(repeats)],
+        timeout_s=3600,
+    )
 
 
 def format_rows(rows: Sequence[dict[str, object]]) -> str:

@@ -92,8 +92,10 @@ def whatif_rows(
     gpu_blocks: int,
     pool_size: str,
     configs: Sequence[str],
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 1800,
 ) -> list[dict[str, object]]:
-    """``maru-dynamo whatif`` on `trace_file` (its rows as JSON dicts)."""
+    """``maru-dynamo whatif`` on `trace_file` (its rows as JSON dicts); `extra_args` go to it."""
     cmd = [
         sys.executable,
         "-m",
@@ -114,9 +116,10 @@ def whatif_rows(
         pool_size,
         "--calibration",
         str(cal_file),
+        *extra_args,
         "--json",
     ]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800)
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout_s)
     if res.returncode != 0:
         raise RuntimeError(f"maru-dynamo whatif exited {res.returncode}: {res.stderr.strip()[-2000:]}")
     rows = json.loads(res.stdout)["results"]
