@@ -62,7 +62,7 @@ class GroupedSchedulerSide(MaruSchedulerSide):
         super().__init__(geometry, namespaces[announced], pool, can_load=can_load, can_store=can_store)
         self.groups = groups
         self.namespaces = namespaces
-        # Per request: block ids per group (RequestState.block_ids holds the announced group's).
+        # Per request: block ids per group (RequestState.block_ids is not used here).
         self.group_block_ids: dict[str, list[list[int]]] = {}
         # Sliding-window block id -> requests whose planned stores read it.
         self.window_store_blocks: dict[int, set[str]] = {}
@@ -84,11 +84,12 @@ class GroupedSchedulerSide(MaruSchedulerSide):
         if not self.can_load or req_id in self.no_pool_loads:
             return 0, False
         g = self.geometry
-        max_chunks = self._loadable_blocks(request) // g.blocks_per_chunk
+        max_blocks = self._loadable_blocks(request)
+        max_chunks = max_blocks // g.blocks_per_chunk
         if max_chunks == 0:
             return 0, False
-        if st.checked_blocks != max_chunks:
-            st.checked_blocks = max_chunks
+        if st.checked_blocks != max_blocks:
+            st.checked_blocks = max_blocks
             st.pool_chunks = self._hit_chunks(request, max_chunks)
             st.part_blocks = 0
             st.next_store_chunk = max(st.next_store_chunk, st.pool_chunks)
@@ -135,7 +136,6 @@ class GroupedSchedulerSide(MaruSchedulerSide):
 
     def _set_block_ids(self, st: RequestState, ids: list[list[int]]) -> None:
         self.group_block_ids[st.request.request_id] = ids
-        st.block_ids = ids[self.groups[0].index] if ids else []
 
     # -- per-step plan -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MaruConnectorMetadata:
