@@ -6,18 +6,23 @@ Starts a real pool service (`python -m maru_vllm.pool serve`) on a private unix 
 
 * latency (p50/p99) of lookup (1 key and a 64-key batch), put (reserve + copy + commit) and
   get (acquire + copy out + release) round trips for a 4 KiB object;
+* the connector's scheduler lookup (`lookup_prefix` of 8 chunk keys, then `lookup_parts` of 15
+  part keys) asked of the service and answered from the region's presence table, idle and with
+  `--busy N` processes spinning on the cores (what engines do to the service's replies), printed
+  as the ratio service / table;
 * bandwidth of put and get for 1-64 MiB objects, printed as a ratio to a plain in-process
   memcpy of the same number of bytes between two already-touched buffers, measured in the
   same run. put/get include their control round trips, so the ratio shows what the pool
   costs on top of the unavoidable copy.
 
-Usage: python benchmarks/bench_pool.py [--size 1G] [--iters 2000] [--json]
+Usage: python benchmarks/bench_pool.py [--size 1G] [--iters 2000] [--busy 2] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -124,6 +129,47 @@ def bandwidth(c: PoolClient, sizes_mib: list[int], reps: int) -> list[dict[str, 
     return rows
 
 
+def _spin(stop: multiprocessing.synchronize.Event) -> None:
+    while not stop.is_set():
+        sum(range(10_000))
+
+
+def scheduler_lookups(c: PoolClient, address: str, iters: int, busy: int) -> dict[str, dict[str, float]]:
+    """The connector's two scheduler lookups, service vs presence table, idle and busy."""
+    chunks = [b"sched-%d" % i for i in range(8)]
+    parts = [b"sched-part-%d" % i for i in range(15)]
+    for k in chunks:
+        c.put(k, b"x" * 4096, "sched", parts=parts if k == chunks[-1] else None)
+    out: dict[str, dict[str, float]] = {}
+    with PoolClient.connect(address, local_lookups=True) as local:
+        assert local.lookup_prefix(chunks, "sched") == 8 == c.lookup_prefix(chunks, "sched")
+        assert local.lookup_parts(parts, "sched") == c.lookup_parts(parts, "sched") == list(range(1, 16))
+        for load in (0, busy) if busy else (0,):
+            stop = multiprocessing.Event()
+            spinners = [multiprocessing.Process(target=_spin, args=(stop,), daemon=True) for _ in range(load)]
+            for sp in spinners:
+                sp.start()
+            try:
+                for name, client in (("service", c), ("presence table", local)):
+                    t = []
+                    for _ in range(iters):
+                        t0 = time.perf_counter()
+                        client.lookup_prefix(chunks, "sched")
+                        client.lookup_parts(parts, "sched")
+                        t.append(time.perf_counter() - t0)
+                    out[f"scheduler lookup, {name}, {load} busy"] = {
+                        "p50_us": pct(t, 0.5) * 1e6,
+                        "p90_us": pct(t, 0.9) * 1e6,
+                        "p99_us": pct(t, 0.99) * 1e6,
+                    }
+            finally:
+                stop.set()
+                for sp in spinners:
+                    sp.join(10)
+        assert local.lookups_asked == 0, "every table lookup was answered without the service"
+    return out
+
+
 def warm_region(c: PoolClient, size_bytes: int) -> None:
     chunk = bytes(64 * MiB)
     for i in range(size_bytes // (64 * MiB) + 2):
@@ -136,6 +182,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=2000, help="latency samples per op")
     ap.add_argument("--reps", type=int, default=7, help="bandwidth repetitions per size")
     ap.add_argument("--sizes", default="1,4,16,64", help="object sizes in MiB")
+    ap.add_argument("--busy", type=int, default=os.cpu_count() or 2, help="spinning processes for the busy lookups")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="mpb-", dir="/tmp"))
@@ -144,6 +191,7 @@ def main() -> int:
         with PoolClient.connect(pool.address) as c:
             warm_region(c, c.stats()["capacity_bytes"])
             lat = latency(c, args.iters)
+            sched = scheduler_lookups(c, pool.address, args.iters, args.busy)
             bw = bandwidth(c, [int(s) for s in args.sizes.split(",")], args.reps)
             st = c.stats()
     finally:
@@ -151,13 +199,32 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
         pool.region_path.unlink(missing_ok=True)
     if args.json:
-        print(json.dumps({"latency": lat, "bandwidth": bw, "evictions": st["evictions"]}, indent=2))
+        print(
+            json.dumps(
+                {"latency": lat, "scheduler_lookups": sched, "bandwidth": bw, "evictions": st["evictions"]}, indent=2
+            )
+        )
         return 0
     print(f"maru pool benchmark  (pool {args.size} on /dev/shm, unix socket, {os.cpu_count()} CPUs)")
     print("\nop latency (client-observed round trip)")
     print(f"  {'op':<36}{'p50 us':>10}{'p99 us':>10}")
     for op, v in lat.items():
         print(f"  {op:<36}{v['p50_us']:>10.1f}{v['p99_us']:>10.1f}")
+    print("\nscheduler lookup (lookup_prefix of 8 chunk keys + lookup_parts of 15 part keys)")
+    print(f"  {'asked of':<36}{'p50 us':>10}{'p90 us':>10}{'p99 us':>10}")
+    for op, v in sched.items():
+        print(
+            f"  {op.removeprefix('scheduler lookup, '):<36}{v['p50_us']:>10.1f}{v['p90_us']:>10.1f}{v['p99_us']:>10.1f}"
+        )
+    for load in sorted({int(k.rsplit(", ", 1)[1].split()[0]) for k in sched}):
+        svc, tbl = (
+            sched[f"scheduler lookup, service, {load} busy"],
+            sched[f"scheduler lookup, presence table, {load} busy"],
+        )
+        print(
+            f"  {load} busy: service / table = {svc['p50_us'] / tbl['p50_us']:.1f}x at p50,"
+            f" {svc['p99_us'] / tbl['p99_us']:.1f}x at p99"
+        )
     print("\ndata path bandwidth (median of reps; ratio = pool / in-process memcpy of the same bytes)")
     print(f"  {'size':>6}{'memcpy GB/s':>13}{'put GB/s':>10}{'put ratio':>11}{'get GB/s':>10}{'get ratio':>11}")
     for r in bw:

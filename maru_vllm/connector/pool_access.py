@@ -60,6 +60,7 @@ class PoolAccess(ConnectorPool):
             checksum=checksum,
             write_checksum=True,
             breaker=process_breaker(address, token, deadline_s),
+            local_lookups=True,
         )
         self._lock = threading.Lock()
         self._down = False

@@ -101,6 +101,13 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _presence_buckets(text: str) -> int:
+    n = int(text) if text.isdigit() else -1
+    if n < 0 or n & (n - 1):
+        raise ValueError(f"invalid bucket count {text!r}: use 0 (no table) or a power of two such as 65536")
+    return n
+
+
 def _address(text: str) -> str:
     parse_address(text)
     return text
@@ -158,6 +165,14 @@ def register(subparsers: Any) -> None:
         help="bytes of object metadata the pool keeps (keys and part keys in service memory, each "
         "object's meta JSON or binary chunk metadata in the region beside the payloads): bytes, 512M, "
         "1G; beyond it LRU objects are evicted, and a store is skipped when none can be (default 1G)",
+    )
+    serve.add_argument(
+        "--presence-buckets",
+        type=_arg_type(_presence_buckets, "bucket count"),
+        default=None,
+        help="size of the presence table that lets clients look keys up in the region without a "
+        "round trip (8 keys per 64-byte bucket); 0 for none (default: one slot per 4 KiB of region, "
+        "at most 16 per --max-objects)",
     )
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     serve.add_argument(
@@ -254,6 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_pins_per_object=args.max_pins_per_object,
             max_objects=args.max_objects,
             metadata_budget=args.metadata_budget,
+            presence_buckets=args.presence_buckets,
         )
         with asyncio.Runner(loop_factory=event_loop_factory(args.event_loop)) as runner:
             return runner.run(serve(cfg))
@@ -319,6 +335,13 @@ def format_status(st: dict[str, Any]) -> str:
             f"{st.get('objects', 0)} ({_human(st.get('object_bytes', 0))}), at most {st.get('max_objects', 0)}",
         ),
         ("metadata", f"{_human(st.get('metadata_bytes', 0))} of {_human(st.get('metadata_budget_bytes', 0))}"),
+        (
+            "presence table",
+            f"{st.get('presence_entries', 0)} keys in {st.get('presence_slots', 0)} slots"
+            f" ({st.get('presence_spilled', 0)} answered by the service only)"
+            if st.get("presence_slots")
+            else "none (every lookup asks the service)",
+        ),
         ("reserved", f"{st.get('reserved', 0)} ({_human(st.get('reserved_bytes', 0))})"),
         ("pinned", st.get("pinned", 0)),
         ("sessions", st.get("sessions", 0)),

@@ -41,6 +41,7 @@ from maru_vllm.pool.objects import (
     validate,
     write_header,
 )
+from maru_vllm.pool.presence import PresenceReader
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,11 @@ class PoolClient(PoolConnection):
         populate: bool = True,
         write_checksum: bool | None = None,
         breaker: PoolBreaker | None = None,
+        local_lookups: bool = False,
     ) -> None:
+        """`local_lookups`: answer `lookup_prefix` / `lookup_parts` from the region's presence
+        table (`pool.presence`) while connected, asking the service only where the table cannot
+        tell; such lookups do not refresh the objects' LRU position or the service's hit counters."""
         super().__init__(
             address,
             token,
@@ -131,17 +136,40 @@ class PoolClient(PoolConnection):
         )
         self.checksum = checksum  # reads: require a valid checksum on every object
         self.write_checksum = checksum if write_checksum is None else write_checksum
+        self.local_lookups = local_lookups
+        self.lookups_local = 0  # lookups answered from the presence table
+        self.lookups_asked = 0  # lookups that went to the service
+
+    def _table(self) -> PresenceReader | None:
+        """The presence table when lookups may use it: asked for, connected, pool not marked down."""
+        if not self.local_lookups or self._sock is None or self.marked_down:
+            return None
+        return self.presence
 
     # -- public API -------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes], namespace: str = "default") -> list[bool]:
         return self._call("lookup", {"keys": _keys(keys), "ns": _ns(namespace)})
 
     def lookup_prefix(self, keys: Sequence[bytes], namespace: str = "default") -> int:
+        table = self._table()
+        if table is not None:
+            found = table.lookup_prefix(_ns(namespace), _keys(keys))
+            if found is not None:
+                self.lookups_local += 1
+                return found
+        self.lookups_asked += 1
         return self._call("lookup_prefix", {"keys": _keys(keys), "ns": _ns(namespace)})
 
     def lookup_parts(self, keys: Sequence[bytes], namespace: str = "default") -> list[int]:
         """For each part key (see `commit`), how many leading units of a committed object it
         names; 0 where no object names it."""
+        table = self._table()
+        if table is not None:
+            found = table.lookup_parts(_ns(namespace), _keys(keys))
+            if found is not None:
+                self.lookups_local += 1
+                return found
+        self.lookups_asked += 1
         return self._call("lookup_parts", {"keys": _keys(keys), "ns": _ns(namespace)})
 
     def reserve(self, items: Sequence[tuple[bytes, int]], namespace: str = "default") -> list[Reservation | None]:

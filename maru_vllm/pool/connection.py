@@ -44,6 +44,7 @@ from maru_vllm.pool import protocol as P
 from maru_vllm.pool.address import parse_address, peer_credentials
 from maru_vllm.pool.breaker import PoolBreaker, Probe, shared_breaker
 from maru_vllm.pool.errors import PoolError, PoolProtocolError, PoolTimeout, PoolUnavailable
+from maru_vllm.pool.presence import PresenceReader
 from maru_vllm.pool.region import Region, RegionError
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class PoolConnection:
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
         self._region: Region | None = None
+        # the region's presence table (`pool.presence`), read by lookups without a round trip
+        self.presence: PresenceReader | None = None
         self._ids = itertools.count(1)
         self._gen = 0
         # (op, request id) of requests sent without waiting for their replies, oldest first
@@ -164,6 +167,7 @@ class PoolConnection:
         if self._region is not None and self._region is not region:
             self._region.close()  # views still held by callers keep the old mapping alive
         self._region = region
+        self.presence = _presence_reader(region, hello)
         self.hello = hello
         self._gen += 1
         self._backoff = 0.05
@@ -530,3 +534,16 @@ def process_breaker(address: str, token: str | None, deadline_s: float) -> PoolB
         return lambda deadline, stop: probe_service(address, token, deadline)
 
     return shared_breaker(address, deadline_s, make_probe)
+
+
+def _presence_reader(region: Region, hello: dict[str, Any]) -> PresenceReader | None:
+    """The presence table `hello` names in `region`; None where the pool keeps none (or it does
+    not verify: lookups then ask the service)."""
+    buckets = int(hello.get("presence_buckets") or 0)
+    if not buckets:
+        return None
+    try:
+        return PresenceReader(region.view, int(hello["presence_offset"]), buckets)
+    except (ValueError, TypeError, IndexError) as exc:
+        logger.warning("pool %s: presence table not usable (%s); lookups ask the service", hello.get("pool"), exc)
+        return None

@@ -52,6 +52,7 @@ import xxhash
 from maru_vllm.pool.allocator import Allocation, Allocator
 from maru_vllm.pool.messages import BINARY_META_PREFIX, NULL, EventType, ObjectInfo
 from maru_vllm.pool.objects import OBJ_HEADER_SIZE
+from maru_vllm.pool.presence import PresenceTable, write_units
 from maru_vllm.pool.protocol import MAX_PARTS
 
 logger = logging.getLogger(__name__)
@@ -162,10 +163,13 @@ class PoolIndex:
         max_objects: int = DEFAULT_MAX_OBJECTS,
         metadata_budget: int = DEFAULT_METADATA_BUDGET,
         meta_io: MetaIO | None = None,
+        presence: PresenceTable | None = None,
     ) -> None:
-        """`meta_io`: keep metadata in region blocks through it (None: in this process's memory)."""
+        """`meta_io`: keep metadata in region blocks through it (None: in this process's memory).
+        `presence`: keep that table equal to the visible keys and parts (`pool.presence`)."""
         self.alloc = allocator
         self.meta_io = meta_io
+        self.presence = presence
         self.limits = limits or SessionLimits()
         self.data_offset = data_offset
         self.on_event = on_event
@@ -429,6 +433,10 @@ class PoolIndex:
             for units, pkey in enumerate(obj.parts, 1):
                 self.parts.setdefault((obj.ns, pkey), {})[oid] = (obj, units)
             self.objects[(obj.ns, obj.key)] = obj
+            if self.presence is not None:
+                self.presence.put(self.presence.fingerprints.of_object(obj.ns, obj.key))
+                for pkey in obj.parts:
+                    self._sync_presence_part(obj.ns, pkey)
             self._order.append(obj)
             self._compact_order()
             self.lru[oid] = obj
@@ -576,6 +584,8 @@ class PoolIndex:
         if self.objects.get((obj.ns, obj.key)) is obj:
             del self.objects[(obj.ns, obj.key)]
             self.object_bytes -= obj.size
+            if self.presence is not None:
+                self.presence.discard(self.presence.fingerprints.of_object(obj.ns, obj.key))
         self._drop_parts(obj)
         self._emit(event, obj)
         if obj.pins == 0:
@@ -626,6 +636,18 @@ class PoolIndex:
                 holders.pop(obj.oid, None)
                 if not holders:
                     del self.parts[(obj.ns, pkey)]
+                if self.presence is not None:
+                    self._sync_presence_part(obj.ns, pkey)
+
+    def _sync_presence_part(self, ns: str, pkey: bytes) -> None:
+        """The presence table's entry for a part key: the units its newest holder names, or none."""
+        assert self.presence is not None
+        tag = self.presence.fingerprints.of_part(ns, pkey)
+        found = self._part(ns, pkey)
+        if found is None:
+            self.presence.discard(tag)
+        else:
+            self.presence.put(tag, write_units(found[1]))
 
     def _emit(self, kind: EventType, obj: Obj) -> None:
         if self.on_event is not None:

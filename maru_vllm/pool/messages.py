@@ -123,6 +123,9 @@ class HelloResult(msgspec.Struct):
     protocol: int
     # the binary chunk metadata layout (`chunk_codec.FORMAT`) this pool accepts at commit; 0: none
     chunk_meta_format: int = 0
+    # where the presence table (`pool.presence`) is in the region; 0 buckets: the pool has none
+    presence_offset: int = 0
+    presence_buckets: int = 0
 
 
 class Placement(msgspec.Struct, array_like=True):

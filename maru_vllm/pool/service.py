@@ -41,7 +41,8 @@ from maru_vllm.pool.index import DEFAULT_MAX_OBJECTS, DEFAULT_METADATA_BUDGET, M
 from maru_vllm.pool.logthrottle import AuthThrottle, ThrottledLog
 from maru_vllm.pool.metrics import PoolMetrics
 from maru_vllm.pool.objects import key_digest, validate
-from maru_vllm.pool.region import Region
+from maru_vllm.pool.presence import BEAT_S, PresenceTable, default_buckets, table_bytes
+from maru_vllm.pool.region import PAGE_SIZE, Region
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class ServiceConfig:
     max_pins_per_object: int = DEFAULT_MAX_PINS_PER_OBJECT
     max_objects: int = DEFAULT_MAX_OBJECTS
     metadata_budget: int = DEFAULT_METADATA_BUDGET
+    # buckets of the presence table (`pool.presence`); None: sized from the region; 0: none
+    presence_buckets: int | None = None
 
 
 class PoolService:
@@ -87,6 +90,7 @@ class PoolService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.region: Region | None = None
         self.index: PoolIndex | None = None
+        self.presence: PresenceTable | None = None
         self.metrics = PoolMetrics(cfg.name, self._stats_from_any_thread)
         self.publisher: EventPublisher | None = None
         self.seq = 0
@@ -100,6 +104,12 @@ class PoolService:
     async def start(self) -> list[str]:
         self._loop = asyncio.get_running_loop()
         self._loop.set_exception_handler(self._loop_exception)
+        if self.cfg.presence_buckets and table_bytes(self.cfg.presence_buckets) > self.cfg.size // 2:
+            raise PoolError(
+                f"a presence table of {self.cfg.presence_buckets} buckets ({table_bytes(self.cfg.presence_buckets)}"
+                f" bytes) takes more than half the region ({self.cfg.size} bytes); use fewer --presence-buckets,"
+                " or 0 for none"
+            )
         for a in self.addresses:
             if a.kind == "unix":
                 _refuse_live_socket(a.path)
@@ -118,14 +128,19 @@ class PoolService:
             pin_bytes=self.cfg.session_pin_limit if self.cfg.session_pin_limit is not None else half,
             pins_per_object=self.cfg.max_pins_per_object,
         )
+        self.presence = self._make_presence(data_offset)
+        if self.presence is not None:  # the table comes first; objects live in the rest
+            data_offset += -(-table_bytes(self.presence.buckets) // PAGE_SIZE) * PAGE_SIZE
+        allocator = Allocator(self.region.size - data_offset)
         self.index = PoolIndex(
-            Allocator(self.region.size - data_offset),
+            allocator,
             data_offset,
             self._on_event,
             limits,
             max_objects=self.cfg.max_objects,
             metadata_budget=self.cfg.metadata_budget,
             meta_io=MetaIO(self.region.view),
+            presence=self.presence,
         )
         if self.cfg.nats:
             self.publisher = EventPublisher(self.cfg.nats, self.cfg.name, self._snapshot_page)
@@ -157,9 +172,23 @@ class PoolService:
             await self.stop()
             raise
         self._spawn(self._lease_sweeper())
+        if self.presence is not None:
+            self._spawn(self._presence_beat(self.presence))
         return served
 
+    def _make_presence(self, at: int) -> PresenceTable | None:
+        """The presence table at region offset `at` (the start of the data area), or None."""
+        assert self.region is not None
+        buckets = self.cfg.presence_buckets
+        if buckets is None:
+            buckets = default_buckets(self.region.size - at, self.cfg.max_objects)
+        if buckets == 0:
+            return None
+        return PresenceTable(self.region.view, at, buckets)
+
     async def stop(self) -> None:
+        if self.presence is not None:
+            self.presence.close()  # readers ask the service from now on, and find it gone
         for srv in self._servers:
             srv.close()
         for w in list(self._conns.values()):
@@ -182,6 +211,11 @@ class PoolService:
         t = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+
+    async def _presence_beat(self, table: PresenceTable) -> None:
+        while True:
+            table.beat()
+            await asyncio.sleep(BEAT_S)
 
     async def _lease_sweeper(self) -> None:
         period = max(0.05, min(1.0, self.cfg.lease_s / 4))
@@ -360,6 +394,8 @@ class PoolService:
                 lease_s=self.cfg.lease_s,
                 protocol=P.PROTOCOL_VERSION,
                 chunk_meta_format=chunk_codec.FORMAT,
+                presence_offset=self.presence.offset if self.presence is not None else 0,
+                presence_buckets=self.presence.buckets if self.presence is not None else 0,
             ),
         ), True
 
@@ -552,6 +588,9 @@ class PoolService:
             connections_waiting_for_hello=len(self.slots.pending),
             max_connections=self.slots.max_connections,
             auth_failures=self._auth.failures,
+            presence_entries=self.presence.entries if self.presence is not None else 0,
+            presence_spilled=self.presence.spilled_entries if self.presence is not None else 0,
+            presence_slots=self.presence.buckets * 8 if self.presence is not None else 0,
         )
         pub = self.publisher
         st.update(

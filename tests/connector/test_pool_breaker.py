@@ -55,6 +55,11 @@ def test_a_hung_pool_costs_one_deadline_then_every_link_serves_without_it_until_
             assert pool.proc is not None
             os.kill(pool.proc.pid, signal.SIGSTOP)
             try:
+                # the scheduler's lookups read the region's presence table, which a hung service
+                # stops vouching for within its staleness bound: then they ask the service
+                table = sched.client.presence
+                assert table is not None
+                wait_until(lambda: not table.live, timeout=30, what="presence table goes stale")
                 assert sched.lookup_prefix([b"c0/r0"], NS) == 0  # the one deadline: a miss
                 assert not sched.available and not writer_link.available and not w.pool.available
                 # a load is a miss, reported for recompute, without waiting for the pool
