@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import hashlib
 import json
 import os
@@ -53,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -135,6 +137,37 @@ def rss_private(pid: int) -> int:
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def rss_anon(pid: int) -> int:
+    """The process's anonymous resident memory (RssAnon): heap, arenas, anonymous maps."""
+    return rss_private(pid)
+
+
+def malloc_trim() -> bool:
+    """Ask glibc's malloc to give free memory back to the system (False where there is none)."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0) >= 0)
+    except (OSError, AttributeError):
+        return False
+
+
+class PeakRss:
+    """The largest RSS of `pid`, sampled every 50 ms in a thread until `stop()`."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, rss(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="peak-rss")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, rss(self.pid))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def cpu_s(pid: int) -> float:
@@ -300,6 +333,7 @@ class Worker:
                 str(args.block_size),
                 "--timeout",
                 str(args.timeout),
+                *(["--local-indexer"] if args.local_indexer else []),
             ],
             log=log,
             env=stack.env,
@@ -323,6 +357,12 @@ class Worker:
 
     def rss(self) -> int:
         return rss(self.proc.pid) if self.proc.poll() is None else 0
+
+    def memory(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Its RSS now, its largest since the relay started, and its RSS once glibc's malloc
+        was asked to give free memory back (`rss_trimmed`; None without glibc)."""
+        self.send("mem")
+        return json.loads(self.lines.wait_for("{", timeout))
 
     def stop(self) -> None:
         assert self.proc.stdin is not None
@@ -368,6 +408,7 @@ async def worker_main(args: argparse.Namespace) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     await reader.readline()  # "go": the router is up and subscribed
     rss_before = rss(os.getpid())
+    peak = PeakRss(os.getpid())
     cpu0 = cpu_s(os.getpid())
     t0 = time.time()
     relay = KvEventRelay(
@@ -377,7 +418,12 @@ async def worker_main(args: argparse.Namespace) -> None:
         block_size=args.block_size,
     )
     relay_endpoint = await relay.start()
-    publisher = KvEventPublisher(endpoint=endpoint, kv_block_size=args.block_size, zmq_endpoint=relay_endpoint)
+    publisher = KvEventPublisher(
+        endpoint=endpoint,
+        kv_block_size=args.block_size,
+        zmq_endpoint=relay_endpoint,
+        enable_local_indexer=args.local_indexer,
+    )
     assert relay.source is not None
     await relay.source.wait_synced(args.timeout)
     t1 = time.time()
@@ -389,20 +435,23 @@ async def worker_main(args: argparse.Namespace) -> None:
                 "objects": len(relay.view),
                 "rss_before": rss_before,
                 "rss": rss(os.getpid()),
+                "view_bytes": relay.view.nbytes,
                 "cpu_s": cpu_s(os.getpid()) - cpu0,  # the relay and Dynamo's publisher, start -> synced
                 "full_announcements": relay.stats.full_announcements,
             }
         ),
         flush=True,
     )
-    while True:  # report relay progress on request
+    while True:  # report relay progress (and, on "mem", memory) on request
         line = await reader.readline()
         if not line:
             break
-        print(
-            json.dumps({"stats": relay.stats.__dict__, "source": relay.source.stats.__dict__, "rss": rss(os.getpid())}),
-            flush=True,
-        )
+        report: dict[str, Any] = {"stats": relay.stats.__dict__, "source": relay.source.stats.__dict__}
+        report.update(rss=rss(os.getpid()), anon=rss_anon(os.getpid()), peak=peak.peak)
+        if line.strip() == b"mem":  # what glibc would hand back: the rest is held, not cached
+            report["rss_trimmed"] = rss(os.getpid()) if malloc_trim() else None
+        print(json.dumps(report), flush=True)
+    peak.stop()
     del publisher
     await relay.stop()
     serving.cancel()
@@ -428,7 +477,9 @@ def run_workers(
     restart. Returns (results, prompts in the pool now)."""
     bpc = work.geometry.blocks_per_chunk
     full = args.chunks_per_prompt * bpc
-    res: dict[str, Any] = dict(out, workers=n_workers, router_event_threads=args.router_event_threads)
+    res: dict[str, Any] = dict(
+        out, workers=n_workers, router_event_threads=args.router_event_threads, local_indexer=args.local_indexer
+    )
     tag = f"{out['chunks']}-w{n_workers}"
     router, workers = start_workers(stack, args, n_workers, tag)
     try:
@@ -452,6 +503,15 @@ def run_workers(
         res["relay_rss_delta_mib"] = max(s["rss"] - s["rss_before"] for s in synced) / MiB
         res["process_rss_before_relay_mib"] = max(s["rss_before"] for s in synced) / MiB
         time.sleep(2.0)
+        # where the growth is: the largest RSS during the resync, RSS once the router credits
+        # all (the publisher has sent everything), and what of it is free memory malloc keeps
+        mem = [w.memory() for w in workers]
+        res["relay_rss_peak_mib"] = max(m["peak"] for m in mem) / MiB
+        res["relay_rss_settled_mib"] = max(m["rss"] for m in mem) / MiB
+        if all(m.get("rss_trimmed") for m in mem):
+            res["relay_rss_trimmed_mib"] = max(m["rss_trimmed"] for m in mem) / MiB
+        res["relay_view_mib"] = max(s["view_bytes"] for s in synced) / MiB
+        res["relay_unsent_max_mib"] = max(m["stats"].get("unsent_max_bytes", 0) for m in mem) / MiB
         res["router_rss_mib"] = rss(router.proc.pid) / MiB
         res["router_rss_per_block_worker_b"] = (
             (res["router_rss_mib"] - res["router_rss_empty_mib"]) * MiB / (out["blocks"] * n_workers)
@@ -461,7 +521,9 @@ def run_workers(
             f"credits all {res['resync_all_s']:.1f} s (CPU s: relay+publisher {res['resync_all_cpu_relay_s']:.1f} "
             f"each at most, pool {res['resync_all_cpu_service_s']:.1f}, router {res['resync_all_cpu_router_s']:.1f}); "
             f"relay+publisher RSS {res['relay_rss_mib']:.0f} MiB "
-            f"(+{res['relay_rss_delta_mib']:.0f} MiB for the relay); router RSS {res['router_rss_empty_mib']:.0f} "
+            f"(+{res['relay_rss_delta_mib']:.0f} MiB for the relay, its tables {res['relay_view_mib']:.0f} MiB; "
+            f"peak {res['relay_rss_peak_mib']:.0f}, settled {res['relay_rss_settled_mib']:.0f}, malloc-trimmed "
+            f"{res.get('relay_rss_trimmed_mib', float('nan')):.0f} MiB); router RSS {res['router_rss_empty_mib']:.0f} "
             f"-> {res['router_rss_mib']:.0f} MiB",
             flush=True,
         )
@@ -522,6 +584,9 @@ def run_workers(
         res["resync_cpu_service_s"] = cpu_s(stack.pool.pid) - cpu0[0]
         res["resync_cpu_router_s"] = cpu_s(router.proc.pid) - cpu0[1]
         res["resync_cpu_relay_s"] = s["cpu_s"]
+        m = again.memory()
+        res["restart_rss_synced_mib"], res["restart_rss_peak_mib"] = s["rss"] / MiB, m["peak"] / MiB
+        res["restart_rss_delta_mib"] = (s["rss"] - s["rss_before"]) / MiB
         res["resync_s"] = credited - s["relay_start"]
         res["resync_relay_s"] = s["synced"] - s["relay_start"]
         res["relay_rss_mib"] = max(res["relay_rss_mib"], s["rss"] / MiB, *(w.rss() / MiB for w in workers))
@@ -531,7 +596,8 @@ def run_workers(
             f"[{out['chunks']} x W={n_workers}] one relay restarted: synced {res['resync_relay_s']:.1f} s, router "
             f"credits all {res['resync_s']:.1f} s after its start (CPU s: relay+publisher "
             f"{res['resync_cpu_relay_s']:.1f}, pool {res['resync_cpu_service_s']:.1f}, "
-            f"router {res['resync_cpu_router_s']:.1f}); pool service RSS "
+            f"router {res['resync_cpu_router_s']:.1f}); its RSS +{res['restart_rss_delta_mib']:.0f} MiB once synced "
+            f"(peak {res['restart_rss_peak_mib']:.0f} MiB); pool service RSS "
             f"{res['service_rss_mib']:.0f} MiB (private {res['service_private_end_mib']:.0f} MiB)",
             flush=True,
         )
@@ -637,6 +703,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--router-event-threads", type=int, default=4, help="the router's KV indexer threads (Dynamo's default: 4)"
+    )
+    ap.add_argument(
+        "--local-indexer",
+        action="store_true",
+        help="the stand-ins' publishers keep Dynamo's worker-local KV indexer (dynamo.vllm's default)",
     )
     ap.add_argument("--live-chunks", type=int, default=20_000)
     ap.add_argument("--lookups", type=int, default=1000)

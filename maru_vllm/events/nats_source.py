@@ -15,7 +15,9 @@ address is known, else from the NATS request `maru.<pool>.snapshot`; either way 
 size arrives in bounded messages, and each page is handed to `on_snapshot` as it arrives (a
 `PoolSnapshot` part: `part` 0, 1, ..., `last` on the final one), so neither side ever holds the
 whole snapshot. `request_resync(full=True)` asks for a resync whose parts are marked `full`
-(the owner announces everything again). Probes use the NATS request with a
+(the owner announces everything again). An owner that passes `ready` paces a resync: each page
+is handed over only once `ready()` returns, so a slow consumer downstream is never run over by
+the snapshot. Probes use the NATS request with a
 namespace no object has, so they are cheap. Nothing here ever raises into the owner; while
 NATS or the pool is unreachable the owner's view simply stays as it is ("paused").
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from typing import Any
 
 import msgspec
@@ -84,10 +86,13 @@ class PoolEventSource:
         config: PoolSourceConfig,
         on_snapshot: Callable[[PoolSnapshot], None],
         on_event: Callable[[PoolEvent], None],
+        ready: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """`ready`: awaited before each snapshot page is handed to `on_snapshot` (flow control)."""
         self.config = config
         self._on_snapshot = on_snapshot
         self._on_event = on_event
+        self._ready = ready
         self.incarnation: str | None = None
         self.last_seq = 0
         self.synced = False
@@ -227,6 +232,7 @@ class PoolEventSource:
         if self._link.nc is None or not self.connected:
             return False
         full, self._full_resync = self._full_resync, False
+        self._need_resync = False  # a request from now on (e.g. while this one runs) is another resync
         first: SnapshotPage | None = None
         part = 0
         try:
@@ -235,11 +241,14 @@ class PoolEventSource:
                 snap = PoolSnapshot.from_page(page, first, part, full)
                 part += 1
                 try:
+                    if self._ready is not None:
+                        await self._ready()
                     self._on_snapshot(snap)
                 except Exception:
                     logger.exception("pool snapshot handler failed")
         except Exception as exc:
             self.stats.resync_failures += 1
+            self._need_resync = True
             self._full_resync |= full
             logger.warning(
                 "pool %r snapshot failed (%s); pool awareness paused until it works", self.config.pool_name, exc
@@ -251,7 +260,6 @@ class PoolEventSource:
         self.incarnation = first.incarnation
         self.last_seq = first.seq
         self.synced = True
-        self._need_resync = False
         self.stats.resyncs += 1
         self._synced_event.set()
         logger.info(

@@ -143,6 +143,11 @@ class PoolView:
     def block_count(self) -> int:
         return len(self._blocks)
 
+    @property
+    def resyncing(self) -> bool:
+        """A snapshot's parts are coming in (what they announce is not counted in `block_count` yet)."""
+        return self._resync is not None
+
     def __len__(self) -> int:
         return len(self._objects)
 

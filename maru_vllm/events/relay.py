@@ -17,6 +17,12 @@
   same way (stores are idempotent).
 * The relay never blocks or fails the engine: sends are non-blocking, every error is logged
   and swallowed, and a NATS outage only pauses pool awareness.
+* Flow control (`downstream.DownstreamPipe`): the pipe to Dynamo's publisher holds at most
+  `downstream_hwm` batches; what it refuses waits in the relay, in order, up to
+  `max_unsent_bytes`, and a resync reads its next snapshot page only once nothing waits. So a
+  resync of any size runs at the pace of Dynamo's publisher with about one page of batches in
+  flight. Once a resync's batches are sent the relay asks glibc's malloc to return the memory
+  the resync freed (`release_free_memory`).
 
 `KvEventRelay` lives on an asyncio loop; `RelayThread` runs such a loop in a daemon thread
 for code (like Dynamo's synchronous set-up function) that is not on a loop of ours.
@@ -27,16 +33,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import ctypes
 import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 
 from maru_vllm.events import vllm_format as vf
+from maru_vllm.events.downstream import DownstreamPipe, SendStats
 from maru_vllm.events.nats_source import PoolEventSource, PoolSourceConfig
 from maru_vllm.events.packed_chunks import ChunkStores
 from maru_vllm.events.pool_view import NamespaceFilter, PoolView
@@ -70,16 +78,15 @@ async def _received(receive: Callable[[], Awaitable[T]], what: str, level: int) 
 
 
 @dataclasses.dataclass
-class RelayStats:
-    """What one relay has passed on since it started."""
+class RelayStats(SendStats):
+    """What one relay has passed on since it started (and, from `SendStats`, what the pipe to
+    Dynamo's publisher took)."""
 
     vllm_batches: int = 0  # batches received from vLLM's publisher
     vllm_seq_gaps: int = 0  # breaks in vLLM's sequence numbers (batches that never arrived)
     pool_batches: int = 0  # batches of pool blocks announced
     pool_blocks_stored: int = 0  # blocks announced as stored at the pool's tier
     pool_blocks_removed: int = 0  # blocks announced as removed from it
-    sent: int = 0  # batches sent to Dynamo's publisher
-    send_errors: int = 0  # batches the downstream socket refused
     held_dropped: int = 0  # batches dropped while no subscriber had joined (the hold was full)
     full_announcements: int = 0  # times every pool block was announced again (late subscriber, after a resync)
     subscribers_joined: int = 0  # (re)subscriptions seen on the downstream socket
@@ -102,8 +109,17 @@ class KvEventRelay:
         max_held: int = 100_000,
         max_held_pool_blocks: int = 65536,
         hwm: int = 100_000,
+        downstream_hwm: int = 16,
+        max_unsent_bytes: int = 64 << 20,
+        max_page_wait_s: float = 30.0,
         reannounce_after_s: tuple[float, ...] = (3.0, 10.0),
     ) -> None:
+        """`hwm`: messages the socket from vLLM queues; `downstream_hwm`: batches the pipe to
+        Dynamo's publisher holds before the relay keeps them, `max_unsent_bytes`: bytes of
+        batches the relay keeps at most (see `downstream`); a resync waits at most
+        `max_page_wait_s` for the pipe before it reads its next page anyway."""
+        if downstream_hwm < 1:
+            raise ValueError(f"downstream_hwm={downstream_hwm}: must be >= 1")
         if medium not in KNOWN_MEDIUMS:
             logger.warning(
                 "medium %r is not one Dynamo's router places in a tier %s; its blocks will be ignored by the router",
@@ -123,7 +139,10 @@ class KvEventRelay:
         self._ctx: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self._pub: zmq.asyncio.Socket | None = None
-        self._seq = 0
+        self._pipe = DownstreamPipe(self.topic, self.stats, max_unsent_bytes, self._on_drained)
+        self._downstream_hwm = downstream_hwm
+        self._max_page_wait_s = max_page_wait_s
+        self._trim_when_sent = False  # a resync ended: return the memory it freed once its batches are sent
         self._open = False  # a subscriber has joined: send instead of holding
         self._held: collections.deque[bytes] = collections.deque(maxlen=max_held)
         self._held_pool: list[bytes] = []  # pool batches held until the first subscriber joins
@@ -147,10 +166,10 @@ class KvEventRelay:
         self._ctx = zmq.asyncio.Context()
         pub = self._ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every (re)subscription, not only the first
-        pub.setsockopt(zmq.SNDHWM, self._hwm)
+        DownstreamPipe.configure(pub, self._downstream_hwm)
         pub.setsockopt(zmq.LINGER, 0)
         pub.bind(self.downstream)
-        self._pub = pub
+        self._pub = self._pipe.socket = pub
         self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, self._hwm)
@@ -164,7 +183,9 @@ class KvEventRelay:
             loop.create_task(self._subscription_loop(), name="maru-relay-subs"),
         ]
         if self._pool_cfg is not None:
-            self.source = PoolEventSource(self._pool_cfg, self._on_pool_snapshot, self._on_pool_event)
+            self.source = PoolEventSource(
+                self._pool_cfg, self._on_pool_snapshot, self._on_pool_event, ready=self._downstream_ready
+            )
             await self.source.start()
         logger.info(
             "KV event relay: vLLM %s + pool %s -> %s (pool blocks at medium %s)",
@@ -187,6 +208,7 @@ class KvEventRelay:
                 await t
             except (asyncio.CancelledError, Exception):
                 pass
+        await self._pipe.stop()
         self.close_sockets()
 
     def close_sockets(self) -> None:
@@ -225,7 +247,7 @@ class KvEventRelay:
             self.stats.subscribers_joined += 1
             if not self._open:
                 self._open = True
-                held = self._held_pool + list(self._held)
+                held = [(p, True) for p in self._held_pool] + [(p, False) for p in self._held]
                 self._held.clear()
                 self._held_pool = []
                 logger.info(
@@ -234,8 +256,8 @@ class KvEventRelay:
                     len(held),
                     ", then every pool block" if self._announce_on_join else "",
                 )
-                for payload in held:
-                    self._send(payload)
+                for payload, pool in held:
+                    self._pipe.send(payload, pool=pool)
                 if self._announce_on_join:
                     self._announce_everything()
             else:
@@ -247,12 +269,16 @@ class KvEventRelay:
 
     def _announce_everything(self) -> None:
         """Announce every pool block again: a full resync from the pool (stores are idempotent)."""
-        if self.source is not None and self.view.block_count:
+        if self.source is not None and (self.view.block_count or self.view.resyncing):
             self.stats.full_announcements += 1
             self.source.request_resync(full=True)
 
     def _on_pool_snapshot(self, snap: PoolSnapshot) -> None:
         self._announce(self.view.resync(snap))
+        if snap.last:
+            self._trim_when_sent = True
+            if self._pipe.drained:
+                asyncio.get_running_loop().call_soon(self._on_drained, False)
         if not snap.last or snap.full:
             return  # a full resync is itself a re-announcement
         self._resyncs += 1
@@ -318,7 +344,7 @@ class KvEventRelay:
             else:
                 self.stats.pool_blocks_stored += _blocks_of(a)
         if self._open:
-            self._send(payload)
+            self._pipe.send(payload, pool=True)
         elif self._held_pool_blocks + blocks <= self._max_held_pool_blocks and not self._announce_on_join:
             self._held_pool.append(payload)
             self._held_pool_blocks += blocks
@@ -333,25 +359,26 @@ class KvEventRelay:
                 self.stats.held_dropped += 1
             self._held.append(payload)
             return
-        self._send(payload)
+        self._pipe.send(payload)
 
-    def _send(self, payload: bytes) -> None:
-        assert self._pub is not None
-        try:
-            # pyzmq types the result as Awaitable; on a zmq.asyncio socket it is an asyncio Future.
-            fut = cast(
-                "asyncio.Future[Any]",
-                self._pub.send_multipart((self.topic, vf.encode_seq(self._seq), payload), flags=zmq.NOBLOCK),
-            )
-            error = fut.exception() if fut.done() else None
-            if error is not None:
-                raise error
-        except Exception as exc:
-            self.stats.send_errors += 1
-            logger.warning("KV event batch %d not sent: %s", self._seq, exc)
+    # -- flow control ----------------------------------------------------------------------
+    async def _downstream_ready(self) -> None:
+        """A resync's pace: its next page is read once every batch before it went to ZMQ."""
+        await self._pipe.ready(self._max_page_wait_s)
+
+    def _on_drained(self, lost_pool: bool) -> None:
+        if not self._pipe.drained:
             return
-        self._seq += 1
-        self.stats.sent += 1
+        if lost_pool:  # pool batches were dropped while Dynamo's publisher lagged
+            self._announce_everything()
+        if self._trim_when_sent:
+            self._trim_when_sent = False
+            release_free_memory()
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Bytes of batches waiting in the relay for room in the pipe to Dynamo's publisher."""
+        return self._pipe.unsent_bytes
 
 
 def _blocks_of(a: Announcement | ChunkStores) -> int:
@@ -368,6 +395,25 @@ def _split(announcements: Sequence[Announcement | ChunkStores]) -> Iterator[Anno
             yield from a.split(MAX_BATCH_BLOCKS)
         else:
             yield a
+
+
+def release_free_memory() -> bool:
+    """Ask glibc's malloc to return free heap pages to the system (`malloc_trim(0)`); False where
+    there is no such call. A resync frees its pages' arrays and batches in pieces that malloc
+    otherwise keeps."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim is False:
+        return False
+    _malloc_trim(0)
+    return True
+
+
+_malloc_trim: Any = None  # libc's malloc_trim once looked up; False where there is none
 
 
 class RelayThread:

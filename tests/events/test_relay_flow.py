@@ -1,0 +1,142 @@
+"""A resync runs at the pace of Dynamo's publisher: while the publisher takes nothing, the relay
+reads no further into the pool's snapshot than about one page, keeps what the pipe refuses in
+order, and everything arrives - numbered without gaps - once the publisher reads again."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+import zmq
+
+from maru_vllm.connector.chunks import ChunkGeometry, chunk_key
+from maru_vllm.events import vllm_format as vf
+from maru_vllm.events.nats_source import PoolSourceConfig
+from maru_vllm.events.pool_view import NamespaceFilter
+from maru_vllm.launch import free_port
+from maru_vllm.pool import PoolClient
+from maru_vllm.pool import protocol as P
+from tests.events.test_relay import relay_factory  # noqa: F401  (a fixture)
+from tests.waiting import wait_until
+
+NS = "kv:m:1"
+GEOMETRY = ChunkGeometry(block_size=64, blocks_per_chunk=16)  # ~4.6 KiB of metadata per chunk
+CHUNKS = 3000  # ~4 snapshot pages, ~16 MiB of KV event batches
+pytestmark = pytest.mark.timeout(240)
+
+
+def _fill(address: str, chunks: int) -> int:
+    """`chunks` one-chunk prompts with binary connector metadata (empty payloads)."""
+    g = GEOMETRY
+    stored = 0
+    with PoolClient.connect(address, heartbeat=False) as c:
+        for lo in range(0, chunks, 250):
+            items = []
+            for p in range(lo, min(lo + 250, chunks)):
+                hashes = [hashlib.blake2b(b"%d/%d" % (p, b), digest_size=32).digest() for b in range(16)]
+                tokens = [(p * 7 + t) % 150_000 for t in range(g.chunk_tokens)]
+                items.append((chunk_key(g.chunk_hash(hashes, 0), 0), g.chunk_meta(hashes, tokens, 0, None)))
+            res = c.reserve([(k, 0) for k, _ in items], NS)
+            stored += sum(c.commit([r for r in res if r], [m for (_, m), r in zip(items, res) if r]))
+    return stored
+
+
+class SlowPublisher:
+    """Dynamo's publisher's socket, read only when the test says so (tiny buffers: a full pipe)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.RCVHWM, 1)
+        self.sock.setsockopt(zmq.RCVBUF, 64 << 10)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        self.seqs: list[int] = []
+        self.stored: set[int] = set()
+
+    def read(self, timeout_s: float = 0.2) -> int:
+        """Read whatever arrives within `timeout_s` of the last message; how many were read."""
+        n = 0
+        while self.sock.poll(int(timeout_s * 1000)):
+            _topic, seq, payload = self.sock.recv_multipart()
+            self.seqs.append(vf.decode_seq(seq))
+            for ev in vf.decode_batch(payload).events:
+                if type(ev).__name__ == "BlockStored":
+                    self.stored.update(ev.block_hashes)
+            n += 1
+        return n
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.destroy(linger=0)
+
+
+def _relay(relay_factory, pool_service, nats, **kw):  # noqa: F811
+    _, url = nats
+    return relay_factory(
+        upstream=f"tcp://127.0.0.1:{free_port()}",
+        pool=PoolSourceConfig(url, pool_service.pool_name, pool_address=pool_service.address),
+        namespaces=NamespaceFilter.exactly(NS),
+        block_size=GEOMETRY.block_size,
+        **kw,
+    )
+
+
+def test_a_resync_waits_for_a_publisher_that_takes_nothing_and_delivers_everything_after(
+    pool_service,
+    nats,
+    relay_factory,  # noqa: F811
+) -> None:
+    assert _fill(pool_service.address, CHUNKS) == CHUNKS
+    relay = _relay(relay_factory, pool_service, nats, downstream_hwm=1, max_page_wait_s=600)
+    pub = SlowPublisher(relay.endpoint)
+    try:
+        wait_until(lambda: relay.subscribed.is_set(), 20, "the publisher subscribed")
+        wait_until(lambda: relay.unsent_bytes > 0, 60, "the pipe to the publisher is full")
+        # The publisher reads nothing: the resync stays at about the page it is on. Without flow
+        # control it would read every page and finish within this second.
+        for _ in range(10):
+            time.sleep(0.1)
+            assert relay.unsent_bytes <= 2 * P.SNAPSHOT_PAGE_BYTES
+        assert relay.source is not None and not relay.source.synced
+        assert relay.stats.pool_blocks_stored < CHUNKS * GEOMETRY.blocks_per_chunk
+        # Reading again: every block arrives, the batches numbered without a gap.
+        wait_until(
+            lambda: pub.read() >= 0 and relay.source.synced and relay.unsent_bytes == 0 and pub.read() == 0,
+            120,
+            "the resync finished and was read",
+            interval=0,
+        )
+        assert pub.seqs == list(range(len(pub.seqs))) and len(pub.seqs) == relay.stats.sent
+        assert len(pub.stored) == CHUNKS * GEOMETRY.blocks_per_chunk == relay.view.block_count
+        assert relay.stats.unsent_dropped == 0 and relay.stats.send_errors == 0
+        assert 0 < relay.stats.unsent_max_bytes <= 2 * P.SNAPSHOT_PAGE_BYTES
+    finally:
+        pub.close()
+
+
+def test_batches_dropped_while_the_publisher_lags_are_announced_again_once_it_reads(
+    pool_service,
+    nats,
+    relay_factory,  # noqa: F811
+) -> None:
+    """Past `max_unsent_bytes` the relay drops batches rather than hold them; the pool's blocks
+    it dropped reach the publisher anyway, by a full announcement once the pipe drains."""
+    assert _fill(pool_service.address, CHUNKS) == CHUNKS
+    relay = _relay(relay_factory, pool_service, nats, downstream_hwm=1, max_unsent_bytes=1 << 20, max_page_wait_s=0.2)
+    pub = SlowPublisher(relay.endpoint)
+    try:
+        wait_until(lambda: relay.subscribed.is_set(), 20, "the publisher subscribed")
+        wait_until(lambda: relay.stats.unsent_dropped > 0, 60, "batches dropped while the publisher lags")
+        assert relay.unsent_bytes <= 1 << 20
+        wait_until(
+            lambda: pub.read() >= 0 and len(pub.stored) == CHUNKS * GEOMETRY.blocks_per_chunk,
+            180,
+            "every pool block announced after all",
+            interval=0,
+        )
+        assert relay.stats.full_announcements >= 1
+        assert pub.seqs == list(range(len(pub.seqs)))
+    finally:
+        pub.close()
