@@ -316,7 +316,7 @@ class Router:
 class Worker:
     """One worker stand-in process (`--role worker`): a Dynamo endpoint, our relay, Dynamo's publisher."""
 
-    def __init__(self, stack: Stack, args: argparse.Namespace, log: str) -> None:
+    def __init__(self, stack: Stack, args: argparse.Namespace, log: str, announce_cap: int | None = None) -> None:
         self.proc = stack._spawn(
             [
                 sys.executable,
@@ -334,6 +334,7 @@ class Worker:
                 "--timeout",
                 str(args.timeout),
                 *(["--local-indexer"] if args.local_indexer else []),
+                *(["--announce-cap", str(announce_cap)] if announce_cap else []),
             ],
             log=log,
             env=stack.env,
@@ -416,6 +417,7 @@ async def worker_main(args: argparse.Namespace) -> None:
         pool=PoolSourceConfig(args.nats, args.pool_name, pool_address=args.pool_address, request_timeout_s=120),
         namespaces=NamespaceFilter.exactly(NS),
         block_size=args.block_size,
+        max_announced_chunks=args.announce_cap,
     )
     relay_endpoint = await relay.start()
     publisher = KvEventPublisher(
@@ -601,11 +603,66 @@ def run_workers(
             f"{res['service_rss_mib']:.0f} MiB (private {res['service_private_end_mib']:.0f} MiB)",
             flush=True,
         )
+        if args.announce_cap:
+            run_capped_restart(args, stack, router, work, prompts, workers, res, tag)
     finally:
         for w in workers:
             w.stop()
         router.stop()
     return res, prompts
+
+
+def run_capped_restart(
+    args: argparse.Namespace,
+    stack: Stack,
+    router: Router,
+    work: Workload,
+    prompts: int,
+    workers: list[Worker],
+    res: dict[str, Any],
+    tag: str,
+) -> None:
+    """Worker 0 restarts with a relay that announces at most `--announce-cap` chunks (the pool's
+    most recently used): its resync, memory, and what share of random pool prompts the router
+    then credits to it in full."""
+    cap = args.announce_cap
+    full = args.chunks_per_prompt * work.geometry.blocks_per_chunk
+    workers[0].stop()
+    capped = Worker(stack, args, f"worker-{tag}-capped.log", announce_cap=cap)
+    workers[0] = capped
+    capped.wait_serving()
+    time.sleep(1.0)
+    cpu0 = (cpu_s(stack.pool.pid), cpu_s(router.proc.pid))
+    capped.send("go")
+    s = capped.wait_synced(args.timeout)
+    # the last prompt committed is among the most recently used: credited once the resync is through
+    credited = router.wait_credit(work.prompt_tokens(prompts - 1), full, {capped.worker_id}, args.timeout)
+    m = capped.memory()
+    res.update(
+        announce_cap=cap,
+        capped_objects=s["objects"],
+        capped_resync_s=credited - s["relay_start"],
+        capped_resync_relay_s=s["synced"] - s["relay_start"],
+        capped_cpu_relay_s=s["cpu_s"],
+        capped_cpu_service_s=cpu_s(stack.pool.pid) - cpu0[0],
+        capped_cpu_router_s=cpu_s(router.proc.pid) - cpu0[1],
+        capped_rss_delta_mib=(s["rss"] - s["rss_before"]) / MiB,
+        capped_rss_peak_mib=m["peak"] / MiB,
+        capped_view_mib=s["view_bytes"] / MiB,
+    )
+    rng = random.Random(11)
+    sample = [rng.randrange(prompts) for _ in range(min(args.lookups, 500))]
+    matched = sum(router.host_blocks(work.prompt_tokens(p)).get(capped.worker_id, 0) >= full for p in sample)
+    res["capped_prompts_credited_share"] = matched / len(sample)
+    print(
+        f"[{res['chunks']} x W={res['workers']}] relay restarted with an announce cap of {cap} chunks: "
+        f"{s['objects']} objects, synced {res['capped_resync_relay_s']:.1f} s, router credits the newest "
+        f"{res['capped_resync_s']:.1f} s after its start (CPU s: relay+publisher {s['cpu_s']:.1f}, pool "
+        f"{res['capped_cpu_service_s']:.1f}, router {res['capped_cpu_router_s']:.1f}); its RSS "
+        f"+{res['capped_rss_delta_mib']:.0f} MiB once synced (tables {res['capped_view_mib']:.1f} MiB); "
+        f"{100 * res['capped_prompts_credited_share']:.1f}% of {len(sample)} random pool prompts credited in full",
+        flush=True,
+    )
 
 
 def run_scale(args: argparse.Namespace, chunks: int) -> list[dict[str, Any]]:
@@ -708,6 +765,13 @@ def main() -> None:
         "--local-indexer",
         action="store_true",
         help="the stand-ins' publishers keep Dynamo's worker-local KV indexer (dynamo.vllm's default)",
+    )
+    ap.add_argument(
+        "--announce-cap",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after the other phases, restart one relay announcing at most N chunks (the pool's most recently used)",
     )
     ap.add_argument("--live-chunks", type=int, default=20_000)
     ap.add_argument("--lookups", type=int, default=1000)

@@ -15,6 +15,9 @@ Options of its own (all others go to dynamo.vllm):
   --maru-pool-token-file F   file holding the token of a TCP pool (`pool serve --token-file`); mode
                              600. The connector, the name lookup and the event relay present it
   --maru-event-medium M      tier the router credits pool blocks at (default CPU_PINNED)
+  --maru-announce-max-chunks N
+                             announce at most N pool chunks to the router, the pool's most
+                             recently used (default: every chunk of this worker's model)
   --maru-chunk-tokens N      tokens per pool object (default 256)
   --no-maru-pool-events      keep the pool connector but do not announce the pool's blocks to the
                              router (it then sees vLLM's own events only; for comparisons)
@@ -52,10 +55,16 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--maru-pool-name", default=None)
     p.add_argument("--maru-pool-token-file", default=None)
     p.add_argument("--maru-event-medium", default=DEFAULT_MEDIUM, choices=POOL_MEDIUMS)
+    p.add_argument("--maru-announce-max-chunks", type=int, default=None, metavar="N")
     p.add_argument("--maru-chunk-tokens", type=int, default=256)
     p.add_argument("--maru-pool-events", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--maru-warmup", action=argparse.BooleanOptionalAction, default=True)
     ours, rest = p.parse_known_args(argv)
+    if ours.maru_announce_max_chunks is not None and ours.maru_announce_max_chunks < 1:
+        raise SystemExit(
+            f"maru_worker: --maru-announce-max-chunks {ours.maru_announce_max_chunks}: must be a number of "
+            "chunks >= 1 (leave it out to announce every chunk)"
+        )
     rest = list(rest)
     if not has_flag(rest, "--kv-transfer-config", "--kv_transfer_config"):
         mode = flag_value(rest, "--disaggregation-mode") or os.environ.get("DYN_VLLM_DISAGGREGATION_MODE")
@@ -163,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             pool_address=ours.maru_pool_address,
             pool_token=token,
             medium=ours.maru_event_medium,
+            max_announced_chunks=ours.maru_announce_max_chunks,
         )
     from maru_vllm.dynamo_pd import DynamoPdApiError, register_maru_pd_protocol
 

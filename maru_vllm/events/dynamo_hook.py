@@ -70,6 +70,7 @@ class PoolEventRelayOptions:
     medium: str = DEFAULT_MEDIUM
     namespace: str | None = None
     namespace_prefix: str | None = None
+    max_announced_chunks: int | None = None  # the relay's announce cap (None: every pool object)
 
 
 @dataclasses.dataclass
@@ -109,16 +110,20 @@ def install_pool_event_relay(
     namespace: str | None = None,
     namespace_prefix: str | None = None,
     probe_interval_s: float = 10.0,
+    max_announced_chunks: int | None = None,
 ) -> RelayInstallation:
     """Make the `dynamo.vllm` worker that runs next in this process announce the pool's blocks.
 
     Call it before running `dynamo.vllm` (e.g. `runpy.run_module("dynamo.vllm", ...)`) in the
     same process. See the module docstring for the mechanism and `maru_vllm.events` for the
     meaning of each argument. Raises `DynamoVersionError` for any Dynamo but 1.6.1, and
-    RuntimeError when the seam is not where 1.6.1 has it. Calling it again replaces the options.
+    RuntimeError when the seam is not where 1.6.1 has it, ValueError for a cap below 1. Calling
+    it again replaces the options.
     """
     global _installed
     check_dynamo_version()
+    if max_announced_chunks is not None and max_announced_chunks < 1:
+        raise ValueError(f"max_announced_chunks={max_announced_chunks}: must be >= 1 (or None: no cap)")
     nats_url = nats_url or os.environ.get("NATS_SERVER") or "nats://127.0.0.1:4222"
     source = PoolSourceConfig(
         nats_url=nats_url,
@@ -127,7 +132,7 @@ def install_pool_event_relay(
         pool_token=pool_token,
         probe_interval_s=probe_interval_s,
     )
-    opts = PoolEventRelayOptions(source, medium, namespace, namespace_prefix)
+    opts = PoolEventRelayOptions(source, medium, namespace, namespace_prefix, max_announced_chunks)
     import dynamo.vllm.main as dm
 
     original = dm.setup_kv_event_publisher
@@ -211,6 +216,7 @@ def _start_relay(inst: RelayInstallation, vllm_config: Any, upstream: str, dp_ra
             medium=opts.medium,
             data_parallel_rank=dp_rank,
             topic=topic,
+            max_announced_chunks=opts.max_announced_chunks,
         )
         await relay.start()
         return relay

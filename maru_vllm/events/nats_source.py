@@ -53,6 +53,9 @@ class PoolSourceConfig:
     pool_token: str | None = None
     #: request snapshots of this namespace only (None: all namespaces, filtered by the owner)
     snapshot_namespace: str | None = None
+    #: > 0: snapshots list only the pool's this many most recently used objects (needs
+    #: `pool_address`; NATS snapshot pages list every object)
+    snapshot_recent: int = 0
     probe_interval_s: float = 10.0
     request_timeout_s: float = 5.0
     max_queue: int = 200_000
@@ -313,7 +316,7 @@ class PoolEventSource:
             heartbeat=False,
             populate=False,
         ) as c:
-            yield from c.snapshot_pages(namespace)
+            yield from c.snapshot_pages(namespace, recent=self.config.snapshot_recent)
 
     async def _nats_snapshot_page(self, namespace: str | None, after: int = 0) -> SnapshotPage:
         body = msgspec.json.encode({"namespace": namespace, "after": after})

@@ -13,6 +13,14 @@ has announced to Dynamo at the pool's tier, and the per-block changes that keep 
   (one left unfinished is dropped; what it announced is withdrawn by the next one unless the
   pool still has it). A `full` snapshot announces every block it holds again, once.
 
+A cap (`max_objects` N): the view counts at most N objects. A resync counts the first N objects
+its snapshot lists (the relay asks the pool for the N most recently used ones); a live store
+past N withdraws the object stored or synced longest ago (its blocks that no other counted
+object holds are announced as removed), and a later pool removal of a withdrawn object
+announces nothing. So the router is credited with at most N objects' blocks, and what the
+relay and the router hold grows with N, not with the pool. For the withdrawals the view keeps
+each counted object's block keys (8 B per block, ~150 B per object in all).
+
 Memory: the view keeps what a removal needs and nothing else - a counted set of block keys (the
 64-bit values Dynamo sees) and a set of object-id digests, ~30 B per block in `CountedKeys`
 tables. Token ids and metadata are never kept: a store is announced from the event or page
@@ -27,6 +35,7 @@ Not thread-safe: the relay drives it from one event loop.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
@@ -114,15 +123,27 @@ class _Resync:
     blocks: CountedKeys
     objects: CountedKeys
     deferred: list[tuple[int, BlocksStored]] = dataclasses.field(default_factory=list)
+    # with a cap: each counted object's block keys, in the order counted
+    order: collections.OrderedDict[int, bytes] = dataclasses.field(default_factory=collections.OrderedDict)
 
 
 class PoolView:
     """Announced pool objects of one worker (see module docstring)."""
 
     def __init__(
-        self, namespaces: NamespaceFilter, block_size: int | None = None, int_hashes: bool | None = None
+        self,
+        namespaces: NamespaceFilter,
+        block_size: int | None = None,
+        int_hashes: bool | None = None,
+        max_objects: int | None = None,
     ) -> None:
-        """`int_hashes`: block hashes are announced as ints (default: as vLLM's environment says)."""
+        """`int_hashes`: block hashes are announced as ints (default: as vLLM's environment says);
+        `max_objects`: the cap (see module docstring; None: every object of this worker)."""
+        if max_objects is not None and max_objects < 1:
+            raise ValueError(f"max_objects={max_objects}: must be >= 1 (or None: no cap)")
+        self.max_objects = max_objects
+        self.cap_withdrawals = 0  # objects withdrawn to stay within the cap since the last resync
+        self._order: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # with a cap
         self.namespaces = namespaces
         self.block_size = block_size
         self.int_hashes = vf.int_block_hashes() if int_hashes is None else int_hashes
@@ -197,13 +218,32 @@ class PoolView:
             return []  # a repeated stored event
         self._objects.add(okey)
         self._remember_raw(chunk)
-        fresh = [self._blocks.add(_block_key(h)) == 0 for h in chunk.block_hashes]
-        return list(_runs(chunk, fresh))
+        keys = [_block_key(h) for h in chunk.block_hashes]
+        fresh = [self._blocks.add(k) == 0 for k in keys]
+        out: list[Announcement] = list(_runs(chunk, fresh))
+        if self.max_objects is not None:
+            self._order[okey] = np.asarray(keys, dtype=np.uint64).tobytes()
+            while len(self._order) > self.max_objects:
+                out.extend(self._withdraw_oldest())
+        return out
+
+    def _withdraw_oldest(self) -> list[Announcement]:
+        """Uncount the object counted longest ago (the cap); the removal of its last-held blocks."""
+        okey, packed = self._order.popitem(last=False)
+        self._objects.remove(okey)
+        self.cap_withdrawals += 1
+        gone = [k for k in np.frombuffer(packed, dtype=np.uint64).tolist() if self._blocks.remove(k) == 0]
+        removed = tuple(self._external(k) for k in gone)
+        for k in gone:
+            self._raw.pop(k, None)
+        return [BlocksRemoved(removed)] if removed else []
 
     def removed(self, obj: PoolObject) -> list[Announcement]:
         """Withdraw `obj` (as a `removed` event carries it: with its metadata)."""
-        if self._objects.remove(object_key(obj.oid)) < 0:
-            return []
+        okey = object_key(obj.oid)
+        if self._objects.remove(okey) < 0:
+            return []  # never counted, or withdrawn for the cap already
+        self._order.pop(okey, None)
         chunk = self.chunk_of(obj)
         if chunk is None:  # cannot happen for an object we counted (its metadata does not change)
             return []
@@ -234,6 +274,8 @@ class PoolView:
             keys = self._resync.blocks.keys()
             self._blocks.add_many(keys[self._blocks.counts_of(keys) == 0])
         expected = first.total or 0
+        if self.max_objects is not None:
+            expected = min(expected, self.max_objects)
         sample = (self.chunk_of(o) for o in first.objects[:64])
         blocks_per_object = max((len(c.block_hashes) for c in sample if c is not None), default=1)
         self._resync = _Resync(first.full, CountedKeys(expected * blocks_per_object), CountedKeys(expected))
@@ -266,14 +308,20 @@ class PoolView:
         """`_resync_objects` for chunks read as columns: whole-chunk stores stay columns."""
         rs = self._resync
         assert rs is not None
-        new = rs.objects.add_many(okeys) == 0
-        cols = cols.take(np.flatnonzero(new))
-        cols = cols.take(np.argsort(cols.chunk_index, kind="stable"))
+        if self.max_objects is not None:  # the cap: only as many new objects as there is room for
+            unseen = np.flatnonzero(rs.objects.counts_of(okeys) == 0)[: max(0, self.max_objects - len(rs.order))]
+            cols, okeys = cols.take(unseen), okeys[unseen]
+        new = np.flatnonzero(rs.objects.add_many(okeys) == 0)
+        new = new[np.argsort(cols.chunk_index[new], kind="stable")]
+        cols, okeys = cols.take(new), okeys[new]
         n, nb = cols.hashes.shape
         if n == 0:
             return []
         keys = cols.hashes.reshape(-1).copy()
         keys[keys == 0] = 1  # block_table.key_of
+        if self.max_objects is not None:
+            rows = keys.reshape(n, nb)
+            rs.order.update(zip(okeys.tolist(), (rows[i].tobytes() for i in range(n))))
         fresh = rs.blocks.add_many(keys) == 0  # first time this resync sees the block
         if not rs.full:
             fresh &= self._blocks.counts_of(keys) == 0  # ... and not announced before it
@@ -322,12 +370,22 @@ class PoolView:
         if not accepted:
             return []
         okeys = np.fromiter((object_key(o.oid) for o, _ in accepted), dtype=np.uint64, count=len(accepted))
+        if self.max_objects is not None:  # the cap: only as many new objects as there is room for
+            unseen = np.flatnonzero(rs.objects.counts_of(okeys) == 0)[: max(0, self.max_objects - len(rs.order))]
+            accepted, okeys = [accepted[i] for i in unseen.tolist()], okeys[unseen]
         new_object = rs.objects.add_many(okeys) == 0
-        chunks = sorted((c for (_, c), new in zip(accepted, new_object) if new), key=lambda c: c.chunk_index)
+        kept = sorted(
+            ((k, c) for (_, c), k, new in zip(accepted, okeys.tolist(), new_object) if new),
+            key=lambda kc: kc[1].chunk_index,
+        )
+        chunks = [c for _, c in kept]
         for c in chunks:
             self._remember_raw(c)
         sizes = [len(c.block_hashes) for c in chunks]
         keys = np.fromiter((_block_key(h) for c in chunks for h in c.block_hashes), dtype=np.uint64, count=sum(sizes))
+        if self.max_objects is not None:
+            bounds = np.cumsum([0, *sizes])
+            rs.order.update((k, keys[bounds[i] : bounds[i + 1]].tobytes()) for i, (k, _) in enumerate(kept))
         fresh = rs.blocks.add_many(keys) == 0  # first time this resync sees the block
         if not rs.full:
             fresh &= self._blocks.counts_of(keys) == 0  # ... and not announced before it
@@ -350,7 +408,8 @@ class PoolView:
         removed: list[Announcement] = [BlocksRemoved(tuple(self._external(k) for k in gone))] if gone else []
         for k in gone:
             self._raw.pop(k, None)
-        self._blocks, self._objects = rs.blocks, rs.objects
+        self._blocks, self._objects, self._order = rs.blocks, rs.objects, rs.order
+        self.cap_withdrawals = 0
         return removed, deferred
 
     # -- internals -------------------------------------------------------------------------

@@ -17,6 +17,12 @@
   same way (stores are idempotent).
 * The relay never blocks or fails the engine: sends are non-blocking, every error is logged
   and swallowed, and a NATS outage only pauses pool awareness.
+* An announce cap (`max_announced_chunks` N): the relay announces at most N pool objects, the
+  N most recently used when it resyncs (the pool serves those, `PoolSourceConfig.snapshot_recent`)
+  and the newest stores after that, withdrawing the oldest counted object for each store past
+  N (`PoolView`). Reads do not reach the relay, so once N objects were withdrawn it resyncs
+  again, which brings back what the pool has used most recently. What a resync costs and what
+  the router holds then grow with N, not with the pool.
 * Flow control (`downstream.DownstreamPipe`): the pipe to Dynamo's publisher holds at most
   `downstream_hwm` batches; what it refuses waits in the relay, in order, up to
   `max_unsent_bytes`, and a resync reads its next snapshot page only once nothing waits. So a
@@ -113,11 +119,13 @@ class KvEventRelay:
         max_unsent_bytes: int = 64 << 20,
         max_page_wait_s: float = 30.0,
         reannounce_after_s: tuple[float, ...] = (3.0, 10.0),
+        max_announced_chunks: int | None = None,
     ) -> None:
         """`hwm`: messages the socket from vLLM queues; `downstream_hwm`: batches the pipe to
         Dynamo's publisher holds before the relay keeps them, `max_unsent_bytes`: bytes of
         batches the relay keeps at most (see `downstream`); a resync waits at most
-        `max_page_wait_s` for the pipe before it reads its next page anyway."""
+        `max_page_wait_s` for the pipe before it reads its next page anyway;
+        `max_announced_chunks`: the announce cap (see module docstring; None: no cap)."""
         if downstream_hwm < 1:
             raise ValueError(f"downstream_hwm={downstream_hwm}: must be >= 1")
         if medium not in KNOWN_MEDIUMS:
@@ -131,7 +139,9 @@ class KvEventRelay:
         self.medium = medium
         self.dp_rank = data_parallel_rank
         self.topic = topic.encode()
-        self.view = PoolView(namespaces, block_size)
+        self.view = PoolView(namespaces, block_size, max_objects=max_announced_chunks)
+        if max_announced_chunks is not None and pool is not None:
+            pool = dataclasses.replace(pool, snapshot_recent=max_announced_chunks)
         self.stats = RelayStats()
         self.endpoint: str | None = None
         self._pool_cfg = pool
@@ -305,6 +315,11 @@ class KvEventRelay:
 
     def _on_pool_event(self, ev: PoolEvent) -> None:
         self._announce(self.view.apply(ev))
+        cap = self.view.max_objects
+        if cap is not None and self.view.cap_withdrawals >= cap and self.source is not None:
+            # the announced set has turned over once by stores alone: take the pool's recency again
+            self.view.cap_withdrawals = 0
+            self.source.request_resync()
 
     # -- output ----------------------------------------------------------------------------
     def _announce(self, announcements: Sequence[Announcement | ChunkStores]) -> None:

@@ -487,25 +487,46 @@ class PoolIndex:
         return [o.info(self.meta_of(o)) for o in self.objects.values() if ns is None or o.ns == ns]
 
     def snapshot_page(
-        self, ns: str | None, after: int, limit: int, max_bytes: int, max_scan: int = 65536
+        self, ns: str | None, after: int, limit: int, max_bytes: int, max_scan: int = 65536, recent: int = 0
     ) -> tuple[list[Obj], int | None]:
         """Visible objects committed after cursor `after`, in commit order: at most `limit` of
         them, stopping once their metadata passes `max_bytes` or `max_scan` entries were looked
-        at. Returns (objects, cursor of the next page or None when this is the last)."""
+        at; with `recent` > 0 only those among the `recent` most recently used (`recently_used`,
+        taken anew for each page). Returns (objects, cursor of the next page or None when this
+        is the last)."""
         self._compact_order()
         order = self._order
         i = bisect.bisect_right(order, after, key=lambda o: o.cseq)
         out: list[Obj] = []
         nbytes = 0
         end = min(len(order), i + max_scan)
+        wanted = self.recently_used(recent, ns) if recent > 0 else None
         while i < end and len(out) < limit and nbytes < max_bytes:
             o = order[i]
             i += 1
+            if wanted is not None and o.oid not in wanted:
+                continue
             if (ns is None or o.ns == ns) and self.objects.get((o.ns, o.key)) is o:
                 out.append(o)
                 # its JSON size, roughly: key as hex, (binary) metadata as base64
                 nbytes += o.meta_len * 4 // 3 + 4 + 2 * len(o.key) + len(o.ns) + 64
         return out, (order[i - 1].cseq if i < len(order) else None)
+
+    def recently_used(self, n: int, ns: str | None = None) -> set[int]:
+        """Oids of the `n` most recently used committed objects (of `ns`): those pinned now,
+        then from the most recently used end of the LRU order. O(n) plus the pins."""
+        out: set[int] = set()
+        for s in self.sessions.values():
+            for oid in s.pins:
+                o = self.live.get(oid)
+                if len(out) < n and o is not None and o.committed and not o.doomed and (ns is None or o.ns == ns):
+                    out.add(oid)
+        for oid, o in reversed(self.lru.items()):
+            if len(out) >= n:
+                break
+            if ns is None or o.ns == ns:
+                out.add(oid)
+        return out
 
     def stats(self) -> dict[str, Any]:
         reserved = [o for s in self.sessions.values() for o in s.reservations.values()]

@@ -98,6 +98,9 @@ class SnapshotArgs(msgspec.Struct):
     # how the page comes back: a SnapshotPage as JSON, or a PackedSnapshotPage as msgpack
     # (binary metadata without base64); a pool that predates the field answers JSON
     encoding: Literal["json", "msgpack"] = "json"
+    # > 0: list only the `recent` most recently used objects (of `ns`), as they stand when the
+    # page is served (PoolIndex.snapshot_page); a pool that predates the field lists them all
+    recent: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 HexHash = Annotated[str, msgspec.Meta(min_length=2, max_length=256, pattern="^([0-9a-f]{2})+$")]

@@ -489,8 +489,12 @@ class PoolService:
 
     def _op_snapshot(self, sid: int, args: P.SnapshotArgs) -> bytes:
         if args.encoding == "msgpack":
-            return M.msgpack_encoder.encode(self._packed_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES))
-        return M.json_encoder.encode(self._snapshot_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES))
+            return M.msgpack_encoder.encode(
+                self._packed_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES, args.recent)
+            )
+        return M.json_encoder.encode(
+            self._snapshot_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES, args.recent)
+        )
 
     # -- helpers ----------------------------------------------------------------------------
     def _verify(self, obj: Obj) -> str | None:
@@ -526,9 +530,9 @@ class PoolService:
             )
         )
 
-    def _snapshot_page(self, ns: str | None, after: int, limit: int, max_bytes: int) -> M.SnapshotPage:
+    def _snapshot_page(self, ns: str | None, after: int, limit: int, max_bytes: int, recent: int = 0) -> M.SnapshotPage:
         assert self.index is not None and self.region is not None
-        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes)
+        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes, recent=recent)
         return M.SnapshotPage(
             self.cfg.name,
             self.region.info.incarnation,
@@ -538,9 +542,11 @@ class PoolService:
             len(self.index.objects),
         )
 
-    def _packed_page(self, ns: str | None, after: int, limit: int, max_bytes: int) -> M.PackedSnapshotPage:
+    def _packed_page(
+        self, ns: str | None, after: int, limit: int, max_bytes: int, recent: int = 0
+    ) -> M.PackedSnapshotPage:
         assert self.index is not None and self.region is not None
-        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes)
+        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes, recent=recent)
         return M.PackedSnapshotPage(
             self.cfg.name,
             self.region.info.incarnation,
