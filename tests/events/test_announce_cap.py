@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from maru_vllm.events import vllm_format as vf
 from maru_vllm.events.packed_chunks import ChunkStores
 from maru_vllm.events.pool_view import NamespaceFilter, PoolView
 from maru_vllm.events.types import BlocksRemoved, PoolObject, PoolSnapshot
@@ -179,3 +180,59 @@ def test_the_worker_option_reaches_the_relay_and_a_bad_value_stops_it_in_one_lin
     finally:
         inst.uninstall()
         dynamo_hook._installed = None
+
+
+def test_a_capped_relay_takes_the_pools_recency_again_once_its_set_turned_over(pool_service, nats) -> None:
+    """Reads reach the pool, not the relay: after N withdrawals the relay resyncs, and a chunk
+    the pool used since comes back into what the router is credited with."""
+    from maru_vllm.events.nats_source import PoolSourceConfig
+    from maru_vllm.events.relay import KvEventRelay, RelayThread
+    from maru_vllm.launch import free_port
+    from tests.events.test_relay import Downstream
+    from tests.waiting import wait_until
+
+    thread = RelayThread("test-capped-relay")
+    c = PoolClient.connect(pool_service.address)
+
+    async def start() -> KvEventRelay:
+        r = KvEventRelay(
+            upstream=f"tcp://127.0.0.1:{free_port()}",
+            pool=PoolSourceConfig(nats[1], pool_service.pool_name, pool_address=pool_service.address),
+            namespaces=NamespaceFilter.exactly(NS),
+            block_size=BLOCK,
+            max_announced_chunks=3,
+            reannounce_after_s=(),
+        )
+        await r.start()
+        return r
+
+    relay = thread.call(start())
+    down = Downstream(relay.endpoint)
+    router = Credit()
+
+    def credited() -> set[int]:
+        down.pump()
+        router.blocks.clear()
+        for _, batch, _ in down.got:
+            for e in batch.events:
+                (router.blocks.update if isinstance(e, vf.BlockStored) else router.blocks.difference_update)(
+                    e.block_hashes
+                )
+        return router.blocks
+
+    try:
+        wait_until(lambda: relay.source is not None and relay.source.synced, what="relay synced")
+        for p in range(5):
+            assert c.put(chunk_key(p, 0), b"x", namespace=NS, meta=chunk_meta(p, 0))
+        wait_until(lambda: credited() == _chunk_blocks(2) | _chunk_blocks(3) | _chunk_blocks(4), what="newest 3")
+        assert relay.source.stats.resyncs == 1 and relay.view.cap_withdrawals == 2
+        assert c.lookup([chunk_key(0, 0)], namespace=NS) == [True]  # the pool uses chunk 0 again
+        assert c.put(chunk_key(5, 0), b"x", namespace=NS, meta=chunk_meta(5, 0))  # 3rd withdrawal: resync
+        want = _chunk_blocks(0) | _chunk_blocks(4) | _chunk_blocks(5)
+        wait_until(lambda: relay.source.stats.resyncs == 2 and credited() == want, what="the pool's recency back")
+        assert len(relay.view) == 3 and relay.view.blocks == want
+        assert [seq for seq, _, _ in down.got] == list(range(len(down.got)))
+    finally:
+        down.close()
+        c.close()
+        thread.stop([relay])
