@@ -16,7 +16,11 @@ on the same filled pool, with a fresh router and W fresh worker stand-ins per W:
   the region pages the service itself wrote: object metadata) and private (RssAnon);
 * resync of all W at once (as after a host restart): relay start -> Dynamo's router credits the
   last prompt at the host tier to every worker (`resync_all_s`); relay+publisher RSS (the
-  largest process, and what the relay added to it);
+  largest process, and what the relay added to it once synced), its peak during the resync,
+  once the router credits all, and once glibc's malloc was asked to return free memory
+  (`relay_rss_peak_mib`, `_settled_mib`, `_trimmed_mib`), the relay's own tables
+  (`relay_view_mib`) and the most bytes of batches that waited in the relay for Dynamo's
+  publisher (`relay_unsent_max_mib`);
 * router memory: the router process's RSS before and after it holds every pool block for W
   workers (per block and worker);
 * events: chunks/s from commit to router credit at every worker for `--live-chunks` new chunks,
@@ -24,7 +28,13 @@ on the same filled pool, with a fresh router and W fresh worker stand-ins per W:
 * lookup: p50/p99 of `KvRouter.get_overlap_scores` for random pool prompts (timed inside the
   router process), each checked to match every block at the host tier for every worker;
 * one relay restarted (its worker restarts) while the others run: start -> router credit
-  (`resync_s`), and the pool service's RSS at the end.
+  (`resync_s`), and the pool service's RSS at the end;
+* with `--announce-cap N`, that relay restarted once more announcing at most N chunks (the
+  pool's most recently used): its resync, RSS, and the share of random pool prompts the router
+  then credits to it in full (`capped_*`).
+
+The stand-ins' publishers run without Dynamo's worker-local KV indexer unless `--local-indexer`
+(dynamo.vllm turns it on by default; it holds every announced block in the worker too).
 
 `--memory` instead measures the service's RSS per object for the issue's two cases (50,000
 empty objects; 40,000 objects with ~2 KiB connector metadata), optionally against another
