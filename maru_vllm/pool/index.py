@@ -433,10 +433,11 @@ class PoolIndex:
             for units, pkey in enumerate(obj.parts, 1):
                 self.parts.setdefault((obj.ns, pkey), {})[oid] = (obj, units)
             self.objects[(obj.ns, obj.key)] = obj
-            if self.presence is not None:
-                self.presence.put(self.presence.fingerprints.of_object(obj.ns, obj.key))
-                for pkey in obj.parts:
-                    self._sync_presence_part(obj.ns, pkey)
+            if self.presence is not None:  # obj is now the newest holder of each of its parts
+                table = self.presence
+                table.put(table.fingerprints.of_object(obj.ns, obj.key))
+                for units, tag in enumerate(table.fingerprints.of_parts(obj.ns, obj.parts), 1):
+                    table.put(tag, write_units(units))
             self._order.append(obj)
             self._compact_order()
             self.lru[oid] = obj

@@ -86,6 +86,11 @@ class Fingerprints:
     def of_part(self, ns: str, key: bytes) -> int:
         return _tag(xxhash.xxh3_64_intdigest(key, self._seed(ns) ^ _PART_SALT))
 
+    def of_parts(self, ns: str, keys: Sequence[bytes]) -> list[int]:
+        seed = self._seed(ns) ^ _PART_SALT
+        digest = xxhash.xxh3_64_intdigest
+        return [(digest(k, seed) & TAG_MASK) or 1 << 8 for k in keys]
+
 
 def bucket_of(tag: int, buckets: int) -> int:
     """A tag's bucket: bits above the units byte (`buckets` is a power of two)."""
@@ -105,6 +110,7 @@ class PresenceTable:
             raise ValueError(f"presence table buckets must be a power of two, got {buckets}")
         self.offset = offset
         self.buckets = buckets
+        self._mask = buckets - 1
         self.fingerprints = Fingerprints()
         view[offset : offset + table_bytes(buckets)] = bytes(table_bytes(buckets))
         self._header = view[offset : offset + HEADER_SIZE]
@@ -121,28 +127,30 @@ class PresenceTable:
     def put(self, tag: int, units: int = 0) -> None:
         """Record `tag` (with `units`); replaces the units of a tag already there."""
         value = tag | (units & UNITS_MASK)
-        bucket = bucket_of(tag, self.buckets)
+        bucket = (tag >> 8) & self._mask
         base = bucket * SLOTS_PER_BUCKET
+        slots = self._slots
+        last = tag | UNITS_MASK
         free = -1
-        for i in range(base, base + SLOTS_PER_BUCKET):
-            slot = self._slots[i]
-            if slot & TAG_MASK == tag:
-                self._slots[i] = value
+        for j, slot in enumerate(slots[base : base + SLOTS_PER_BUCKET].tolist()):
+            if tag <= slot <= last:  # this tag, whatever its units
+                if slot != value:
+                    slots[base + j] = value
                 return
             if slot == 0 and free < 0:
-                free = i
+                free = j
         spill = self.spilled.get(bucket)
         if spill is not None and tag in spill:
             spill[tag] = units
             return
         self.entries += 1
         if free >= 0:
-            self._slots[free] = value
+            slots[base + free] = value
         else:
             self.spilled.setdefault(bucket, {})[tag] = units
 
     def discard(self, tag: int) -> None:
-        bucket = bucket_of(tag, self.buckets)
+        bucket = (tag >> 8) & self._mask
         spill = self.spilled.get(bucket)
         if spill is not None and spill.pop(tag, None) is not None:
             self.entries -= 1
@@ -150,16 +158,18 @@ class PresenceTable:
                 del self.spilled[bucket]
             return
         base = bucket * SLOTS_PER_BUCKET
-        for i in range(base, base + SLOTS_PER_BUCKET):
-            if self._slots[i] & TAG_MASK == tag:
+        slots = self._slots
+        last = tag | UNITS_MASK
+        for j, slot in enumerate(slots[base : base + SLOTS_PER_BUCKET].tolist()):
+            if tag <= slot <= last:
                 self.entries -= 1
                 if spill:
                     moved, units = spill.popitem()
                     if not spill:
                         del self.spilled[bucket]
-                    self._slots[i] = moved | units
+                    slots[base + j] = moved | units
                 else:
-                    self._slots[i] = 0
+                    slots[base + j] = 0
                 return
 
     def beat(self) -> None:
@@ -192,9 +202,10 @@ class PresenceReader:
     def _units(self, tag: int) -> int | None:
         """The units recorded for `tag`; -1 where it is certainly absent; None where unknown."""
         base = bucket_of(tag, self.buckets) * SLOTS_PER_BUCKET
+        last = tag | UNITS_MASK
         full = True
         for slot in self._slots[base : base + SLOTS_PER_BUCKET].tolist():
-            if slot & TAG_MASK == tag:
+            if tag <= slot <= last:
                 return slot & UNITS_MASK
             if slot == 0:
                 full = False
