@@ -37,11 +37,12 @@ from maru_vllm.pool.auth import check_token
 from maru_vllm.pool.connections import Conn, ConnectionSlots, peer_name
 from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.events import EventPublisher
-from maru_vllm.pool.index import DEFAULT_MAX_OBJECTS, DEFAULT_METADATA_BUDGET, MetaIO, Obj, PoolIndex, SessionLimits
+from maru_vllm.pool.index import DEFAULT_MAX_OBJECTS, DEFAULT_METADATA_BUDGET, PoolIndex
 from maru_vllm.pool.logthrottle import AuthThrottle, ThrottledLog
 from maru_vllm.pool.metrics import PoolMetrics
 from maru_vllm.pool.objects import key_digest, validate
 from maru_vllm.pool.presence import BEAT_S, PresenceTable, default_buckets, table_bytes
+from maru_vllm.pool.records import MetaIO, Obj, SessionLimits
 from maru_vllm.pool.region import PAGE_SIZE, Region
 
 logger = logging.getLogger(__name__)
