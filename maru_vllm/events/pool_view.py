@@ -11,7 +11,10 @@ has announced to Dynamo at the pool's tier, and the per-block changes that keep 
   may arrive in parts (`PoolSnapshot.part` / `.last`, one per pool page): each part is
   announced as it comes, the removals once the last part is in. A part 0 starts a new resync
   (one left unfinished is dropped; what it announced is withdrawn by the next one unless the
-  pool still has it). A `full` snapshot announces every block it holds again, once.
+  pool still has it). A `full` snapshot announces every block it holds again, once; a block
+  announced before is withdrawn right before its store again. Dynamo 1.6.1's publisher counts
+  the stores of each block and passes a removal on only when the count drops to zero, so a
+  repeated store alone would make the pool's later removal of that block never reach the router.
 
 A cap (`max_objects` N): the view counts at most N objects. A resync counts the first N objects
 its snapshot lists (the relay asks the pool for the N most recently used ones); a live store
@@ -323,6 +326,7 @@ class PoolView:
             rows = keys.reshape(n, nb)
             rs.order.update(zip(okeys.tolist(), (rows[i].tobytes() for i in range(n))))
         fresh = rs.blocks.add_many(keys) == 0  # first time this resync sees the block
+        again = self._withdrawn_before_store(keys, fresh) if rs.full else []
         if not rs.full:
             fresh &= self._blocks.counts_of(keys) == 0  # ... and not announced before it
         fresh = fresh.reshape(n, nb)
@@ -334,7 +338,7 @@ class PoolView:
         kind = np.where(fresh.all(axis=1), cols.has_parent.astype(np.int8), np.int8(2))
         kind[~fresh.any(axis=1)] = 3
         kind[orphan] = 2
-        out: list[Announcement | ChunkStores] = []
+        out: list[Announcement | ChunkStores] = list(again)
         bounds = np.flatnonzero(np.diff(kind)) + 1
         for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), n]):
             k = int(kind[lo])
@@ -352,6 +356,13 @@ class PoolView:
                     )
                     out.extend(self._held_back(rs, chunk, _runs(chunk, fresh[i].tolist())))
         return out
+
+    def _withdrawn_before_store(self, keys: np.ndarray, fresh: np.ndarray) -> list[Announcement]:
+        """A full resync's removal of the `fresh` blocks of `keys` announced before it, sent just
+        before their stores again: each block is then stored once more than it was removed, as
+        Dynamo's publisher counts them (see module docstring)."""
+        before = keys[fresh & (self._blocks.counts_of(keys) > 0)]
+        return [BlocksRemoved(tuple(self._external(k) for k in before.tolist()))] if len(before) else []
 
     def _held_back(self, rs: _Resync, c: PoolChunk, runs: list[BlocksStored]) -> list[Announcement]:
         """`runs` of chunk `c`, unless its parent is in no page seen so far: then they are held
@@ -387,9 +398,9 @@ class PoolView:
             bounds = np.cumsum([0, *sizes])
             rs.order.update((k, keys[bounds[i] : bounds[i + 1]].tobytes()) for i, (k, _) in enumerate(kept))
         fresh = rs.blocks.add_many(keys) == 0  # first time this resync sees the block
+        out: list[Announcement] = self._withdrawn_before_store(keys, fresh) if rs.full else []
         if not rs.full:
             fresh &= self._blocks.counts_of(keys) == 0  # ... and not announced before it
-        out: list[Announcement] = []
         fresh_list = fresh.tolist()
         i = 0
         for c, n in zip(chunks, sizes):

@@ -14,7 +14,10 @@
   effect. Pool batches are held only up to `max_held_pool_blocks`; past that they are dropped
   and the whole pool is announced once the subscriber joins (a full resync: the relay keeps no
   token ids to announce from). A subscriber that joins later gets every pool block again the
-  same way (stores are idempotent).
+  same way. A full resync withdraws each block it announces again right before its store:
+  Dynamo 1.6.1's publisher counts stores per block and passes a removal on only when the
+  count reaches zero, so a repeated store alone would keep the router crediting the block
+  after the pool removed it (`PoolView`).
 * The relay never blocks or fails the engine: sends are non-blocking, every error is logged
   and swallowed, and a NATS outage only pauses pool awareness.
 * An announce cap (`max_announced_chunks` N): the relay announces at most N pool objects, the
@@ -278,7 +281,8 @@ class KvEventRelay:
             self.subscribed.set()
 
     def _announce_everything(self) -> None:
-        """Announce every pool block again: a full resync from the pool (stores are idempotent)."""
+        """Announce every pool block again: a full resync from the pool (each block withdrawn and
+        stored again, see module docstring)."""
         if self.source is not None and (self.view.block_count or self.view.resyncing):
             self.stats.full_announcements += 1
             self.source.request_resync(full=True)
@@ -301,8 +305,8 @@ class KvEventRelay:
         A resync follows a NATS outage, a pool restart or a gap - moments when Dynamo's own
         event-plane client may still be reconnecting, and what our publisher hands it then is
         lost (seen with Dynamo 1.6.1: the router kept no credit for blocks announced in the
-        first second after NATS came back). Stores are idempotent for the router, so repeating
-        them costs only messages.
+        first second after NATS came back). Each block is withdrawn and stored again, so
+        repeating them costs only messages.
         """
         for timer in self._reannounce_timers:
             timer.cancel()

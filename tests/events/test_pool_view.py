@@ -110,8 +110,32 @@ def test_a_full_resync_announces_every_block_once() -> None:
     for o in (obj(1, 1), obj(1, 0), obj(1, 0, rank=1)):
         v.stored(o)
     out = v.resync(PoolSnapshot("p", "inc", 3, (obj(1, 1), obj(1, 0), obj(1, 0, rank=1)), full=True))
-    assert [a.block_hashes for a in out] == [(ext(1, 0), ext(1, 1)), (ext(1, 2), ext(1, 3))]
+    withdrawn, *stores = out  # what was announced before is withdrawn first (Dynamo counts stores)
+    assert isinstance(withdrawn, BlocksRemoved) and set(withdrawn.block_hashes) == {ext(1, b) for b in range(4)}
+    assert [a.block_hashes for a in stores] == [(ext(1, 0), ext(1, 1)), (ext(1, 2), ext(1, 3))]
     assert v.resync(PoolSnapshot("p", "inc", 3, (obj(1, 1), obj(1, 0), obj(1, 0, rank=1)))) == []
+
+
+def test_every_block_is_stored_at_most_once_more_than_it_is_removed() -> None:
+    """Dynamo 1.6.1's publisher counts each block's stores and passes a removal on to the router
+    only once as many removals came: after any number of full re-announcements, the pool's
+    removal of a chunk must still withdraw it (stores - removals per block: 1 while held, 0 after)."""
+    v = view()
+    balance: dict[object, int] = {}
+
+    def send(announcements) -> None:
+        for a in announcements:
+            for h in a.block_hashes:
+                balance[h] = balance.get(h, 0) + (-1 if isinstance(a, BlocksRemoved) else 1)
+                assert balance[h] in (0, 1), (h, balance[h])
+
+    held = (obj(1, 0), obj(1, 1), obj(2, 0))
+    for o in held:
+        send(v.stored(o))
+    for _ in range(3):  # e.g. the re-announcements after a resync, a late subscriber
+        send(v.resync(PoolSnapshot("p", "inc", 3, held, full=True)))
+    send(v.removed(obj(1, 1)))
+    assert {h for h, n in balance.items() if n} == {ext(1, 0), ext(1, 1), ext(2, 0), ext(2, 1)} == v.blocks
 
 
 def test_the_view_keeps_block_keys_not_tokens() -> None:
