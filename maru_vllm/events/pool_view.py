@@ -18,11 +18,12 @@ has announced to Dynamo at the pool's tier, and the per-block changes that keep 
 
 A cap (`max_objects` N): the view counts at most N objects. A resync counts the first N objects
 its snapshot lists (the relay asks the pool for the N most recently used ones); a live store
-past N withdraws the object stored or synced longest ago (its blocks that no other counted
+past N withdraws the least recently used counted object (`announced_order`: a store also
+counts as use of the chain of objects it is chained on; its blocks that no other counted
 object holds are announced as removed), and a later pool removal of a withdrawn object
 announces nothing. So the router is credited with at most N objects' blocks, and what the
 relay and the router hold grows with N, not with the pool. For the withdrawals the view keeps
-each counted object's block keys (8 B per block, ~150 B per object in all).
+each counted object's block keys (8 B per block, ~200 B per object in all).
 
 Memory: the view keeps what a removal needs and nothing else - a counted set of block keys (the
 64-bit values Dynamo sees) and a set of object-id digests, ~30 B per block in `CountedKeys`
@@ -38,7 +39,6 @@ Not thread-safe: the relay drives it from one event loop.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
@@ -47,6 +47,7 @@ import numpy as np
 import xxhash
 
 from maru_vllm.events import vllm_format as vf
+from maru_vllm.events.announced_order import AnnouncedOrder
 from maru_vllm.events.block_table import CountedKeys, key_of
 from maru_vllm.events.packed_chunks import ChunkColumns, ChunkStores
 from maru_vllm.events.types import (
@@ -126,8 +127,7 @@ class _Resync:
     blocks: CountedKeys
     objects: CountedKeys
     deferred: list[tuple[int, BlocksStored]] = dataclasses.field(default_factory=list)
-    # with a cap: each counted object's block keys, in the order counted
-    order: collections.OrderedDict[int, bytes] = dataclasses.field(default_factory=collections.OrderedDict)
+    order: AnnouncedOrder = dataclasses.field(default_factory=AnnouncedOrder)  # with a cap
 
 
 class PoolView:
@@ -146,7 +146,7 @@ class PoolView:
             raise ValueError(f"max_objects={max_objects}: must be >= 1 (or None: no cap)")
         self.max_objects = max_objects
         self.cap_withdrawals = 0  # objects withdrawn to stay within the cap since the last resync
-        self._order: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # with a cap
+        self._order = AnnouncedOrder()  # with a cap: counted objects in use order
         self.namespaces = namespaces
         self.block_size = block_size
         self.int_hashes = vf.int_block_hashes() if int_hashes is None else int_hashes
@@ -225,17 +225,19 @@ class PoolView:
         fresh = [self._blocks.add(k) == 0 for k in keys]
         out: list[Announcement] = list(_runs(chunk, fresh))
         if self.max_objects is not None:
-            self._order[okey] = np.asarray(keys, dtype=np.uint64).tobytes()
+            parent = 0 if chunk.parent_block_hash is None else _block_key(chunk.parent_block_hash)
+            self._order.touch_chain(parent)  # the prefix this store is chained on was just used
+            self._order.add(okey, parent, np.asarray(keys, dtype=np.uint64))
             while len(self._order) > self.max_objects:
                 out.extend(self._withdraw_oldest())
         return out
 
     def _withdraw_oldest(self) -> list[Announcement]:
-        """Uncount the object counted longest ago (the cap); the removal of its last-held blocks."""
-        okey, packed = self._order.popitem(last=False)
+        """Uncount the least recently used object (the cap); the removal of its last-held blocks."""
+        okey, blocks = self._order.pop_oldest()
         self._objects.remove(okey)
         self.cap_withdrawals += 1
-        gone = [k for k in np.frombuffer(packed, dtype=np.uint64).tolist() if self._blocks.remove(k) == 0]
+        gone = [k for k in blocks.tolist() if self._blocks.remove(k) == 0]
         removed = tuple(self._external(k) for k in gone)
         for k in gone:
             self._raw.pop(k, None)
@@ -246,7 +248,7 @@ class PoolView:
         okey = object_key(obj.oid)
         if self._objects.remove(okey) < 0:
             return []  # never counted, or withdrawn for the cap already
-        self._order.pop(okey, None)
+        self._order.discard(okey)
         chunk = self.chunk_of(obj)
         if chunk is None:  # cannot happen for an object we counted (its metadata does not change)
             return []
@@ -324,7 +326,9 @@ class PoolView:
         keys[keys == 0] = 1  # block_table.key_of
         if self.max_objects is not None:
             rows = keys.reshape(n, nb)
-            rs.order.update(zip(okeys.tolist(), (rows[i].tobytes() for i in range(n))))
+            parents = np.where(cols.has_parent, np.where(cols.parent == 0, 1, cols.parent), 0).tolist()
+            for i, k in enumerate(okeys.tolist()):
+                rs.order.add(k, parents[i], rows[i])
         fresh = rs.blocks.add_many(keys) == 0  # first time this resync sees the block
         again = self._withdrawn_before_store(keys, fresh) if rs.full else []
         if not rs.full:
@@ -396,7 +400,9 @@ class PoolView:
         keys = np.fromiter((_block_key(h) for c in chunks for h in c.block_hashes), dtype=np.uint64, count=sum(sizes))
         if self.max_objects is not None:
             bounds = np.cumsum([0, *sizes])
-            rs.order.update((k, keys[bounds[i] : bounds[i + 1]].tobytes()) for i, (k, _) in enumerate(kept))
+            for i, (k, c) in enumerate(kept):
+                parent = 0 if c.parent_block_hash is None else _block_key(c.parent_block_hash)
+                rs.order.add(k, parent, keys[bounds[i] : bounds[i + 1]])
         fresh = rs.blocks.add_many(keys) == 0  # first time this resync sees the block
         out: list[Announcement] = self._withdrawn_before_store(keys, fresh) if rs.full else []
         if not rs.full:

@@ -22,9 +22,10 @@
   and swallowed, and a NATS outage only pauses pool awareness.
 * An announce cap (`max_announced_chunks` N): the relay announces at most N pool objects, the
   N most recently used when it resyncs (the pool serves those, `PoolSourceConfig.snapshot_recent`)
-  and the newest stores after that, withdrawing the oldest counted object for each store past
-  N (`PoolView`). Reads do not reach the relay, so once N objects were withdrawn it resyncs
-  again, which brings back what the pool has used most recently. What a resync costs and what
+  and the newest stores after that, withdrawing the least recently used counted object for
+  each store past N (`PoolView`; a store counts as use of the prefix it is chained on). Other
+  reads do not reach the relay, so once N objects were withdrawn it resyncs again, which
+  brings back what the pool has used most recently. What a resync costs and what
   the router holds then grow with N, not with the pool.
 * Flow control (`downstream.DownstreamPipe`): the pipe to Dynamo's publisher holds at most
   `downstream_hwm` batches; what it refuses waits in the relay, in order, up to

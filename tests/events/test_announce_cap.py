@@ -77,6 +77,18 @@ def test_live_stores_past_the_cap_withdraw_the_oldest_and_pool_removals_stay_exa
     assert router.blocks == _chunk_blocks(2) | _chunk_blocks(4) | _chunk_blocks(5) and v.cap_withdrawals == 2
 
 
+def test_a_store_chained_on_a_prefix_keeps_that_prefix_announced() -> None:
+    """A chunk stored on top of a prompt's earlier chunks means those were just used: the cap
+    withdraws another chunk, not the prefix the router needs to credit the new one at all."""
+    v, router = _view(3), Credit()
+    for o in (_obj(1, 0), _obj(2), _obj(3)):  # the prompt's first chunk is the oldest
+        router.apply(v.stored(o))
+    router.apply(v.stored(_obj(1, 1)))  # its second chunk, chained on the first
+    assert router.blocks == _chunk_blocks(1, 0) | _chunk_blocks(1, 1) | _chunk_blocks(3)
+    router.apply(v.stored(_obj(4)))  # unrelated: the least recently used goes (chunk 3)
+    assert router.blocks == _chunk_blocks(1, 0) | _chunk_blocks(1, 1) | _chunk_blocks(4)
+
+
 def test_a_withdrawn_tp_rank_keeps_the_blocks_its_other_rank_holds() -> None:
     v, router = _view(2), Credit()
     router.apply(v.stored(_obj(1, rank=0)))
