@@ -9,6 +9,7 @@ events at medium `CPU_PINNED` (Dynamo's host tier, weighted by the frontend's
 * `types`       - typed pool events/snapshots/chunk metadata and the announcements made from them
 * `vllm_format` - vLLM's KVEventBatch msgpack and ZMQ frames, with vLLM's own classes
 * `pool_view`   - the per-worker set of announced pool chunks; diffs against snapshots
+* `announced_order` - with an announce cap: the announced chunks in use order
 * `nats_source` - the pool's NATS events, gap/restart/outage detection and snapshot resync
 * `relay`       - ZMQ in (vLLM) + pool events -> one sequenced ZMQ stream out (to Dynamo)
 * `downstream`  - the relay's flow-controlled, gap-free sends to Dynamo's publisher
