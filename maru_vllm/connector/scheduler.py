@@ -35,6 +35,7 @@ from vllm.logger import init_logger
 from maru_vllm.connector.chunks import ChunkGeometry, chunk_key, hash_bytes
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_interface import ConnectorPool
+from maru_vllm.connector.scheduled import scheduled_requests
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -148,29 +149,21 @@ class MaruSchedulerSide:
             preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
-        for new_req in scheduler_output.scheduled_new_reqs:
-            st = self.requests.get(new_req.req_id)
+        for sched in scheduled_requests(scheduler_output):
+            st = self.requests.get(sched.req_id)
             if st is None:
                 continue
-            st.block_ids = list(new_req.block_ids[0])
-            self._plan(st, new_req.num_computed_tokens, scheduler_output.num_scheduled_tokens[new_req.req_id], meta)
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            st = self.requests.get(req_id)
-            if st is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            num_computed = cached.num_computed_tokens[i]
-            if req_id in cached.resumed_req_ids:
-                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            if sched.replaces:
+                table = sched.whole_table()
+                st.block_ids = table[0] if table else []
             else:
-                if new_ids is not None:
-                    st.block_ids.extend(new_ids[0])
-                if num_computed < st.expected_computed:
+                if sched.block_ids is not None:
+                    st.block_ids.extend(sched.block_ids[0])
+                if sched.num_computed < st.expected_computed:
                     # vLLM rolled the request back (a failed load is recomputed): the chunks from
                     # there on were not (validly) in the pool, so store them again once recomputed.
-                    st.next_store_chunk = min(st.next_store_chunk, num_computed // self.geometry.chunk_tokens)
-            self._plan(st, cached.num_computed_tokens[i], scheduler_output.num_scheduled_tokens[req_id], meta)
+                    st.next_store_chunk = min(st.next_store_chunk, sched.num_computed // self.geometry.chunk_tokens)
+            self._plan(st, sched.num_computed, sched.num_scheduled, meta)
         # Announced only once a plan was built: a request the worker never hears of would keep
         # its blocks forever.
         meta.held_for_stores, self.held_for_stores = self.held_for_stores, set()

@@ -35,6 +35,7 @@ from maru_vllm.connector.chunks import ChunkGeometry
 from maru_vllm.connector.kv_groups import FULL, NULL_BLOCK_ID, KVGroup
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_interface import ConnectorPool
+from maru_vllm.connector.scheduled import scheduled_requests
 from maru_vllm.connector.scheduler import MaruSchedulerSide, RequestState
 
 if TYPE_CHECKING:
@@ -154,36 +155,24 @@ class GroupedSchedulerSide(MaruSchedulerSide):
             else:
                 self.awaiting_load.add(req_id)
         scheduled: list[tuple[RequestState, int, int]] = []
-        for new_req in scheduler_output.scheduled_new_reqs:
-            st = self.requests.get(new_req.req_id)
+        for sched in scheduled_requests(scheduler_output):
+            st = self.requests.get(sched.req_id)
             if st is None:
                 continue
-            ids = [list(group_ids) for group_ids in new_req.block_ids]
-            self._set_block_ids(st, ids)
-            for group_ids in ids:
-                allocated.update(group_ids)
-            scheduled.append((st, new_req.num_computed_tokens, scheduler_output.num_scheduled_tokens[new_req.req_id]))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            st = self.requests.get(req_id)
-            if st is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            num_computed = cached.num_computed_tokens[i]
-            if new_ids is not None:
-                for group_ids in new_ids:
+            if sched.block_ids is not None:
+                for group_ids in sched.block_ids:
                     allocated.update(group_ids)
-            if req_id in cached.resumed_req_ids:
-                self._set_block_ids(st, [list(group_ids) for group_ids in new_ids] if new_ids is not None else [])
+            if sched.replaces:
+                self._set_block_ids(st, sched.whole_table())
             else:
-                if new_ids is not None:
-                    ids = self.group_block_ids.setdefault(req_id, [[] for _ in self.groups])
-                    for known, more in zip(ids, new_ids):
+                if sched.block_ids is not None:
+                    ids = self.group_block_ids.setdefault(sched.req_id, [[] for _ in self.groups])
+                    for known, more in zip(ids, sched.block_ids):
                         known.extend(more)
                     self._set_block_ids(st, ids)
-                if num_computed < st.expected_computed:
-                    st.next_store_chunk = min(st.next_store_chunk, num_computed // self.geometry.chunk_tokens)
-            scheduled.append((st, num_computed, scheduler_output.num_scheduled_tokens[req_id]))
+                if sched.num_computed < st.expected_computed:
+                    st.next_store_chunk = min(st.next_store_chunk, sched.num_computed // self.geometry.chunk_tokens)
+            scheduled.append((st, sched.num_computed, sched.num_scheduled))
         # Copies that may still read a block vLLM handed out again: finished before any write.
         for block_id in allocated & self.window_store_blocks.keys():
             meta.flush_req_ids |= self.window_store_blocks.pop(block_id)
