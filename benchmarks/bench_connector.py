@@ -48,9 +48,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
+from lmcache_peer import start_lmcache_server  # noqa: E402
 from maru_vllm.calibration import Calibration, write_calibration  # noqa: E402
 from maru_vllm.launch import (  # noqa: E402
-    ManagedProcess,
     ProcessGroup,
     free_port,
     stack,
@@ -131,46 +131,9 @@ class Engines:
             ("maru-B", CORE_B, maru),
         ]
         if lmcache:
-            port, http_port = free_port(), free_port()
-            server = group.start(
-                ManagedProcess(
-                    "lmcache-server",
-                    [
-                        sys.executable,
-                        "-m",
-                        "lmcache.v1.multiprocess.http_server",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--http-host",
-                        "127.0.0.1",
-                        "--http-port",
-                        str(http_port),
-                        "--chunk-size",
-                        "256",
-                        "--l1-size-gb",
-                        str(pool_gb),
-                        "--max-workers",
-                        "1",
-                        "--eviction-policy",
-                        "LRU",
-                        "--disable-metrics",
-                        "--supported-transfer-mode",
-                        "engine_driven",
-                        "--shm-name",
-                        f"maru-bench-lmc-{port}",
-                    ],
-                    log_path=self.logs / "lmcache-server.log",
-                    cpus=(CORE_A,),
-                )
-            )
-            server.wait_for_http(f"http://127.0.0.1:{http_port}/", timeout=180)
-            lmc = {
-                "kv_connector": "LMCacheMPConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port},
-            }
+            lmc = start_lmcache_server(
+                group, self.logs / "lmcache-server.log", chunk_tokens=256, l1_gb=pool_gb, cpus=(CORE_A,)
+            ).kv_transfer_config
             configs += [("lmc-A", CORE_A, lmc), ("lmc-B", CORE_B, lmc)]
         for name, core, kv in configs:
             env = stack.StackEnv(discovery_dir=work / "disc").build(cpu_thread=core, **(extra_env or {}))

@@ -8,7 +8,9 @@ workers pinned one core each, Dynamo's frontend), back to back, the order rotate
 * ``plain-kv``    - plain ``dynamo.vllm`` workers behind Dynamo's KV router: what a Dynamo user runs;
 * ``maru-rr``     - Maru workers (pool loads), round-robin;
 * ``maru-kv-gpu`` - Maru workers, KV router on device events only (``--no-maru-pool-events``);
-* ``maru-pool``   - Maru workers announcing the pool's blocks, KV router crediting them at the host tier.
+* ``maru-pool``   - Maru workers announcing the pool's blocks, KV router crediting them at the host tier;
+* ``lmcache-kv``  - plain ``dynamo.vllm`` workers sharing one LMCache multiprocess server (vLLM's
+  ``LMCacheMPConnector``, `lmcache_peer`), KV router on their device events: the peer.
 
 Load: AIPerf 0.13 (``aiperf profile``, its own venv from ``make aiperf``) replays a
 Mooncake-format trace with ``--fixed-schedule`` on the frontend's streaming completions endpoint,
@@ -54,6 +56,7 @@ for p in (REPO, REPO / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from lmcache_peer import start_lmcache_server  # noqa: E402
 from maru_vllm.calibration import write_calibration  # noqa: E402
 from real_traffic_whatif import COUNTERPART, cache_config, calibration_from_runs, side_by_side, whatif_rows  # noqa: E402
 from traffic_load import (  # noqa: E402
@@ -85,11 +88,14 @@ class Config:
     router_mode: str
     pool_events: bool = True
     description: str = ""
+    lmcache: bool = False  # plain workers with LMCache's multiprocess server as their shared cache
 
-    def graph(self, model: str, workers: int) -> dict[str, object]:
+    def graph(self, model: str, workers: int, kv_transfer: dict[str, object] | None = None) -> dict[str, object]:
         args: list[str] = ["--max-model-len", str(MAX_MODEL_LEN)]
         if self.engine == "maru" and not self.pool_events:
             args.append("--no-maru-pool-events")
+        if kv_transfer is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer)]
         return {
             "name": f"traffic-{self.name}",
             "model": model,
@@ -105,6 +111,7 @@ CONFIGS: tuple[Config, ...] = (
     Config("maru-rr", "maru", "round-robin", description="Maru workers, round-robin"),
     Config("maru-kv-gpu", "maru", "kv", False, "Maru workers, KV router on device events only"),
     Config("maru-pool", "maru", "kv", True, "Maru workers, pool-aware KV router"),
+    Config("lmcache-kv", "vllm", "kv", description="plain dynamo.vllm + LMCache MP server, KV router", lmcache=True),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -242,12 +249,22 @@ def run_config(
     from maru_vllm.launch import ProcessGroup
     from maru_vllm.launch.engine_metrics import read_counters
 
-    spec = parse_graph(cfg.graph(model, workers), f"<{cfg.name}>")
     gdir = Path(tempfile.mkdtemp(prefix=f"maru-traffic-{cfg.name}-", dir=work_dir))
-    plan, varz = with_nats_monitoring(graph_run.build_plan(spec, model=model, work_dir=gdir))
     group = ProcessGroup()
-    supervisor = graph_run.supervise(plan, group, out=log)
     t0 = time.monotonic()
+    lmcache = None
+    if cfg.lmcache:
+        try:
+            lmcache = start_lmcache_server(group, gdir / "lmcache-server.log", chunk_tokens=CHUNK_TOKENS, l1_gb=1)
+        except BaseException:
+            log(f"[{cfg.name}] LMCache server did not start; its log: {gdir / 'lmcache-server.log'}")
+            group.stop_all()
+            raise
+    spec = parse_graph(
+        cfg.graph(model, workers, lmcache.kv_transfer_config if lmcache is not None else None), f"<{cfg.name}>"
+    )
+    plan, varz = with_nats_monitoring(graph_run.build_plan(spec, model=model, work_dir=gdir))
+    supervisor = graph_run.supervise(plan, group, out=log)
     try:
         graph_run.start_graph(plan, group, supervisor=supervisor)
         procs = {p.name: p for p in group.processes}
@@ -327,8 +344,11 @@ def run_config(
         raise
     finally:
         graph_run.stop_graph(group, supervisor=supervisor)
+        group.stop_all()
         if plan.pool_region is not None:
             plan.pool_region.unlink(missing_ok=True)
+        if lmcache is not None:
+            lmcache.remove_shared_memory()
 
 
 # -- aggregation and report ------------------------------------------------------------------------
