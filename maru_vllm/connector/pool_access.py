@@ -87,6 +87,9 @@ class PoolAccess(ConnectorPool):
     def lookup_prefix(self, keys: Sequence[bytes], namespace: str) -> int:
         return self._contained(self._client.lookup_prefix, keys, namespace) or 0
 
+    def distrust_lookups(self, seconds: float) -> None:
+        self._client.ask_service_for(seconds)
+
     def lookup_parts(self, keys: Sequence[bytes], namespace: str) -> list[int]:
         return self._contained(self._client.lookup_parts, keys, namespace) or []
 

@@ -57,6 +57,12 @@ class ConnectorPool(ABC):
             one count per key; an empty list when the pool cannot be asked.
         """
 
+    @abstractmethod
+    def distrust_lookups(self, seconds: float) -> None:
+        """A load that the lookups promised failed: for `seconds`, ask the pool service itself
+        instead of the pool's presence table (whose heartbeat may still vouch for a service that
+        hangs), so a pool outage reaches the scheduler's own link."""
+
     # -- worker side: loads ---------------------------------------------------------------------
     @abstractmethod
     def acquire(

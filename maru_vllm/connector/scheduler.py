@@ -44,6 +44,12 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+# After a failed load, how long the scheduler's lookups ask the pool service instead of the
+# presence table: long enough for a hung service to miss one lookup deadline (which marks the pool
+# down for the scheduler too), short enough that an object evicted between lookup and load costs
+# little.
+DISTRUST_AFTER_FAILED_LOAD_S = 1.0
+
 
 @dataclasses.dataclass
 class RequestState:
@@ -161,8 +167,10 @@ class MaruSchedulerSide:
                     st.block_ids.extend(sched.block_ids[0])
                 if sched.num_computed < st.expected_computed:
                     # vLLM rolled the request back (a failed load is recomputed): the chunks from
-                    # there on were not (validly) in the pool, so store them again once recomputed.
+                    # there on were not (validly) in the pool, so store them again once recomputed,
+                    # and let the next lookups ask the pool service itself.
                     st.next_store_chunk = min(st.next_store_chunk, sched.num_computed // self.geometry.chunk_tokens)
+                    self.pool.distrust_lookups(DISTRUST_AFTER_FAILED_LOAD_S)
             self._plan(st, sched.num_computed, sched.num_scheduled, meta)
         # Announced only once a plan was built: a request the worker never hears of would keep
         # its blocks forever.

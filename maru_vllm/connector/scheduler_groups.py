@@ -36,7 +36,7 @@ from maru_vllm.connector.kv_groups import FULL, NULL_BLOCK_ID, KVGroup
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.connector.scheduled import scheduled_requests
-from maru_vllm.connector.scheduler import MaruSchedulerSide, RequestState
+from maru_vllm.connector.scheduler import DISTRUST_AFTER_FAILED_LOAD_S, MaruSchedulerSide, RequestState
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -82,6 +82,7 @@ class GroupedSchedulerSide(MaruSchedulerSide):
         if req_id in self.awaiting_load:  # asked again: the load failed and vLLM recomputes
             self.awaiting_load.discard(req_id)
             self.no_pool_loads.add(req_id)
+            self.pool.distrust_lookups(DISTRUST_AFTER_FAILED_LOAD_S)
         if not self.can_load or req_id in self.no_pool_loads:
             return 0, False
         g = self.geometry

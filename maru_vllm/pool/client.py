@@ -20,6 +20,7 @@ carry a valid checksum.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -139,10 +140,18 @@ class PoolClient(PoolConnection):
         self.local_lookups = local_lookups
         self.lookups_local = 0  # lookups answered from the presence table
         self.lookups_asked = 0  # lookups that went to the service
+        self._table_after = 0.0  # monotonic time before which lookups ask the service
+
+    def ask_service_for(self, seconds: float) -> None:
+        """Send lookups to the service, not the presence table, for the next `seconds`."""
+        self._table_after = max(self._table_after, time.monotonic() + seconds)
 
     def _table(self) -> PresenceReader | None:
-        """The presence table when lookups may use it: asked for, connected, pool not marked down."""
+        """The presence table when lookups may use it: asked for, connected, pool not marked down,
+        not told to ask the service (`ask_service_for`)."""
         if not self.local_lookups or self._sock is None or self.marked_down:
+            return None
+        if self._table_after and time.monotonic() < self._table_after:
             return None
         return self.presence
 

@@ -85,6 +85,12 @@ def test_requests_are_served_while_the_pool_hangs_and_pool_caching_resumes_after
         os.kill(pool.proc.pid, signal.SIGCONT)
     for out in during + batch:
         assert out["usage"]["completion_tokens"] == 8
+    # The first request may be granted its hit from the pool's presence table, whose heartbeat
+    # vouches for a hung service for up to 2 s: its load then misses the deadline and vLLM
+    # recomputes the prompt (vLLM's usage still counts the granted tokens as cached). From then on
+    # the pool is down for the whole engine: every request misses at once and is recomputed.
+    assert cached_tokens(during[0]) in (0, 2 * CHUNK)
+    for out in during[1:] + batch:
         assert cached_tokens(out) == 0  # served without the pool, recomputed
     for out in (during[0], during[2], batch[0], batch[3]):
         assert same_answer(out, cold)

@@ -133,6 +133,17 @@ def test_client_lookups_need_no_round_trip_and_stop_when_the_pool_dies(pool_fact
             reader.lookup_prefix(keys, "ns")
 
 
+def test_told_to_ask_the_service_lookups_skip_the_table_until_the_time_is_up(pool_factory):
+    p = pool_factory()
+    with PoolClient.connect(p.address, local_lookups=True) as c:
+        assert c.put(b"k" * 16, b"v" * 100, "ns")
+        assert c.lookup_prefix([b"k" * 16], "ns") == 1 and (c.lookups_local, c.lookups_asked) == (1, 0)
+        c.ask_service_for(30)
+        assert c.lookup_prefix([b"k" * 16], "ns") == 1 and (c.lookups_local, c.lookups_asked) == (1, 1)
+        c.ask_service_for(0)  # never shortens a pause already asked for
+        assert c.lookup_parts([b"none"], "ns") == [0] and c.lookups_asked == 2
+
+
 def test_pool_without_a_table_answers_every_lookup_itself(pool_factory):
     p = pool_factory(extra=["--presence-buckets", "0"])
     with PoolClient.connect(p.address, local_lookups=True) as c:
