@@ -51,7 +51,7 @@ def test_pool_aware_routing_computes_no_more_than_plain_dynamo_and_loses_nothing
             "--prefix-ratio",
             "0.75",
             "--configs",
-            "plain-kv,maru-pool",
+            "plain-kv,maru-pool,lmcache-kv",
             "--json",
             str(out),
         ]
@@ -60,11 +60,14 @@ def test_pool_aware_routing_computes_no_more_than_plain_dynamo_and_loses_nothing
     doc = json.loads(out.read_text())
     assert doc["requests"] == REQUESTS
     by = {r["config"]: r for r in doc["results"]}
-    assert set(by) == {"plain-kv", "maru-pool"}
+    assert set(by) == {"plain-kv", "maru-pool", "lmcache-kv"}
     for r in by.values():
         assert (r["completed"], r["failed"]) == (REQUESTS, 0), r
         assert r["workers"] == 2
     assert by["plain-kv"]["pool_loaded_tokens"] == 0  # plain dynamo.vllm workers have no pool
+    # the peer (plain workers sharing an LMCache server) served every request, and its server
+    # left no shared memory behind
+    assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith("maru-bench-lmc-")]
     assert by["maru-pool"]["prefill_tokens"] <= by["plain-kv"]["prefill_tokens"], by
     # Every request's prompt is either computed or cached; at least the shared prefixes are reused.
     assert by["maru-pool"]["prefill_tokens"] < REQUESTS * 768
