@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -45,6 +45,8 @@ from maru_vllm.pool.objects import (
 from maru_vllm.pool.presence import PresenceReader
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -160,26 +162,30 @@ class PoolClient(PoolConnection):
         return self._call("lookup", {"keys": _keys(keys), "ns": _ns(namespace)})
 
     def lookup_prefix(self, keys: Sequence[bytes], namespace: str = "default") -> int:
-        table = self._table()
-        if table is not None:
-            found = table.lookup_prefix(_ns(namespace), _keys(keys))
-            if found is not None:
-                self.lookups_local += 1
-                return found
-        self.lookups_asked += 1
-        return self._call("lookup_prefix", {"keys": _keys(keys), "ns": _ns(namespace)})
+        return self._lookup("lookup_prefix", PresenceReader.lookup_prefix, keys, namespace)
 
     def lookup_parts(self, keys: Sequence[bytes], namespace: str = "default") -> list[int]:
         """For each part key (see `commit`), how many leading units of a committed object it
         names; 0 where no object names it."""
+        return self._lookup("lookup_parts", PresenceReader.lookup_parts, keys, namespace)
+
+    def _lookup(
+        self,
+        op: str,
+        read: Callable[[PresenceReader, str, list[bytes]], T | None],
+        keys: Sequence[bytes],
+        namespace: str,
+    ) -> T:
+        """`read` the presence table where lookups may use it and it can tell; else ask the service `op`."""
+        ns, checked = _ns(namespace), _keys(keys)
         table = self._table()
         if table is not None:
-            found = table.lookup_parts(_ns(namespace), _keys(keys))
+            found = read(table, ns, checked)
             if found is not None:
                 self.lookups_local += 1
                 return found
         self.lookups_asked += 1
-        return self._call("lookup_parts", {"keys": _keys(keys), "ns": _ns(namespace)})
+        return cast(T, self._call(op, {"keys": checked, "ns": ns}))
 
     def reserve(self, items: Sequence[tuple[bytes, int]], namespace: str = "default") -> list[Reservation | None]:
         clean = []
