@@ -584,17 +584,9 @@ def run_workers(
         )
 
         # one relay restarts (its worker restarts) while the others keep running
-        workers[0].stop()
-        again = Worker(stack, args, f"worker-{tag}-restart.log")
-        workers[0] = again
-        again.wait_serving()
-        time.sleep(1.0)
-        cpu0 = (cpu_s(stack.pool.pid), cpu_s(router.proc.pid))
-        again.send("go")
-        s = again.wait_synced(args.timeout)
-        credited = router.wait_credit(work.prompt_tokens(prompts - 1), full, {again.worker_id}, args.timeout)
-        res["resync_cpu_service_s"] = cpu_s(stack.pool.pid) - cpu0[0]
-        res["resync_cpu_router_s"] = cpu_s(router.proc.pid) - cpu0[1]
+        again, s, credited, (res["resync_cpu_service_s"], res["resync_cpu_router_s"]) = restart_relay(
+            args, stack, router, work, prompts, workers, f"worker-{tag}-restart.log"
+        )
         res["resync_cpu_relay_s"] = s["cpu_s"]
         m = again.memory()
         res["restart_rss_synced_mib"], res["restart_rss_peak_mib"] = s["rss"] / MiB, m["peak"] / MiB
@@ -622,6 +614,32 @@ def run_workers(
     return res, prompts
 
 
+def restart_relay(
+    args: argparse.Namespace,
+    stack: Stack,
+    router: Router,
+    work: Workload,
+    prompts: int,
+    workers: list[Worker],
+    log: str,
+    announce_cap: int | None = None,
+) -> tuple[Worker, dict[str, Any], float, tuple[float, float]]:
+    """Worker 0 restarts (its relay resyncs) while the others keep running: the new worker, its
+    sync report, when the router credited it the last prompt committed in full, and the pool's
+    and the router's CPU seconds meanwhile."""
+    full = args.chunks_per_prompt * work.geometry.blocks_per_chunk
+    workers[0].stop()
+    again = Worker(stack, args, log, announce_cap=announce_cap)
+    workers[0] = again
+    again.wait_serving()
+    time.sleep(1.0)
+    cpu0 = (cpu_s(stack.pool.pid), cpu_s(router.proc.pid))
+    again.send("go")
+    s = again.wait_synced(args.timeout)
+    credited = router.wait_credit(work.prompt_tokens(prompts - 1), full, {again.worker_id}, args.timeout)
+    return again, s, credited, (cpu_s(stack.pool.pid) - cpu0[0], cpu_s(router.proc.pid) - cpu0[1])
+
+
 def run_capped_restart(
     args: argparse.Namespace,
     stack: Stack,
@@ -637,16 +655,10 @@ def run_capped_restart(
     then credits to it in full."""
     cap = args.announce_cap
     full = args.chunks_per_prompt * work.geometry.blocks_per_chunk
-    workers[0].stop()
-    capped = Worker(stack, args, f"worker-{tag}-capped.log", announce_cap=cap)
-    workers[0] = capped
-    capped.wait_serving()
-    time.sleep(1.0)
-    cpu0 = (cpu_s(stack.pool.pid), cpu_s(router.proc.pid))
-    capped.send("go")
-    s = capped.wait_synced(args.timeout)
     # the last prompt committed is among the most recently used: credited once the resync is through
-    credited = router.wait_credit(work.prompt_tokens(prompts - 1), full, {capped.worker_id}, args.timeout)
+    capped, s, credited, (cpu_service, cpu_router) = restart_relay(
+        args, stack, router, work, prompts, workers, f"worker-{tag}-capped.log", announce_cap=cap
+    )
     m = capped.memory()
     res.update(
         announce_cap=cap,
@@ -654,8 +666,8 @@ def run_capped_restart(
         capped_resync_s=credited - s["relay_start"],
         capped_resync_relay_s=s["synced"] - s["relay_start"],
         capped_cpu_relay_s=s["cpu_s"],
-        capped_cpu_service_s=cpu_s(stack.pool.pid) - cpu0[0],
-        capped_cpu_router_s=cpu_s(router.proc.pid) - cpu0[1],
+        capped_cpu_service_s=cpu_service,
+        capped_cpu_router_s=cpu_router,
         capped_rss_delta_mib=(s["rss"] - s["rss_before"]) / MiB,
         capped_rss_peak_mib=m["peak"] / MiB,
         capped_view_mib=s["view_bytes"] / MiB,
