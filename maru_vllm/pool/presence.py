@@ -89,7 +89,7 @@ class Fingerprints:
     def of_parts(self, ns: str, keys: Sequence[bytes]) -> list[int]:
         seed = self._seed(ns) ^ _PART_SALT
         digest = xxhash.xxh3_64_intdigest
-        return [(digest(k, seed) & TAG_MASK) or 1 << 8 for k in keys]
+        return [_tag(digest(k, seed)) for k in keys]
 
 
 def bucket_of(tag: int, buckets: int) -> int:
@@ -110,7 +110,6 @@ class PresenceTable:
             raise ValueError(f"presence table buckets must be a power of two, got {buckets}")
         self.offset = offset
         self.buckets = buckets
-        self._mask = buckets - 1
         self.fingerprints = Fingerprints()
         view[offset : offset + table_bytes(buckets)] = bytes(table_bytes(buckets))
         self._header = view[offset : offset + HEADER_SIZE]
@@ -127,7 +126,7 @@ class PresenceTable:
     def put(self, tag: int, units: int = 0) -> None:
         """Record `tag` (with `units`); replaces the units of a tag already there."""
         value = tag | (units & UNITS_MASK)
-        bucket = (tag >> 8) & self._mask
+        bucket = bucket_of(tag, self.buckets)
         base = bucket * SLOTS_PER_BUCKET
         slots = self._slots
         last = tag | UNITS_MASK
@@ -150,7 +149,7 @@ class PresenceTable:
             self.spilled.setdefault(bucket, {})[tag] = units
 
     def discard(self, tag: int) -> None:
-        bucket = (tag >> 8) & self._mask
+        bucket = bucket_of(tag, self.buckets)
         spill = self.spilled.get(bucket)
         if spill is not None and spill.pop(tag, None) is not None:
             self.entries -= 1

@@ -43,7 +43,7 @@ from maru_vllm.pool.metrics import PoolMetrics
 from maru_vllm.pool.objects import key_digest, validate
 from maru_vllm.pool.presence import BEAT_S, PresenceTable, default_buckets, table_bytes
 from maru_vllm.pool.records import MetaIO, Obj, SessionLimits
-from maru_vllm.pool.region import PAGE_SIZE, Region
+from maru_vllm.pool.region import PAGE_SIZE, Region, round_up
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class PoolService:
         )
         self.presence = self._make_presence(data_offset)
         if self.presence is not None:  # the table comes first; objects live in the rest
-            data_offset += -(-table_bytes(self.presence.buckets) // PAGE_SIZE) * PAGE_SIZE
+            data_offset += round_up(table_bytes(self.presence.buckets), PAGE_SIZE)
         allocator = Allocator(self.region.size - data_offset)
         self.index = PoolIndex(
             allocator,
