@@ -676,13 +676,16 @@ def run_capped_restart(
     sample = [rng.randrange(prompts) for _ in range(min(args.lookups, 500))]
     matched = sum(router.host_blocks(work.prompt_tokens(p)).get(capped.worker_id, 0) >= full for p in sample)
     res["capped_prompts_credited_share"] = matched / len(sample)
+    # what a cap on the most recently used chunks can credit of prompts drawn uniformly from the pool
+    res["capped_expected_share"] = min(1.0, cap / (prompts * args.chunks_per_prompt))
     print(
         f"[{res['chunks']} x W={res['workers']}] relay restarted with an announce cap of {cap} chunks: "
         f"{s['objects']} objects, synced {res['capped_resync_relay_s']:.1f} s, router credits the newest "
         f"{res['capped_resync_s']:.1f} s after its start (CPU s: relay+publisher {s['cpu_s']:.1f}, pool "
         f"{res['capped_cpu_service_s']:.1f}, router {res['capped_cpu_router_s']:.1f}); its RSS "
         f"+{res['capped_rss_delta_mib']:.0f} MiB once synced (tables {res['capped_view_mib']:.1f} MiB); "
-        f"{100 * res['capped_prompts_credited_share']:.1f}% of {len(sample)} random pool prompts credited in full",
+        f"{100 * res['capped_prompts_credited_share']:.1f}% of {len(sample)} random pool prompts credited in full "
+        f"(the cap's share of the pool: {100 * res['capped_expected_share']:.1f}%)",
         flush=True,
     )
 

@@ -110,15 +110,15 @@ def test_generated_line_separators_do_not_split_an_event() -> None:
     assert _ask(200, parts) == (COMPLETED, 4)
 
 
-def _load_for(duration_s: float, max_duration_s: float, keep_going: Callable[[], bool]) -> tuple[float, int]:
+def _load_for(duration_s: float, max_duration_s: float, keep_going: Callable[[float], bool]) -> tuple[float, int]:
     """Run the load generator against a server that always answers in full: (seconds it sent
-    requests for, requests completed)."""
+    requests for, requests completed). `keep_going` is asked with the seconds since the load began."""
 
     async def go() -> tuple[float, int]:
         async for url in _serve(200, FULL, False):
             cfg = LoadConfig(url=url, model="m", concurrency=2, max_tokens=MAX_TOKENS)
             cfg = dataclasses.replace(cfg, duration_s=duration_s, max_duration_s=max_duration_s)
-            gen = LoadGenerator(cfg, keep_going=keep_going)
+            gen = LoadGenerator(cfg, keep_going=lambda: keep_going(time.monotonic() - gen.started))
             results = await gen.run()
             assert all(r.outcome == COMPLETED for r in results) and len(results) == gen.sent
             return max(r.start for r in results) - gen.started, len(results)
@@ -128,12 +128,11 @@ def _load_for(duration_s: float, max_duration_s: float, keep_going: Callable[[],
 
 
 def test_load_goes_on_past_its_duration_while_faults_are_pending_up_to_the_cap() -> None:
-    start = time.monotonic()
-    last, sent = _load_for(0.3, 10.0, lambda: time.monotonic() < start + 1.5)
+    last, sent = _load_for(0.3, 10.0, lambda elapsed: elapsed < 1.5)
     assert 1.0 < last < 2.5 and sent > 2
-    last, _ = _load_for(0.3, 1.0, lambda: True)  # never done: the cap ends it
+    last, _ = _load_for(0.3, 1.0, lambda elapsed: True)  # never done: the cap ends it
     assert 0.5 < last < 1.5
-    last, _ = _load_for(0.3, 10.0, lambda: False)
+    last, _ = _load_for(0.3, 10.0, lambda elapsed: False)
     assert last < 0.6
 
 

@@ -98,13 +98,14 @@ def worker_leaders(run_pid: int) -> dict[str, int]:
 
 
 def migrations(url: str) -> float:
-    """The frontend's count of requests moved off a worker that died in the middle of them."""
+    """The frontend's count of requests moved off a worker that died in the middle of them: before
+    their first token (`new_request`) or while streaming (`ongoing_request`)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if "model_migration_total{" in line and 'migration_type="ongoing_request"' in line
+        if "model_migration_total{" in line and re.search(r'migration_type="(new|ongoing)_request"', line)
     )
 
 

@@ -136,7 +136,9 @@ class Engines:
             self.log_dir,
             port=free_port(),
             max_model_len=2048,
-            kv_transfer_config=maru_kv_config(self.pool.address),
+            # the cases check tokens, not overload: with both cores busy (a TP=2 engine beside the next
+            # case's start) a pool call may pass the default 250 ms deadline, and the store is skipped
+            kv_transfer_config=maru_kv_config(self.pool.address, maru_pool_deadline_ms=5000),
             extra_args=extra,
         )
         group = ProcessGroup()
