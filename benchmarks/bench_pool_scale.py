@@ -196,7 +196,9 @@ def mem_available() -> int:
 class Stack:
     """nats-server + pool service + (later) router probe and worker stand-in, in a temp dir."""
 
-    def __init__(self, chunks: int, code_root: Path = REPO, nats: bool = True) -> None:
+    def __init__(
+        self, chunks: int, code_root: Path = REPO, nats: bool = True, shared_snapshot_pages: int | None = None
+    ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
         self.name = f"scale-{uuid.uuid4().hex[:8]}"
         self.procs: list[subprocess.Popen] = []
@@ -222,6 +224,7 @@ class Stack:
                 str(2 * chunks + 100_000),
                 "--metadata-budget",
                 "16G",
+                *([] if shared_snapshot_pages is None else ["--shared-snapshot-pages", str(shared_snapshot_pages)]),
             ],
             env=dict(os.environ, PYTHONPATH=str(code_root)),
             cwd=code_root,
@@ -498,6 +501,7 @@ def run_workers(
         res["router_rss_empty_mib"] = rss(router.proc.pid) / MiB
         last = work.prompt_tokens(prompts - 1)
         cpu0 = (cpu_s(stack.pool.pid), cpu_s(router.proc.pid))
+        pages0 = client.stats()
         for w in workers:  # all W together, as after a host's restart
             w.send("go")
         synced = [w.wait_synced(args.timeout) for w in workers]
@@ -505,6 +509,9 @@ def run_workers(
         # where the time went: CPU seconds of each part, start -> the router credits all
         res["resync_all_cpu_service_s"] = cpu_s(stack.pool.pid) - cpu0[0]
         res["resync_all_cpu_router_s"] = cpu_s(router.proc.pid) - cpu0[1]
+        pages1 = client.stats()
+        for k in ("snapshot_pages_encoded", "snapshot_pages_shared"):
+            res[f"resync_all_{k}"] = pages1.get(k, 0) - pages0.get(k, 0)
         res["resync_all_cpu_relay_s"] = max(s["cpu_s"] for s in synced)  # relay + publisher, the busiest
         res["resync_all_full_announcements"] = sum(s["full_announcements"] for s in synced)
         start = min(s["relay_start"] for s in synced)
@@ -531,7 +538,9 @@ def run_workers(
         print(
             f"[{out['chunks']} x W={n_workers}] resync of all: relays {res['resync_all_relay_s']:.1f} s, router "
             f"credits all {res['resync_all_s']:.1f} s (CPU s: relay+publisher {res['resync_all_cpu_relay_s']:.1f} "
-            f"each at most, pool {res['resync_all_cpu_service_s']:.1f}, router {res['resync_all_cpu_router_s']:.1f}); "
+            f"each at most, pool {res['resync_all_cpu_service_s']:.1f}, router {res['resync_all_cpu_router_s']:.1f}; "
+            f"pool pages encoded {res['resync_all_snapshot_pages_encoded']}, shared "
+            f"{res['resync_all_snapshot_pages_shared']}); "
             f"relay+publisher RSS {res['relay_rss_mib']:.0f} MiB "
             f"(+{res['relay_rss_delta_mib']:.0f} MiB for the relay, its tables {res['relay_view_mib']:.0f} MiB; "
             f"peak {res['relay_rss_peak_mib']:.0f}, settled {res['relay_rss_settled_mib']:.0f}, malloc-trimmed "
@@ -702,7 +711,10 @@ def run_scale(args: argparse.Namespace, chunks: int) -> list[dict[str, Any]]:
     }
     results = []
     # Room for the live chunks every W run adds, so that no chunk is evicted (lookups stay full).
-    stack = Stack(chunks + (args.live_chunks + args.chunks_per_prompt) * len(args.workers))
+    stack = Stack(
+        chunks + (args.live_chunks + args.chunks_per_prompt) * len(args.workers),
+        shared_snapshot_pages=args.shared_snapshot_pages,
+    )
     try:
         client = PoolClient.connect(stack.address, populate=False, timeout=120)
         rss0, private0 = rss(stack.pool.pid), rss_private(stack.pool.pid)
@@ -797,6 +809,13 @@ def main() -> None:
         default=None,
         metavar="N",
         help="after the other phases, restart one relay announcing at most N chunks (the pool's most recently used)",
+    )
+    ap.add_argument(
+        "--shared-snapshot-pages",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the pool's --shared-snapshot-pages (0: every relay's pages encoded for it; default: the pool's)",
     )
     ap.add_argument("--live-chunks", type=int, default=20_000)
     ap.add_argument("--lookups", type=int, default=1000)

@@ -118,7 +118,7 @@ def _load_for(duration_s: float, max_duration_s: float, keep_going: Callable[[fl
         async for url in _serve(200, FULL, False):
             cfg = LoadConfig(url=url, model="m", concurrency=2, max_tokens=MAX_TOKENS)
             cfg = dataclasses.replace(cfg, duration_s=duration_s, max_duration_s=max_duration_s)
-            gen = LoadGenerator(cfg, keep_going=lambda: keep_going(time.monotonic() - gen.started))
+            gen = LoadGenerator(cfg, keep_going=lambda: keep_going(time.monotonic() - gen.started))  # noqa: B023
             results = await gen.run()
             assert all(r.outcome == COMPLETED for r in results) and len(results) == gen.sent
             return max(r.start for r in results) - gen.started, len(results)

@@ -16,6 +16,7 @@ from maru_vllm.pool.auth import read_token_file
 from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.index import DEFAULT_MAX_OBJECTS, DEFAULT_METADATA_BUDGET
 from maru_vllm.pool.region import BACKENDS, RegionError, parse_size, validate_pool_name
+from maru_vllm.pool.snapshot_pages import DEFAULT_MAX_PAGES
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,12 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise ValueError(f"invalid count {text!r}: use an integer >= 0")
+    return int(text)
+
+
 def _presence_buckets(text: str) -> int:
     n = int(text) if text.isdigit() else -1
     if n < 0 or n & (n - 1):
@@ -173,6 +180,14 @@ def register(subparsers: Any) -> None:
         help="size of the presence table that lets clients look keys up in the region without a "
         "round trip (8 keys per 64-byte bucket); 0 for none (default: one slot per 4 KiB of region, "
         "at most 16 per --max-objects)",
+    )
+    serve.add_argument(
+        "--shared-snapshot-pages",
+        type=_arg_type(_non_negative_int, "count"),
+        default=DEFAULT_MAX_PAGES,
+        help="snapshot pages kept encoded for the next reader of the unchanged pool (the relays of "
+        "workers that start together read the same pages); 0 encodes every page for every reader "
+        f"(default {DEFAULT_MAX_PAGES}, at most 64 MiB)",
     )
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     serve.add_argument(
@@ -270,6 +285,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_objects=args.max_objects,
             metadata_budget=args.metadata_budget,
             presence_buckets=args.presence_buckets,
+            shared_snapshot_pages=args.shared_snapshot_pages,
         )
         with asyncio.Runner(loop_factory=event_loop_factory(args.event_loop)) as runner:
             return runner.run(serve(cfg))

@@ -44,6 +44,8 @@ _COUNTERS = {
     "events_dropped": "Events dropped because the NATS queue overflowed",
     "quota_refusals": "Reservations and pins refused by a per-session quota or the pin cap per object",
     "auth_failures": "Connections that presented a wrong token",
+    "snapshot_pages_encoded": "Snapshot pages the service built and encoded",
+    "snapshot_pages_shared": "Snapshot pages answered with the bytes encoded for an earlier reader (pool unchanged)",
 }
 
 

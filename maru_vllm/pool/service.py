@@ -44,6 +44,7 @@ from maru_vllm.pool.objects import key_digest, validate
 from maru_vllm.pool.presence import BEAT_S, PresenceTable, default_buckets, table_bytes
 from maru_vllm.pool.records import MetaIO, Obj, SessionLimits
 from maru_vllm.pool.region import PAGE_SIZE, Region, round_up
+from maru_vllm.pool.snapshot_pages import DEFAULT_MAX_PAGES, SharedPages
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class ServiceConfig:
     metadata_budget: int = DEFAULT_METADATA_BUDGET
     # buckets of the presence table (`pool.presence`); None: sized from the region; 0: none
     presence_buckets: int | None = None
+    # encoded snapshot pages kept for readers of the unchanged pool (`pool.snapshot_pages`); 0: none
+    shared_snapshot_pages: int = DEFAULT_MAX_PAGES
 
 
 class PoolService:
@@ -95,6 +98,8 @@ class PoolService:
         self.metrics = PoolMetrics(cfg.name, self._stats_from_any_thread)
         self.publisher: EventPublisher | None = None
         self.seq = 0
+        self._shared_pages = SharedPages(max_pages=cfg.shared_snapshot_pages)
+        self._pages_encoded = 0
         self.started = time.time()
         self._servers: list[asyncio.AbstractServer] = []
         self._conns: dict[int, asyncio.StreamWriter] = {}
@@ -489,13 +494,23 @@ class PoolService:
         return self._stats()
 
     def _op_snapshot(self, sid: int, args: P.SnapshotArgs) -> bytes:
+        # pages of the most recently used also move with reads (no events): never shared
+        shared = args.recent == 0 and self._shared_pages.max_pages > 0
+        key = (args.encoding, args.ns, args.after, args.limit)
+        if shared and (page := self._shared_pages.get(key, self.seq)) is not None:
+            return page
         if args.encoding == "msgpack":
-            return M.msgpack_encoder.encode(
+            page = M.msgpack_encoder.encode(
                 self._packed_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES, args.recent)
             )
-        return M.json_encoder.encode(
-            self._snapshot_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES, args.recent)
-        )
+        else:
+            page = M.json_encoder.encode(
+                self._snapshot_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES, args.recent)
+            )
+        self._pages_encoded += 1
+        if shared:
+            self._shared_pages.put(key, self.seq, page)
+        return page
 
     # -- helpers ----------------------------------------------------------------------------
     def _verify(self, obj: Obj) -> str | None:
@@ -598,6 +613,8 @@ class PoolService:
             presence_entries=self.presence.entries if self.presence is not None else 0,
             presence_spilled=self.presence.spilled_entries if self.presence is not None else 0,
             presence_slots=self.presence.buckets * 8 if self.presence is not None else 0,
+            snapshot_pages_shared=self._shared_pages.hits,
+            snapshot_pages_encoded=self._pages_encoded,
         )
         pub = self.publisher
         st.update(

@@ -237,6 +237,7 @@ def test_service_reports_budget_and_cap_in_stats_and_metrics(pool_factory) -> No
     [
         ("--max-objects", "0", "use an integer >= 1"),
         ("--metadata-budget", "12Q", "invalid size"),
+        ("--shared-snapshot-pages", "-1", "use an integer >= 0"),
     ],
 )
 def test_bad_budget_flags_are_refused_in_one_line(flag: str, value: str, why: str) -> None:
