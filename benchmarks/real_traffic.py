@@ -74,10 +74,13 @@ from traffic_load import (  # noqa: E402
     synthetic_trace,
     tokenizer_cache,
 )
+from traffic_probes import RatioProbe, prefill_probe, recompute_to_load_probe  # noqa: E402
+from traffic_report import Summary, format_goodput, format_table, goodput, plot_cdf, plot_sweep, summarise  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 MAX_MODEL_LEN = 4096
-CHUNK_TOKENS = 128  # pool chunk = one vLLM CPU block: a shared prefix is loadable block by block
+ENGINE_BLOCK_TOKENS = 128  # vLLM's KV block on CPU, set explicitly so --kv-cache-tokens means whole blocks
+CHUNK_TOKENS = 128  # pool chunk = one engine block: a shared prefix is loadable block by block
 POOL_SIZE = "1G"
 
 
@@ -90,8 +93,20 @@ class Config:
     description: str = ""
     lmcache: bool = False  # plain workers with LMCache's multiprocess server as their shared cache
 
-    def graph(self, model: str, workers: int, kv_transfer: dict[str, object] | None = None) -> dict[str, object]:
-        args: list[str] = ["--max-model-len", str(MAX_MODEL_LEN)]
+    def graph(
+        self,
+        model: str,
+        workers: int,
+        kv_transfer: dict[str, object] | None = None,
+        *,
+        kv_cache_tokens: int | None = None,
+        pool_size: str = POOL_SIZE,
+    ) -> dict[str, object]:
+        """The graph of this configuration; `kv_cache_tokens` sizes every worker's KV cache (whole
+        engine blocks, ``--num-gpu-blocks-override``), the same for plain and Maru workers."""
+        args: list[str] = ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(ENGINE_BLOCK_TOKENS)]
+        if kv_cache_tokens is not None:
+            args += ["--num-gpu-blocks-override", str(kv_cache_tokens // ENGINE_BLOCK_TOKENS)]
         if self.engine == "maru" and not self.pool_events:
             args.append("--no-maru-pool-events")
         if kv_transfer is not None:
@@ -99,7 +114,7 @@ class Config:
         return {
             "name": f"traffic-{self.name}",
             "model": model,
-            "pool": {"name": "kv", "size": POOL_SIZE, "chunk_tokens": CHUNK_TOKENS},
+            "pool": {"name": "kv", "size": pool_size, "chunk_tokens": CHUNK_TOKENS},
             "frontend": {"router_mode": self.router_mode},
             "workers": [{"name": "worker", "replicas": workers, "engine": self.engine, "args": args}],
         }
@@ -114,11 +129,12 @@ CONFIGS: tuple[Config, ...] = (
     Config("lmcache-kv", "vllm", "kv", description="plain dynamo.vllm + LMCache MP server, KV router", lmcache=True),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
+LOAD_PARTS = ("acquire", "copy", "release")
 
 
 @dataclasses.dataclass
 class Run:
-    """One configuration, one repeat: AIPerf's view and the engines' counters."""
+    """One configuration at one rate, one repeat: AIPerf's view and the engines' counters."""
 
     config: str
     workers: int
@@ -135,10 +151,14 @@ class Run:
     kv_blocks: int = 0
     repeat: int = 0
     loadavg: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average before / after the replay
-    prefill_probe_tokens_per_s: float = 0.0  # a cold prompt alone (see _prefill_probe)
+    prefill_probe_tokens_per_s: float = 0.0  # a cold prompt alone (traffic_probes.prefill_probe)
     nats_msgs: int = 0  # messages and bytes into nats-server during the replay (its /varz)
     nats_bytes: int = 0
     replay_s: float = 0.0  # wall time of the AIPerf replay
+    rate: float = 0.0  # the swept rate: arrivals/s (synthetic) or the trace's speedup
+    ratio_probe: RatioProbe | None = None  # cold prefill vs pool hit of a median-length prompt (Maru only)
+    load_chunks: int = 0  # pool chunks loaded in the replay and the seconds of each part of their loads
+    load_parts: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def with_nats_monitoring(plan: Any) -> tuple[Any, str | None]:
@@ -173,6 +193,14 @@ def _metric_sum(url: str, name: str) -> float:
         return metric_total(resp.read().decode(errors="replace"), name)
 
 
+LOAD_COUNTERS = ("bytes_loaded", "load_seconds", "chunks_loaded", *(f"load_{p}_seconds" for p in LOAD_PARTS))
+
+
+def _load_counters(metrics: Sequence[str]) -> dict[str, float]:
+    """The connector's load counters summed over the engines (0 for plain engines)."""
+    return {k: sum(_metric_sum(m, f"vllm:maru_connector_{k}_total") for m in metrics) for k in LOAD_COUNTERS}
+
+
 def _cpu_seconds(pid: int) -> float:
     import psutil
 
@@ -201,34 +229,16 @@ def _warm_up(url: str, model: str, metrics: Sequence[str], log: Callable[[str], 
     log("[traffic] warning: not every worker served a warm-up request")
 
 
-PROBE_TOKENS = (16, 1536)
+@dataclasses.dataclass(frozen=True)
+class Testbed:
+    """What every run of one invocation shares: model, workers, the KV cache and pool sizes, SLO."""
 
-
-def _prefill_probe(url: str, model: str, rounds: int = 3) -> float:
-    """Prefill tokens/s of a cold prompt alone: the latency of fresh 1536- and 16-character prompts (never
-    seen, so computed in full), min of `rounds`, their difference over the difference in tokens.
-    The per-request costs both pay (HTTP, routing, one decode step) cancel; run before the replay.
-
-    Summed per-request prefill times (vllm:request_prefill_time_seconds) are no substitute: requests
-    that prefill together each count the shared time, which under load understates the speed."""
-    import random
-
-    rng = random.Random(time.monotonic_ns())
-    best = dict.fromkeys(PROBE_TOKENS, (math.inf, 0))  # (seconds, prompt tokens as the server counted)
-    for _ in range(rounds):
-        for n in PROBE_TOKENS:
-            # random letters: about one token each with the byte-level fixture tokenizers
-            prompt = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
-            body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
-            req = urllib.request.Request(f"{url}/v1/completions", body.encode(), {"content-type": "application/json"})
-            t0 = time.perf_counter()
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                usage = json.loads(resp.read()).get("usage") or {}
-            dt = time.perf_counter() - t0
-            if dt < best[n][0]:
-                best[n] = (dt, int(usage.get("prompt_tokens") or n))
-    (t_short, n_short), (t_long, n_long) = best[PROBE_TOKENS[0]], best[PROBE_TOKENS[1]]
-    return (n_long - n_short) / (t_long - t_short) if t_long > t_short and n_long > n_short else 0.0
+    model: str
+    workers: int
+    slo_ms: float
+    kv_cache_tokens: int | None
+    pool_size: str
+    probe_tokens: int  # the traffic's median prompt length: the recompute-to-load probe's prompt
 
 
 def run_config(
@@ -236,14 +246,13 @@ def run_config(
     traffic_file: Path,
     traffic: Traffic,
     *,
-    model: str,
-    workers: int,
-    slo_ms: float,
+    bed: Testbed,
     work_dir: Path,
     log: Callable[[str], None],
     repeat: int = 0,
+    rate: float = 0.0,
 ) -> Run:
-    """A fresh graph for `cfg`, warm-up, AIPerf replay, counters; the graph is stopped after."""
+    """A fresh graph for `cfg`, warm-up, probes, AIPerf replay, counters; the graph is stopped after."""
     from maru_dynamo.graphs import run as graph_run
     from maru_dynamo.graphs.spec import parse_graph
     from maru_vllm.launch import ProcessGroup
@@ -255,15 +264,22 @@ def run_config(
     lmcache = None
     if cfg.lmcache:
         try:
-            lmcache = start_lmcache_server(group, gdir / "lmcache-server.log", chunk_tokens=CHUNK_TOKENS, l1_gb=1)
+            lmcache = start_lmcache_server(
+                group, gdir / "lmcache-server.log", chunk_tokens=CHUNK_TOKENS, l1_gb=_gib(bed.pool_size)
+            )
         except BaseException:
             log(f"[{cfg.name}] LMCache server did not start; its log: {gdir / 'lmcache-server.log'}")
             group.stop_all()
             raise
-    spec = parse_graph(
-        cfg.graph(model, workers, lmcache.kv_transfer_config if lmcache is not None else None), f"<{cfg.name}>"
+    graph = cfg.graph(
+        bed.model,
+        bed.workers,
+        lmcache.kv_transfer_config if lmcache is not None else None,
+        kv_cache_tokens=bed.kv_cache_tokens,
+        pool_size=bed.pool_size,
     )
-    plan, varz = with_nats_monitoring(graph_run.build_plan(spec, model=model, work_dir=gdir))
+    spec = parse_graph(graph, f"<{cfg.name}>")
+    plan, varz = with_nats_monitoring(graph_run.build_plan(spec, model=bed.model, work_dir=gdir))
     supervisor = graph_run.supervise(plan, group, out=log)
     try:
         graph_run.start_graph(plan, group, supervisor=supervisor)
@@ -272,15 +288,25 @@ def run_config(
             for w in plan.workers:
                 procs[w.name].wait_for_log(r"pool '\S+' synced at seq", timeout=120)
         metrics = [w.metrics_url for w in plan.workers if w.metrics_url]
-        _warm_up(plan.url, model, metrics, log)
-        probe = _prefill_probe(plan.url, model)
-        log(f"[{cfg.name}] graph ready in {time.monotonic() - t0:.0f}s: {plan.url}")
+        _warm_up(plan.url, bed.model, metrics, log)
+        probe = prefill_probe(plan.url, bed.model)
+        ratio = (
+            recompute_to_load_probe(plan.url, bed.model, bed.probe_tokens, chunk_tokens=CHUNK_TOKENS)
+            if cfg.engine == "maru"
+            else None
+        )
+        log(
+            f"[{cfg.name}] graph ready in {time.monotonic() - t0:.0f}s: {plan.url}; prefill {probe:.0f} tokens/s"
+            + (
+                f"; {ratio.prompt_tokens}-token prompt cold {ratio.cold_s * 1000:.0f} ms, pool hit "
+                f"{ratio.pool_hit_s * 1000:.0f} ms: recompute-to-load {ratio.recompute_to_load:.1f}x"
+                if ratio is not None
+                else ""
+            )
+        )
         before = [read_counters(m) for m in metrics]
         prefill_before = sum(_metric_sum(m, "vllm:request_prefill_time_seconds_sum") for m in metrics)
-        load_b = [
-            sum(_metric_sum(m, f"vllm:maru_connector_{k}_total") for m in metrics)
-            for k in ("bytes_loaded", "load_seconds")
-        ]
+        load_before = _load_counters(metrics)
         front = procs["frontend"]
         assert front.proc is not None
         cpu0 = _cpu_seconds(front.proc.pid)
@@ -288,15 +314,15 @@ def run_config(
         load0 = os.getloadavg()[0]
         replay0 = time.monotonic()
         artifacts = gdir / "aiperf"
-        tokenizer, tok_env = tokenizer_cache(Path(model), work_dir / "hf-hub")
+        tokenizer, tok_env = tokenizer_cache(Path(bed.model), work_dir / "hf-hub")
         cmd = aiperf_command(
             url=plan.url,
-            model=model,
+            model=bed.model,
             tokenizer=tokenizer,
             trace_file=traffic_file,
             artifact_dir=artifacts,
             block_tokens=traffic.block_tokens,
-            slo_ms=slo_ms,
+            slo_ms=bed.slo_ms,
         )
         with open(gdir / "aiperf.log", "wb") as out:
             rc = subprocess.run(
@@ -312,15 +338,12 @@ def run_config(
         after = [read_counters(m) for m in metrics]
         delta = [a - b for a, b in zip(after, before)]
         prefill_after = sum(_metric_sum(m, "vllm:request_prefill_time_seconds_sum") for m in metrics)
-        load_a = [
-            sum(_metric_sum(m, f"vllm:maru_connector_{k}_total") for m in metrics)
-            for k in ("bytes_loaded", "load_seconds")
-        ]
+        loads = {k: v - load_before[k] for k, v in _load_counters(metrics).items()}
         load = read_aiperf(artifacts)
         block_size, kv_blocks = cache_config(metrics[0])
         return Run(
             cfg.name,
-            workers,
+            bed.workers,
             load,
             sum(d.local_compute for d in delta),
             sum(d.local_cache_hit + d.external_kv_transfer for d in delta),
@@ -328,8 +351,8 @@ def run_config(
             [d.requests for d in delta],
             cpu1 - cpu0,
             prefill_after - prefill_before,
-            int(load_a[0] - load_b[0]),
-            load_a[1] - load_b[1],
+            int(loads["bytes_loaded"]),
+            loads["load_seconds"],
             block_size,
             kv_blocks,
             repeat,
@@ -338,6 +361,10 @@ def run_config(
             nats1[0] - nats0[0],
             nats1[1] - nats0[1],
             replay_s,
+            rate,
+            ratio,
+            int(loads["chunks_loaded"]),
+            {p: loads[f"load_{p}_seconds"] for p in LOAD_PARTS},
         )
     except BaseException:
         log(f"[{cfg.name}] failed; logs in {gdir / 'logs'}")
@@ -351,162 +378,103 @@ def run_config(
             lmcache.remove_shared_memory()
 
 
-# -- aggregation and report ------------------------------------------------------------------------
-@dataclasses.dataclass
-class Summary:
-    config: str
-    workers: int
-    runs: list[Run]
+def _gib(size: str) -> int:
+    """A pool size (``8G``, ``512M``) in whole GiB, at least 1: the LMCache server's L1 size."""
+    from maru_vllm.pool.region import parse_size
 
-    def _med(self, f: Callable[[Run], float]) -> float:
-        return median([f(r) for r in self.runs])
+    return max(1, parse_size(size) >> 30)
 
-    def as_json(self) -> dict[str, object]:
-        return {
-            "config": self.config,
-            "workers": self.workers,
-            "completed": int(self._med(lambda r: r.load.completed)),
-            "failed": max(r.load.failed for r in self.runs),
-            "ttft_p50_ms": round(self._med(lambda r: r.load.ttft(50)), 2),
-            "ttft_p90_ms": round(self._med(lambda r: r.load.ttft(90)), 2),
-            "ttft_p99_ms": round(self._med(lambda r: r.load.ttft(99)), 2),
-            "itl_p50_ms": round(self._med(lambda r: median(r.load.itl_ms)), 3),
-            "output_tokens_per_s": round(self._med(lambda r: r.load.output_tokens_per_s), 2),
-            "prefill_tokens": int(self._med(lambda r: r.prefill_tokens)),
-            "pool_loaded_tokens": int(self._med(lambda r: r.pool_loaded_tokens)),
-        }
 
-    def detail(self) -> dict[str, object]:
-        """The summary's extras and every run's own figures (for the record beside --json)."""
-        runs = [
-            {
-                "repeat": r.repeat,
-                "completed": r.load.completed,
-                "failed": r.load.failed,
-                "ttft_p50_ms": round(r.load.ttft(50), 2),
-                "ttft_p90_ms": round(r.load.ttft(90), 2),
-                "ttft_p99_ms": round(r.load.ttft(99), 2),
-                "itl_p50_ms": round(median(r.load.itl_ms), 3),
-                "prefill_tokens": r.prefill_tokens,
-                "pool_loaded_tokens": r.pool_loaded_tokens,
-                "requests_per_worker": r.requests_per_worker,
-                "frontend_cpu_s": round(r.frontend_cpu_s, 3),
-                "nats_msgs": r.nats_msgs,
-                "nats_bytes": r.nats_bytes,
-                "replay_s": round(r.replay_s, 2),
-                "prefill_probe_tokens_per_s": round(r.prefill_probe_tokens_per_s, 1),
-                "loadavg_1m_before_after": [round(v, 2) for v in r.loadavg],
-                "schedule_lag_p99_ms": r.load.schedule_lag_p99_ms,
-            }
-            for r in self.runs
+# -- the testbed's ratios --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Ratios:
+    """The testbed's ratios, measured in this run, next to a GPU deployment's (module doc)."""
+
+    kv_cache_tokens: int  # per worker, as the engines report their KV cache
+    pool_tokens: int  # the pool's bytes over the model's KV bytes per token
+    unique_prompt_tokens: int  # the traffic's prefix tree: what an ideal shared cache computes
+    recompute_to_load: float | None  # median over the Maru runs' probes
+    probe_prompt_tokens: int
+
+    def lines(self) -> list[str]:
+        u = max(1, self.unique_prompt_tokens)
+        r2l = f"{self.recompute_to_load:.1f}x" if self.recompute_to_load else "not measured (no Maru run)"
+        return [
+            f"ratios: worker KV cache {self.kv_cache_tokens:,} tokens / {u:,} unique prompt tokens = "
+            f"{self.kv_cache_tokens / u:.3f} (deployment: {DEPLOYMENT['kv_over_unique']})",
+            f"        pool {self.pool_tokens:,} tokens / unique prompt tokens = {self.pool_tokens / u:.2f} "
+            f"(deployment: {DEPLOYMENT['pool_over_unique']})",
+            f"        recompute-to-load ({self.probe_prompt_tokens}-token prompt: cold prefill / pool hit) = {r2l} "
+            f"(deployment: {DEPLOYMENT['recompute_to_load']})",
         ]
-        return {"config": self.config, **self.as_json(), **self.extras(), "runs": runs}
-
-    def extras(self) -> dict[str, object]:
-        n = max(1, int(self._med(lambda r: r.load.completed + r.load.failed)))
-        return {
-            "goodput_rps": self._med(lambda r: r.load.goodput_rps),
-            "schedule_lag_p50_ms": self._med(lambda r: r.load.schedule_lag_p50_ms),
-            "schedule_lag_p99_ms": self._med(lambda r: r.load.schedule_lag_p99_ms),
-            "requests_per_worker": [sorted(r.requests_per_worker, reverse=True) for r in self.runs],
-            "frontend_cpu_ms_per_request": self._med(lambda r: r.frontend_cpu_s) * 1000 / n,
-            "nats_msgs_per_s": self._med(lambda r: r.nats_msgs / r.replay_s if r.replay_s else 0.0),
-            "nats_kib_per_s": self._med(lambda r: r.nats_bytes / 1024 / r.replay_s if r.replay_s else 0.0),
-            "nats_bytes_per_request": self._med(lambda r: r.nats_bytes) / n,
-        }
 
 
-def summarise(runs: Sequence[Run]) -> list[Summary]:
-    names = list(dict.fromkeys(r.config for r in runs))
-    return [Summary(n, runs[0].workers, [r for r in runs if r.config == n]) for n in names]
+# A GPU deployment's ratios, for the report: an H100 serving a Qwen2.5-32B-sized model (256 KiB of KV
+# per token), the what-if's set-up (8 workers of 160k KV tokens, a 1 TB pool) against the full
+# Mooncake traces (90.7M unique prompt tokens in the conversation trace, 21.3M in the synthetic
+# one), and the seed's 32B request loaded from CXL in 0.124 s against 1.062 s cold.
+DEPLOYMENT = {
+    "kv_over_unique": "0.014 conversation / 0.060 synthetic trace",
+    "pool_over_unique": "0.05 / 0.20 at 1 TB",
+    "recompute_to_load": "8.6x",
+}
 
 
-def format_table(summaries: Sequence[Summary], traffic: Traffic) -> str:
-    head = (
-        f"{'config':<12} {'done':>5} {'fail':>4} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} "
-        f"{'out tok/s':>9} {'goodput':>7} {'lag p99':>7} {'prefill':>8} {'pool-ld':>8} {'fe ms/req':>9} "
-        f"{'nats msg/s':>10} {'KiB/s':>7}  req/worker"
+def measured_ratios(runs: Sequence[Run], traffic: Traffic, bed: Testbed) -> Ratios:
+    from maru_vllm.pool.region import parse_size
+    from maru_vllm.whatif.spec import kv_bytes_per_token_of_model
+
+    kv = sorted(r.kv_blocks * r.block_size for r in runs)
+    probes = sorted(r.ratio_probe.recompute_to_load for r in runs if r.ratio_probe is not None)
+    return Ratios(
+        kv_cache_tokens=kv[len(kv) // 2] if kv else 0,
+        pool_tokens=parse_size(bed.pool_size) // kv_bytes_per_token_of_model(bed.model),
+        unique_prompt_tokens=traffic.unique_prefix_tokens(),
+        recompute_to_load=round(median(probes), 2) if probes else None,
+        probe_prompt_tokens=bed.probe_tokens,
     )
-    rows = [head, "-" * len(head)]
-    for s in summaries:
-        j, x = s.as_json(), s.extras()
-        rows.append(
-            f"{s.config:<12} {j['completed']:>5} {j['failed']:>4} {j['ttft_p50_ms']:>9.1f} {j['ttft_p90_ms']:>8.1f} "
-            f"{j['ttft_p99_ms']:>8.1f} {j['itl_p50_ms']:>8.2f} {j['output_tokens_per_s']:>9.1f} "
-            f"{x['goodput_rps']:>7.2f} {x['schedule_lag_p99_ms']:>7.1f} {j['prefill_tokens']:>8} "
-            f"{j['pool_loaded_tokens']:>8} {x['frontend_cpu_ms_per_request']:>9.2f} "
-            f"{x['nats_msgs_per_s']:>10.1f} {x['nats_kib_per_s']:>7.1f}  "
-            + " ".join("/".join(map(str, r)) for r in x["requests_per_worker"])  # type: ignore[attr-defined]
-        )
-    rows.append(
-        f"traffic: {traffic.name}: {len(traffic.requests)} requests over {traffic.duration_s:.0f}s, "
-        f"{traffic.input_tokens} input tokens, {traffic.unique_prefix_tokens()} in its prefix tree "
-        f"(ideal shared cache); {traffic.dropped_too_long} dropped (longer than {MAX_MODEL_LEN})"
-    )
-    return "\n".join(rows)
-
-
-def plot(summaries: Sequence[Summary], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for s in summaries:
-        ttft = sorted(t for r in s.runs for t in r.load.ttft_ms)
-        ax1.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=s.config)
-    ax1.set_xscale("log")
-    ax1.set_xlabel("TTFT (ms)")
-    ax1.set_ylabel("share of requests")
-    ax1.set_title("TTFT CDF (all repeats)")
-    ax1.legend()
-    names = [s.config for s in summaries]
-    ax2.bar(names, [s.as_json()["prefill_tokens"] for s in summaries], color="tab:blue", label="computed")  # type: ignore[misc]
-    ax2.bar(
-        names,
-        [s.as_json()["pool_loaded_tokens"] for s in summaries],  # type: ignore[misc]
-        bottom=[s.as_json()["prefill_tokens"] for s in summaries],  # type: ignore[misc]
-        color="tab:orange",
-        label="loaded from the pool",
-    )
-    ax2.set_ylabel("prompt tokens (median over repeats)")
-    ax2.set_title("prefill tokens computed")
-    ax2.legend(loc="lower right")
-    ax2.tick_params(axis="x", rotation=20)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def whatif_report(
     runs: Sequence[Run],
     summaries: Sequence[Summary],
+    traffic_files: dict[float, Path],
     traffic: Traffic,
-    trace_file: Path,
     *,
-    model: str,
-    workers: int,
+    bed: Testbed,
     work: Path,
-) -> str:
-    """The same scaled trace through `maru-dynamo whatif`, calibrated on `runs`, beside the real figures."""
-    cal = calibration_from_runs(runs, model)
+) -> tuple[str, dict[tuple[str, float], dict[str, float]]]:
+    """The same scaled traffic at each rate through `maru-dynamo whatif`, calibrated on `runs`,
+    beside the real figures; and the predictions keyed by (real config, rate) for the plot."""
+    cal = calibration_from_runs(runs, bed.model)
     cal_file = work / "calibration.json"
     write_calibration(cal_file, cal)
     # The what-if needs whole engine blocks per hash id: where the engines' blocks are larger than
     # the trace's, it simulates blocks of the trace's size (the same KV-cache tokens in all).
     block = math.gcd(runs[0].block_size, traffic.block_tokens)
-    rows = whatif_rows(
-        trace_file,
-        cal_file,
-        workers=workers,
-        trace_block_size=traffic.block_tokens,
-        block_size=block,
-        gpu_blocks=runs[0].kv_blocks * runs[0].block_size // block,
-        pool_size=POOL_SIZE,
-        configs=sorted({COUNTERPART[s.config] for s in summaries if s.config in COUNTERPART}),
-    )
-    return side_by_side([s.as_json() for s in summaries], rows, cal)
+    texts, predicted = [], {}
+    for rate, trace_file in sorted(traffic_files.items()):
+        at_rate = [s for s in summaries if s.rate == rate]
+        rows = whatif_rows(
+            trace_file,
+            cal_file,
+            workers=bed.workers,
+            trace_block_size=traffic.block_tokens,
+            block_size=block,
+            gpu_blocks=runs[0].kv_blocks * runs[0].block_size // block,
+            pool_size=bed.pool_size,
+            configs=sorted({COUNTERPART[s.config] for s in at_rate if s.config in COUNTERPART}),
+        )
+        by_twin = {str(r["config"]): r for r in rows}
+        for s in at_rate:
+            w = by_twin.get(COUNTERPART.get(s.config, ""))
+            if w is not None and isinstance(w.get("ttft_p90_ms"), (int, float)):
+                predicted[(s.config, rate)] = {
+                    "prefill_tokens": float(w["prefill_tokens"]),  # type: ignore[arg-type]
+                    "ttft_p90_ms": float(w["ttft_p90_ms"]),  # type: ignore[arg-type]
+                }
+        texts.append(f"-- rate {rate:g} --\n" + side_by_side([s.as_json() for s in at_rate], rows, cal))
+    return "\n".join(texts), predicted
 
 
 def order_for(repeat: int, configs: Sequence[Config]) -> list[Config]:
@@ -523,7 +491,22 @@ def parse_configs(text: str) -> list[Config]:
     return [BY_NAME[n] for n in dict.fromkeys(names)]
 
 
-def build_traffic(args: argparse.Namespace) -> Traffic:
+def parse_sweep(text: str | None, what: str) -> list[float] | None:
+    """``--sweep R1,R2,...``: rates > 0, ascending, each once; None without the option."""
+    if text is None:
+        return None
+    try:
+        rates = sorted({float(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        rates = []
+    if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
+        raise TrafficError(f"--sweep {text!r}: use comma-separated {what} > 0, e.g. 2,4,8")
+    return rates
+
+
+def build_traffic(args: argparse.Namespace, rate: float | None = None) -> Traffic:
+    """The traffic at `rate` (synthetic: arrivals per second; trace: the speedup), by default the
+    one of ``--rate`` / ``--speedup``. Every rate gives the same requests in the same order."""
     if args.synthetic:
         w = PrefixWorkload(
             requests=args.requests or 64,
@@ -531,7 +514,7 @@ def build_traffic(args: argparse.Namespace) -> Traffic:
             output_tokens=args.synthetic_osl,
             prefix_ratio=args.prefix_ratio,
             prefixes=args.prefixes,
-            rate=args.rate,
+            rate=rate or args.rate,
         )
         return synthetic_trace(w, args.trace_block_size)
     path = Path(args.trace)
@@ -543,17 +526,18 @@ def build_traffic(args: argparse.Namespace) -> Traffic:
     else:
         raw = sample_sessions(read_mooncake(path), args.sample_sessions)[: args.requests]
         sample = f", every {args.sample_sessions}th session"
+    speedup = rate or args.speedup
     return scale_trace(
         raw,
-        name=f"{path.name}{sample} x{args.trace_block_size}/512 tokens, speedup {args.speedup:g}",
+        name=f"{path.name}{sample} x{args.trace_block_size}/512 tokens, speedup {speedup:g}",
         block_tokens=args.trace_block_size,
-        speedup=args.speedup,
+        speedup=speedup,
         max_output=args.max_output_tokens,
         max_total=MAX_MODEL_LEN,
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL trace")
     ap.add_argument("--trace-block-size", type=int, default=16, help="tokens per trace hash id here (default 16)")
@@ -573,17 +557,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--synthetic-isl", type=int, default=1024)
     ap.add_argument("--synthetic-osl", type=int, default=16)
     ap.add_argument("--rate", type=float, default=2.0, help="synthetic arrivals per second (Poisson)")
+    ap.add_argument(
+        "--sweep",
+        default=None,
+        metavar="R1,R2,...",
+        help="run every configuration at each rate (--synthetic: arrivals/s; --trace: the speedup), each on a "
+        "fresh graph, and report each configuration's goodput under --slo-ttft-ms",
+    )
     ap.add_argument("--configs", default=",".join(BY_NAME), help="comma-separated: " + ", ".join(BY_NAME))
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--model", default="tiny", help="fixture name (tiny, bench) or a model directory")
+    ap.add_argument("--model", default="tiny", help="fixture name (tiny, medium, bench) or a model directory")
+    ap.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"each worker's KV cache holds N tokens (whole {ENGINE_BLOCK_TOKENS}-token blocks; plain and Maru "
+        "workers alike); default: the engine's own size",
+    )
+    ap.add_argument("--pool-size", default=POOL_SIZE, help=f"the Maru pool and LMCache's L1 (default {POOL_SIZE})")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput SLO on TTFT (default 1000)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput SLO on TTFT p90 (default 1000)")
     ap.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the figures as JSON")
     ap.add_argument(
         "--detail-json", type=Path, default=None, metavar="FILE", help="also every run's figures, NATS volume, load"
     )
-    ap.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="TTFT CDFs and prefill tokens")
-    ap.add_argument("--whatif", action="store_true", help="also replay the trace with maru-dynamo whatif")
+    ap.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="one rate: TTFT CDFs and prefill tokens; a sweep: TTFT p90 and prefill tokens against the rate",
+    )
+    ap.add_argument("--whatif", action="store_true", help="also replay the traffic with maru-dynamo whatif")
     ap.add_argument(
         "--calibration-out",
         type=Path,
@@ -592,16 +598,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write the what-if calibration measured by these runs (for real_traffic_scale.py)",
     )
     ap.add_argument("--keep-logs", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _validate(args: argparse.Namespace) -> tuple[list[Config], list[float], dict[float, Traffic]]:
+    """The configurations, the rates and the traffic at each rate; `TrafficError` names a bad value."""
+    from maru_vllm.pool.region import parse_size
+
+    configs = parse_configs(args.configs)
+    if not 1 <= args.workers <= 16:
+        raise TrafficError(f"--workers {args.workers}: use 1 to 16")
+    if args.repeats < 1:
+        raise TrafficError(f"--repeats {args.repeats}: use an integer >= 1")
+    if not args.slo_ttft_ms > 0:
+        raise TrafficError(f"--slo-ttft-ms {args.slo_ttft_ms}: use milliseconds > 0")
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < ENGINE_BLOCK_TOKENS * 2:
+        raise TrafficError(
+            f"--kv-cache-tokens {args.kv_cache_tokens}: use at least {2 * ENGINE_BLOCK_TOKENS} tokens "
+            f"(whole {ENGINE_BLOCK_TOKENS}-token blocks)"
+        )
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < MAX_MODEL_LEN:
+        raise TrafficError(
+            f"--kv-cache-tokens {args.kv_cache_tokens}: use at least the context, {MAX_MODEL_LEN} tokens "
+            "(vLLM refuses a cache that cannot hold one whole request)"
+        )
     try:
-        configs = parse_configs(args.configs)
-        if not 1 <= args.workers <= 16:
-            raise TrafficError(f"--workers {args.workers}: use 1 to 16")
-        if args.repeats < 1:
-            raise TrafficError(f"--repeats {args.repeats}: use an integer >= 1")
-        if not args.slo_ttft_ms > 0:
-            raise TrafficError(f"--slo-ttft-ms {args.slo_ttft_ms}: use milliseconds > 0")
-        traffic = build_traffic(args)
+        parse_size(args.pool_size)
+    except ValueError as exc:
+        raise TrafficError(f"--pool-size {args.pool_size!r}: {exc}") from None
+    rates = parse_sweep(args.sweep, "arrivals per second" if args.synthetic else "speedups") or [
+        args.rate if args.synthetic else args.speedup
+    ]
+    return configs, rates, {rate: build_traffic(args, rate) for rate in rates}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        configs, rates, traffics = _validate(args)
         if not AIPERF_BIN.exists():
             raise TrafficError(f"{AIPERF_BIN}: AIPerf is not installed; run 'make aiperf'")
     except TrafficError as exc:
@@ -613,69 +647,100 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not Path(model).is_dir():
         print(f"real_traffic.py: error: --model {args.model}: not a fixture name or a model directory", file=sys.stderr)
         return 2
+    traffic = traffics[rates[0]]
+    lengths = sorted(r.input_length for r in traffic.requests)
+    bed = Testbed(
+        model, args.workers, args.slo_ttft_ms, args.kv_cache_tokens, args.pool_size, lengths[len(lengths) // 2]
+    )
+    rate_unit = "req/s" if args.synthetic else "speedup"
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     work = Path(tempfile.mkdtemp(prefix="maru-traffic-"))
-    traffic_file = traffic.write(work / "trace.jsonl")
-    log(f"[traffic] {traffic.name}: {len(traffic.requests)} requests; trace {traffic_file}")
+    files = {rate: t.write(work / f"trace-{rate:g}.jsonl") for rate, t in traffics.items()}
+    log(f"[traffic] {traffic.name}: {len(traffic.requests)} requests at {len(rates)} rate(s) ({rate_unit}) {rates}")
     runs: list[Run] = []
     ok = False
     try:
         for rep in range(args.repeats):
-            for cfg in order_for(rep, configs):
-                t0 = time.monotonic()
-                run = run_config(
-                    cfg,
-                    traffic_file,
-                    traffic,
-                    model=model,
-                    workers=args.workers,
-                    slo_ms=args.slo_ttft_ms,
-                    work_dir=work,
-                    log=log,
-                    repeat=rep,
-                )
-                runs.append(run)
-                log(
-                    f"[{cfg.name}] repeat {rep + 1}: done in {time.monotonic() - t0:.0f}s, "
-                    f"{run.load.completed} completed, {run.load.failed} failed"
-                )
+            for i, rate in enumerate(rates):
+                for cfg in order_for(rep + i, configs):
+                    t0 = time.monotonic()
+                    run = run_config(
+                        cfg, files[rate], traffics[rate], bed=bed, work_dir=work, log=log, repeat=rep, rate=rate
+                    )
+                    runs.append(run)
+                    log(
+                        f"[{cfg.name}] {rate_unit} {rate:g}, repeat {rep + 1}: done in {time.monotonic() - t0:.0f}s, "
+                        f"{run.load.completed} completed, {run.load.failed} failed, "
+                        f"TTFT p90 {run.load.ttft(90):.0f} ms, prefill {run.prefill_tokens}"
+                    )
         ok = True
     finally:
         if args.keep_logs or not ok:
             log(f"[traffic] work dir kept: {work}")
-    summaries = summarise(runs)
-    summaries.sort(key=lambda s: [c.name for c in configs].index(s.config))
-    print(format_table(summaries, traffic))
+    summaries = summarise(runs, [c.name for c in configs])
+    ratios = measured_ratios(runs, traffic, bed)
+    good = goodput(summaries, args.slo_ttft_ms)
+    print(format_table(summaries, rate_unit))
+    print(
+        f"traffic: {traffic.name.rsplit(', speedup', 1)[0]}: {len(traffic.requests)} requests, "
+        f"{traffic.input_tokens} input tokens, {traffic.unique_prefix_tokens()} in its prefix tree (ideal shared "
+        f"cache); {traffic.dropped_too_long} dropped (longer than {MAX_MODEL_LEN})"
+    )
+    print("\n".join(ratios.lines()))
+    print(format_goodput(good, rate_unit))
+    predicted: dict[tuple[str, float], dict[str, float]] = {}
+    rc = 0
+    if args.whatif:
+        try:
+            text, predicted = whatif_report(runs, summaries, files, traffic, bed=bed, work=work)
+            print(text)
+        except (RuntimeError, ValueError, OSError) as exc:
+            print(f"real_traffic.py: the what-if could not run: {exc}", file=sys.stderr)
+            rc = 1
+    doc: dict[str, object] = {
+        "trace": traffic.name,
+        "requests": len(traffic.requests),
+        "rate_unit": rate_unit,
+        "kv_cache_tokens": ratios.kv_cache_tokens,
+        "pool_tokens": ratios.pool_tokens,
+        "unique_prompt_tokens": ratios.unique_prompt_tokens,
+        "recompute_to_load": ratios.recompute_to_load,
+        "goodput": good,
+        "results": [
+            {**s.as_json(), **({"whatif": predicted[(s.config, s.rate)]} if (s.config, s.rate) in predicted else {})}
+            for s in summaries
+        ],
+    }
     if args.json:
-        doc = {"trace": traffic.name, "requests": len(traffic.requests), "results": [s.as_json() for s in summaries]}
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     if args.detail_json:
-        doc = {
-            "trace": traffic.name,
-            "requests": len(traffic.requests),
+        detail = {
+            **{k: v for k, v in doc.items() if k != "results"},
             "input_tokens": traffic.input_tokens,
             "prefix_tree_tokens": traffic.unique_prefix_tokens(),
             "repeats": args.repeats,
-            "order": [[c.name for c in order_for(rep, configs)] for rep in range(args.repeats)],
+            "order": [
+                [[c.name for c in order_for(rep + i, configs)] for i in range(len(rates))]
+                for rep in range(args.repeats)
+            ],
             "results": [s.detail() for s in summaries],
         }
-        args.detail_json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        args.detail_json.write_text(json.dumps(detail, indent=1) + "\n", encoding="utf-8")
     if args.plot:
-        plot(summaries, args.plot, f"{traffic.name}: {len(traffic.requests)} requests, {args.workers} workers")
+        title = f"{traffic.name.rsplit(', speedup', 1)[0]}: {len(traffic.requests)} requests, {args.workers} workers"
+        if len(rates) > 1:
+            label = "arrivals per second" if args.synthetic else "trace speedup"
+            plot_sweep(summaries, args.plot, title, slo_ms=args.slo_ttft_ms, rate_label=label, predicted=predicted)
+        else:
+            plot_cdf(summaries, args.plot, title)
     if args.calibration_out:
         try:
             write_calibration(args.calibration_out, calibration_from_runs(runs, model))
         except RuntimeError as exc:
             print(f"real_traffic.py: no calibration: {exc}", file=sys.stderr)
-    if args.whatif:
-        try:
-            print(whatif_report(runs, summaries, traffic, traffic_file, model=model, workers=args.workers, work=work))
-        except (RuntimeError, ValueError, OSError) as exc:
-            print(f"real_traffic.py: the what-if could not run: {exc}", file=sys.stderr)
-            return 1
     if not args.keep_logs:
         shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

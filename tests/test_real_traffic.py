@@ -166,6 +166,11 @@ def test_repeats_rotate_which_configuration_goes_first() -> None:
         (["--trace", "/nonexistent.jsonl"], "--trace /nonexistent.jsonl: No such file or directory"),
         (["--workers", "0"], "--workers 0: use 1 to 16"),
         (["--synthetic", "--prefix-ratio", "1.5"], "--prefix-ratio 1.5: use a share from 0.0 to 1.0"),
+        (["--synthetic", "--sweep", "2,x"], "--sweep '2,x': use comma-separated arrivals per second > 0"),
+        (["--sweep", "0,4"], "--sweep '0,4': use comma-separated speedups > 0"),
+        (["--kv-cache-tokens", "100"], "--kv-cache-tokens 100: use at least 256 tokens"),
+        (["--kv-cache-tokens", "2048"], "--kv-cache-tokens 2048: use at least the context, 4096 tokens"),
+        (["--pool-size", "lots"], "--pool-size 'lots': invalid size 'lots'"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_value(args: list[str], message: str) -> None:
@@ -251,3 +256,62 @@ def test_scale_whatif_refuses_bad_worker_counts_in_one_line(capsys: pytest.Captu
     assert S.main(["--calibration", str(cal), "--workers", "8,x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["real_traffic_scale.py: error: --workers '8,x': use comma-separated integers >= 1"]
+
+
+def test_kv_cache_tokens_size_every_worker_alike_and_the_pool_follows_pool_size(tmp_path: Path) -> None:
+    for name in ("plain-kv", "maru-pool"):
+        graph = real_traffic.BY_NAME[name].graph("/m", 2, kv_cache_tokens=10_000, pool_size="3G")
+        plan = build_plan(parse_graph(graph), model="/m", work_dir=tmp_path)
+        for w in plan.workers:
+            argv = list(w.argv)
+            # whole 128-token blocks: 10,000 tokens are 78 blocks
+            assert argv[argv.index("--num-gpu-blocks-override") + 1] == "78", name
+            assert argv[argv.index("--block-size") + 1] == "128", name
+        assert graph["pool"]["size"] == "3G"  # type: ignore[index]
+    plain = real_traffic.BY_NAME["plain-kv"].graph("/m", 2)
+    assert "--num-gpu-blocks-override" not in plain["workers"][0]["args"]  # type: ignore[index]
+
+
+def _run(config: str, rate: float, p90: float, failed: int = 0, repeat: int = 0) -> real_traffic.Run:
+    load = T.LoadResult(10 - failed, failed, tuple([p90] * 10), (1.0,), 10, 1.0)
+    return real_traffic.Run(config, 2, load, 0, 0, 0, [5, 5], 0.0, 0.0, 0, 0.0, repeat=repeat, rate=rate)
+
+
+def test_goodput_is_the_highest_rate_meeting_the_slo_with_every_lower_rate_meeting_it() -> None:
+    import traffic_report as R
+
+    runs = [
+        # plain-kv meets the SLO at 1 and 2 req/s (median of three repeats at 2: one repeat misses)
+        *(_run("plain-kv", 1, 300, repeat=k) for k in range(3)),
+        _run("plain-kv", 2, 900, repeat=0),
+        _run("plain-kv", 2, 1200, repeat=1),
+        _run("plain-kv", 2, 950, repeat=2),
+        _run("plain-kv", 4, 5000),
+        # maru-pool meets it at 4 too, but a failed request at 8 disqualifies that rate
+        _run("maru-pool", 1, 100),
+        _run("maru-pool", 2, 200),
+        _run("maru-pool", 4, 400),
+        _run("maru-pool", 8, 600, failed=1),
+        # a configuration that misses at its lowest rate has no goodput, even if a higher rate meets it
+        _run("lmcache-kv", 1, 1500),
+        _run("lmcache-kv", 2, 800),
+    ]
+    summaries = R.summarise(runs, ["plain-kv", "maru-pool", "lmcache-kv"])
+    assert [(s.config, s.rate) for s in summaries][:3] == [("plain-kv", 1), ("plain-kv", 2), ("plain-kv", 4)]
+    good = {g["config"]: g["max_rate"] for g in R.goodput(summaries, 1000.0)}
+    assert good == {"plain-kv": 2, "maru-pool": 4, "lmcache-kv": None}
+    text = R.format_goodput(R.goodput(summaries, 1000.0), "req/s")
+    assert "maru-pool    4 (2.00x plain-kv)" in text
+    assert "lmcache-kv   none swept" in text
+    assert summaries[0].as_json()["rate"] == 1
+
+
+def test_sweep_traffic_has_the_same_requests_at_every_rate() -> None:
+    args = real_traffic._parser().parse_args(
+        ["--synthetic", "--requests", "20", "--synthetic-isl", "300", "--sweep", "4,2"]
+    )
+    _, rates, traffics = real_traffic._validate(args)
+    assert rates == [2.0, 4.0]
+    slow, fast = traffics[2.0], traffics[4.0]
+    assert [r.hash_ids for r in slow.requests] == [r.hash_ids for r in fast.requests]
+    assert fast.duration_s == pytest.approx(slow.duration_s / 2, rel=1e-3)

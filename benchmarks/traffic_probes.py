@@ -1,0 +1,130 @@
+"""Probes `real_traffic.py` sends to a fresh graph before its replay: what one request costs alone.
+
+* `prefill_probe`: the engines' prefill speed, tokens/s of a cold prompt alone (the what-if's
+  calibration).
+* `recompute_to_load_probe`: the testbed's *recompute-to-load ratio*: how long a cold prefill of a
+  prompt of the traffic's median length takes against a pool hit of the same prompt on the other
+  worker, each as one 1-token completion through the frontend (min of `rounds`). On a GPU serving a
+  32B model from CXL this ratio is ~8.6x; a testbed whose ratio is near 1 cannot show what the pool
+  saves.
+
+Both send fresh random prompts (never part of the traffic) and run before the replay's counters are
+read, so they change none of its figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import time
+import urllib.request
+from typing import Any
+
+PROBE_TOKENS = (16, 1536)
+
+
+def _complete(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[float, dict[str, Any]]:
+    """(seconds, response) of one non-streamed completion."""
+    req = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        out = json.loads(resp.read())
+    return time.perf_counter() - t0, out
+
+
+def _letters(rng: random.Random, n: int) -> str:
+    """`n` random letters: about one token each with the byte-level fixture tokenizers."""
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
+
+
+def _usage(out: dict[str, Any]) -> tuple[int, int]:
+    """(prompt tokens, cached prompt tokens) as the server counted them."""
+    usage = out.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
+
+
+def prefill_probe(url: str, model: str, rounds: int = 3) -> float:
+    """Prefill tokens/s of a cold prompt alone: the latency of fresh 1536- and 16-character prompts
+    (never seen, so computed in full), min of `rounds`, their difference over the difference in
+    tokens. The per-request costs both pay (HTTP, routing, one decode step) cancel.
+
+    Summed per-request prefill times (vllm:request_prefill_time_seconds) are no substitute: requests
+    that prefill together each count the shared time, which under load understates the speed."""
+    rng = random.Random(time.monotonic_ns())
+    best = dict.fromkeys(PROBE_TOKENS, (math.inf, 0))  # (seconds, prompt tokens as the server counted)
+    for _ in range(rounds):
+        for n in PROBE_TOKENS:
+            dt, out = _complete(url, {"model": model, "prompt": _letters(rng, n), "max_tokens": 1, "temperature": 0})
+            if dt < best[n][0]:
+                best[n] = (dt, _usage(out)[0] or n)
+    (t_short, n_short), (t_long, n_long) = best[PROBE_TOKENS[0]], best[PROBE_TOKENS[1]]
+    return (n_long - n_short) / (t_long - t_short) if t_long > t_short and n_long > n_short else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RatioProbe:
+    """A cold prefill and a pool hit of one prompt, each the min over the probe's rounds."""
+
+    prompt_tokens: int
+    cold_s: float
+    pool_hit_s: float
+    pool_hit_cached_tokens: int
+
+    @property
+    def recompute_to_load(self) -> float:
+        return self.cold_s / self.pool_hit_s if self.pool_hit_s > 0 else 0.0
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cold_ms": round(self.cold_s * 1000, 2),
+            "pool_hit_ms": round(self.pool_hit_s * 1000, 2),
+            "pool_hit_cached_tokens": self.pool_hit_cached_tokens,
+            "recompute_to_load": round(self.recompute_to_load, 2),
+        }
+
+
+def generate_instances(url: str) -> list[int]:
+    """The instance ids of the workers serving `generate`, from the frontend's /health."""
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as resp:
+        health = json.loads(resp.read())
+    return sorted({int(i["instance_id"]) for i in health.get("instances", []) if i.get("endpoint") == "generate"})
+
+
+def recompute_to_load_probe(
+    url: str, model: str, tokens: int, *, chunk_tokens: int, rounds: int = 3, settle_s: float = 0.5
+) -> RatioProbe | None:
+    """Cold prefill of a fresh `tokens`-token prompt on one worker against the same prompt on another
+    (which never saw it, so it loads the prompt's whole chunks from the pool), min of `rounds`.
+
+    A round whose second request did not load every whole chunk (a store still behind, the pool
+    full) is not a pool hit and is sent again with a fresh prompt, at most `rounds` extra times.
+    None when the graph has fewer than two workers or no round hit."""
+    ids = generate_instances(url)
+    if len(ids) < 2 or tokens < chunk_tokens:
+        return None
+    rng = random.Random(time.monotonic_ns())
+    want = (tokens - 1) // chunk_tokens * chunk_tokens  # the last token is always computed
+    cold, hit, cached_seen = math.inf, math.inf, 0
+    hits = tries = 0
+    while hits < rounds and tries < 2 * rounds:
+        tries += 1
+        a, b = (ids[0], ids[1]) if tries % 2 else (ids[1], ids[0])
+        body: dict[str, Any] = {"model": model, "prompt": _letters(rng, tokens), "max_tokens": 1, "temperature": 0}
+        t_cold, _ = _complete(url, {**body, "nvext": {"backend_instance_id": a}})
+        time.sleep(settle_s)  # the store is write-behind: let it commit
+        t_hit, out = _complete(url, {**body, "nvext": {"backend_instance_id": b}})
+        cached = _usage(out)[1]
+        cold = min(cold, t_cold)
+        if cached >= want:
+            hits += 1
+            hit = min(hit, t_hit)
+            cached_seen = cached
+    if not hits:
+        return None
+    return RatioProbe(tokens, cold, hit, cached_seen)
