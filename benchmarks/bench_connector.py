@@ -104,6 +104,7 @@ class Engines:
         pool_gb: int,
         lmcache: bool,
         extra_env: dict[str, str] | None = None,
+        chunk_tokens: int = 256,
     ) -> None:
         self.group, self.work, self.model = group, work, model
         self.logs = work / "logs"
@@ -123,7 +124,7 @@ class Engines:
             "kv_connector": "MaruKVConnector",
             "kv_connector_module_path": "maru_vllm.connector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"maru_pool_address": address},
+            "kv_connector_extra_config": {"maru_pool_address": address, "maru_kv_chunk_tokens": chunk_tokens},
         }
         configs: list[tuple[str, int, dict[str, Any] | None]] = [
             ("plain", CORE_A, None),
@@ -132,7 +133,7 @@ class Engines:
         ]
         if lmcache:
             lmc = start_lmcache_server(
-                group, self.logs / "lmcache-server.log", chunk_tokens=256, l1_gb=pool_gb, cpus=(CORE_A,)
+                group, self.logs / "lmcache-server.log", chunk_tokens=chunk_tokens, l1_gb=pool_gb, cpus=(CORE_A,)
             ).kv_transfer_config
             configs += [("lmc-A", CORE_A, lmc), ("lmc-B", CORE_B, lmc)]
         for name, core, kv in configs:
@@ -157,7 +158,7 @@ class Engines:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    model = str(ensure_model("bench"))
+    model = str(ensure_model(args.model))
     work = Path(tempfile.mkdtemp(prefix="maru-bench-"))
     lengths = [int(x) for x in args.lengths.split(",")]
     systems = ["maru"] + (["lmc"] if args.lmcache else [])
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     loads: list[dict[str, float]] = []
     with ProcessGroup() as group:
-        eng = Engines(group, work, model, args.pool_gb, args.lmcache)
+        eng = Engines(group, work, model, args.pool_gb, args.lmcache, chunk_tokens=args.chunk_tokens)
         print(f"[bench] engines ready; logs in {eng.logs}", file=sys.stderr)
         # Warm every engine, and every load/store path once, with a short prompt.
         for sysname in systems:
@@ -186,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row[key], row[f"{key}_cached"] = eng.ttft(engine, prompt)
                 # A hit is timed once the cold run's write-behind stores are committed (not while
                 # maru-A still copies them: that is a miss's cost, and measured as one).
-                wait_stored(eng.urls["maru-A"], stored_before + length // 256)
+                wait_stored(eng.urls["maru-A"], stored_before + length // args.chunk_tokens)
                 for s in systems:
                     before = metrics(eng.urls["maru-B"]) if s == "maru" else {}
                     row[f"hit_{s}"], row[f"hit_{s}_cached"] = eng.ttft(f"{s}-B", prompt)
@@ -208,12 +209,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     main_len = max(x for x in lengths if x <= 4096) if any(x <= 4096 for x in lengths) else lengths[0]
     per_token = [ld["bytes_loaded"] / ld["tokens"] for ld in loads if ld.get("bytes_loaded")]
     kv_bytes_per_token = round(per_token[0]) if per_token else 0
-    prof = profile_load(main_len, args.profile_repeats)
+    prof = profile_load(main_len, args.profile_repeats, model=args.model, chunk_tokens=args.chunk_tokens)
     prof["checksum_GBps"] = checksum_algorithms()
     # The reference: a memcpy of one main-length prompt's KV bytes out of a pool region into a
     # touched buffer, timed in the profile's loop.
     memcpy = prof["GBps"]["memcpy of the same bytes"]
-    return summarize(rows, loads, stored, memcpy, prof, kv_bytes_per_token, main_len, systems)
+    res = summarize(rows, loads, stored, memcpy, prof, kv_bytes_per_token, main_len, systems)
+    return {**res, "model": args.model, "chunk_tokens": args.chunk_tokens}
 
 
 def summarize(
@@ -248,7 +250,6 @@ def summarize(
     t = table[main_len]
     cold_plain = t["cold_plain"]
     return {
-        "model": "bench",
         "main_tokens": main_len,
         "samples": len(rows) // len(lengths),
         "table": {str(n): v for n, v in table.items()},
@@ -272,7 +273,10 @@ def summarize(
 
 def report(res: dict[str, Any], systems: list[str]) -> None:
     n = res["main_tokens"]
-    print(f"model bench, one core per engine, min of {res['samples']} samples per length")
+    print(
+        f"model {res['model']}, {res['chunk_tokens']}-token chunks, one core per engine, "
+        f"min of {res['samples']} samples per length"
+    )
     names = {"maru": "Maru", "lmc": "LMCache MP"}
     head = f"{'tokens':>7} {'cold plain':>10}"
     for s in systems:
@@ -345,7 +349,7 @@ def plot(res: dict[str, Any], systems: list[str], path: Path) -> None:
 def calibration_of(res: dict[str, Any]) -> Calibration:
     """The measured numbers the what-if replay needs (`maru-dynamo whatif --calibration`)."""
     return Calibration(
-        model=SPECS["bench"].name,
+        model=SPECS[res["model"]].name,
         kv_bytes_per_token=res["kv_bytes_per_token"],
         load_gbps=res["load_GBps_in_engine"],
         store_gbps=res["store_GBps_in_engine"],
@@ -362,6 +366,8 @@ def main() -> int:
         help="prompt lengths in loadable tokens, comma separated (each prompt is one token longer)",
     )
     ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--model", default="bench", choices=sorted(SPECS), help="fixture model (default bench)")
+    ap.add_argument("--chunk-tokens", type=int, default=256, help="tokens per pool object (default 256)")
     ap.add_argument("--pool-gb", type=int, default=1, help="Maru pool and LMCache L1 size, GiB")
     ap.add_argument("--no-lmcache", dest="lmcache", action="store_false", help="leave LMCache out")
     ap.add_argument("--profile-repeats", type=int, default=10)
@@ -377,6 +383,8 @@ def main() -> int:
         ap.error(f"--lengths {args.lengths!r}: every length must be in 1..{MAX_MODEL_LEN - 2}")
     if args.samples < 1:
         ap.error(f"--samples {args.samples}: must be >= 1")
+    if args.chunk_tokens < 128 or args.chunk_tokens % 128:
+        ap.error(f"--chunk-tokens {args.chunk_tokens}: use a multiple of the engine's 128-token block")
     if len(os.sched_getaffinity(0)) < 2 or not {CORE_A, CORE_B} <= os.sched_getaffinity(0):
         ap.error(
             f"this benchmark pins engines to cores {CORE_A} and {CORE_B}; this process may use "

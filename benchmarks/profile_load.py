@@ -77,10 +77,11 @@ def profile_load(
     block_size: int = 128,
     num_blocks: int = 160,
     tiles: tuple[int, ...] = (),
+    model: str = "bench",
 ) -> dict[str, Any]:
-    """Min-of-`repeats` milliseconds of a load of `tokens` tokens of bench-model KV and its parts."""
+    """Min-of-`repeats` milliseconds of a load of `tokens` tokens of the fixture `model`'s KV and its parts."""
     torch.set_num_threads(1)
-    spec = SPECS["bench"]
+    spec = SPECS[model]
     bpc = chunk_tokens // block_size
     chunks = tokens // chunk_tokens
     if chunks * bpc * 2 + 8 > num_blocks:
