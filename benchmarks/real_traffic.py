@@ -51,6 +51,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 REPO = Path(__file__).resolve().parents[1]
 for p in (REPO, REPO / "benchmarks"):
     if str(p) not in sys.path:
@@ -74,7 +76,7 @@ from traffic_load import (  # noqa: E402
     synthetic_trace,
     tokenizer_cache,
 )
-from traffic_probes import RatioProbe, prefill_probe, recompute_to_load_probe  # noqa: E402
+from traffic_probes import RatioProbe, engine_timing_probe, prefill_tokens_per_s, recompute_to_load_probe  # noqa: E402
 from traffic_report import Summary, format_goodput, format_table, goodput, plot_cdf, plot_sweep, summarise  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
@@ -105,8 +107,8 @@ class Config:
         """The graph of this configuration; `kv_cache_tokens` sizes every worker's KV cache (whole
         engine blocks, ``--num-gpu-blocks-override``), the same for plain and Maru workers."""
         args: list[str] = ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(ENGINE_BLOCK_TOKENS)]
-        if kv_cache_tokens is not None:
-            args += ["--num-gpu-blocks-override", str(kv_cache_tokens // ENGINE_BLOCK_TOKENS)]
+        if kv_cache_tokens is not None:  # and the null block vLLM keeps out of every cache
+            args += ["--num-gpu-blocks-override", str(kv_cache_tokens // ENGINE_BLOCK_TOKENS + 1)]
         if self.engine == "maru" and not self.pool_events:
             args.append("--no-maru-pool-events")
         if kv_transfer is not None:
@@ -148,10 +150,10 @@ class Run:
     load_bytes: int
     load_seconds: float
     block_size: int = 0  # the engines' KV block size and KV-cache blocks (vllm:cache_config_info)
-    kv_blocks: int = 0
+    kv_blocks: int = 0  # with the null block, which never holds KV
     repeat: int = 0
     loadavg: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average before / after the replay
-    prefill_probe_tokens_per_s: float = 0.0  # a cold prompt alone (traffic_probes.prefill_probe)
+    prefill_probe_tokens_per_s: float = 0.0  # a cold prompt alone (traffic_probes.prefill_tokens_per_s)
     nats_msgs: int = 0  # messages and bytes into nats-server during the replay (its /varz)
     nats_bytes: int = 0
     replay_s: float = 0.0  # wall time of the AIPerf replay
@@ -159,6 +161,13 @@ class Run:
     ratio_probe: RatioProbe | None = None  # cold prefill vs pool hit of a median-length prompt (Maru only)
     load_chunks: int = 0  # pool chunks loaded in the replay and the seconds of each part of their loads
     load_parts: dict[str, float] = dataclasses.field(default_factory=dict)
+    timing: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)  # engine_timing_probe
+
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """The tokens one worker's KV cache holds (its blocks but the null block)."""
+        return max(0, self.kv_blocks - 1) * self.block_size
 
 
 def with_nats_monitoring(plan: Any) -> tuple[Any, str | None]:
@@ -289,7 +298,8 @@ def run_config(
                 procs[w.name].wait_for_log(r"pool '\S+' synced at seq", timeout=120)
         metrics = [w.metrics_url for w in plan.workers if w.metrics_url]
         _warm_up(plan.url, bed.model, metrics, log)
-        probe = prefill_probe(plan.url, bed.model)
+        timing = engine_timing_probe(plan.url, bed.model, MAX_MODEL_LEN - 8)
+        probe = prefill_tokens_per_s(timing["prefill_points"])
         ratio = (
             recompute_to_load_probe(plan.url, bed.model, bed.probe_tokens, chunk_tokens=CHUNK_TOKENS)
             if cfg.engine == "maru"
@@ -365,6 +375,7 @@ def run_config(
             ratio,
             int(loads["chunks_loaded"]),
             {p: loads[f"load_{p}_seconds"] for p in LOAD_PARTS},
+            timing,
         )
     except BaseException:
         log(f"[{cfg.name}] failed; logs in {gdir / 'logs'}")
@@ -424,7 +435,7 @@ def measured_ratios(runs: Sequence[Run], traffic: Traffic, bed: Testbed) -> Rati
     from maru_vllm.pool.region import parse_size
     from maru_vllm.whatif.spec import kv_bytes_per_token_of_model
 
-    kv = sorted(r.kv_blocks * r.block_size for r in runs)
+    kv = sorted(r.kv_cache_tokens for r in runs)
     probes = sorted(r.ratio_probe.recompute_to_load for r in runs if r.ratio_probe is not None)
     return Ratios(
         kv_cache_tokens=kv[len(kv) // 2] if kv else 0,
@@ -461,7 +472,7 @@ def whatif_report(
             workers=bed.workers,
             trace_block_size=traffic.block_tokens,
             block_size=block,
-            gpu_blocks=runs[0].kv_blocks * runs[0].block_size // block,
+            gpu_blocks=runs[0].kv_cache_tokens // block,
             pool_size=bed.pool_size,
             configs=sorted({COUNTERPART[s.config] for s in at_rate if s.config in COUNTERPART}),
         )
@@ -716,6 +727,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.detail_json:
         detail = {
             **{k: v for k, v in doc.items() if k != "results"},
+            "argv": list(argv) if argv is not None else sys.argv[1:],
+            "calibration": msgspec.to_builtins(calibration_from_runs(runs, model)),
             "input_tokens": traffic.input_tokens,
             "prefix_tree_tokens": traffic.unique_prefix_tokens(),
             "repeats": args.repeats,

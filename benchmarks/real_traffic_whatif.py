@@ -57,8 +57,9 @@ def _memcpy_gbps(nbytes: int = 64 << 20, rounds: int = 5) -> float:
 
 def calibration_from_runs(runs: Sequence[object], model: str) -> Calibration:
     """Prefill speed and pool load bandwidth as the engines measured them during `runs`: the median
-    prefill probe (`real_traffic._prefill_probe`) where the runs have one, else prefill tokens over
-    the engines' summed prefill seconds (which understates the speed when prefills overlap)."""
+    prefill probe (`traffic_probes.engine_timing_probe`) where the runs have one, else prefill tokens
+    over the engines' summed prefill seconds (which understates the speed when prefills overlap);
+    and the engines' own prefill and decode times where the runs probed them."""
     prefill_tokens = sum(getattr(r, "prefill_tokens") for r in runs)  # noqa: B009
     prefill_s = sum(getattr(r, "prefill_seconds") for r in runs)  # noqa: B009
     load_bytes = sum(getattr(r, "load_bytes") for r in runs)  # noqa: B009
@@ -72,6 +73,7 @@ def calibration_from_runs(runs: Sequence[object], model: str) -> Calibration:
     else:
         raise RuntimeError("no prefill was measured: cannot calibrate the what-if")
     load_gbps = load_bytes / load_s / 1e9 if load_s > 0 and load_bytes > 0 else DEFAULT_LOAD_GBPS
+    timings = [t for r in runs if (t := getattr(r, "timing", None))]
     return Calibration(
         model=model,
         kv_bytes_per_token=kv_bytes_per_token_of_model(model),
@@ -79,7 +81,18 @@ def calibration_from_runs(runs: Sequence[object], model: str) -> Calibration:
         store_gbps=load_gbps,
         prefill_tokens_per_s=prefill_rate,
         memcpy_gbps=_memcpy_gbps(),
+        prefill_points=median_points([t["prefill_points"] for t in timings]),
+        decode_points=median_points([t["decode_points"] for t in timings]),
     )
+
+
+def median_points(series: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[int, float]] | None:
+    """Per x, the median y over the runs' (x, y) points (the x every run measured); None for none."""
+    if not series:
+        return None
+    xs = sorted(set.intersection(*({x for x, _ in points} for points in series)))
+    out = [(x, float(np.median([y for points in series for px, y in points if px == x]))) for x in xs]
+    return out if len(out) >= 2 else None
 
 
 def whatif_rows(

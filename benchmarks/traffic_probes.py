@@ -1,7 +1,8 @@
 """Probes `real_traffic.py` sends to a fresh graph before its replay: what one request costs alone.
 
-* `prefill_probe`: the engines' prefill speed, tokens/s of a cold prompt alone (the what-if's
-  calibration).
+* `engine_timing_probe`: the engine's own times for the what-if's engines: a cold prompt alone at
+  several lengths (ms to its first token; `prefill_tokens_per_s` reads the prefill speed off
+  them) and a decode-only step alone and in a batch of 8.
 * `recompute_to_load_probe`: the testbed's *recompute-to-load ratio*: how long a cold prefill of a
   prompt of the traffic's median length takes against a pool hit of the same prompt on the other
   worker, each as one 1-token completion through the frontend (min of `rounds`). On a GPU serving a
@@ -14,15 +15,18 @@ read, so they change none of its figures.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import itertools
 import json
 import math
 import random
 import time
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
 
-PROBE_TOKENS = (16, 1536)
+PROBE_LONG = 1536  # the prompt prefill_tokens_per_s reads against the shortest
 
 
 def _complete(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[float, dict[str, Any]]:
@@ -48,22 +52,68 @@ def _usage(out: dict[str, Any]) -> tuple[int, int]:
     return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
 
 
-def prefill_probe(url: str, model: str, rounds: int = 3) -> float:
-    """Prefill tokens/s of a cold prompt alone: the latency of fresh 1536- and 16-character prompts
-    (never seen, so computed in full), min of `rounds`, their difference over the difference in
-    tokens. The per-request costs both pay (HTTP, routing, one decode step) cancel.
+def prefill_tokens_per_s(points: Sequence[tuple[int, float]]) -> float:
+    """Prefill tokens/s of a cold prompt alone, from `engine_timing_probe`'s prefill points: the
+    difference in tokens of the shortest and the 1536-token prompt over the difference in their
+    times, so the per-request costs both pay (HTTP, routing, one decode step) cancel.
 
     Summed per-request prefill times (vllm:request_prefill_time_seconds) are no substitute: requests
     that prefill together each count the shared time, which under load understates the speed."""
+    by = dict(points)
+    short, long = min(by), (PROBE_LONG if PROBE_LONG in by else max(by))
+    dt = (by[long] - by[short]) / 1000
+    return (long - short) / dt if dt > 0 and long > short else 0.0
+
+
+TIMING_PREFILL_TOKENS = (16, 512, 1536, 3072, 4000)
+DECODE_TOKENS = 33  # a decode probe's output: 32 steps after its first token
+DECODE_BATCH = 8
+
+
+def _stream(url: str, body: dict[str, Any], timeout: float = 300) -> list[float]:
+    """Arrival times (seconds after sending) of a streamed completion's token events."""
+    payload = {**body, "stream": True}
+    req = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(payload).encode(), {"content-type": "application/json"}
+    )
+    t0 = time.perf_counter()
+    times: list[float] = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]" and json.loads(line[5:]).get("choices"):
+                times.append(time.perf_counter() - t0)
+    return times
+
+
+def _decode_step_ms(times: Sequence[float]) -> float:
+    """The median gap between a stream's token events: one decode step each."""
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    return gaps[len(gaps) // 2] * 1000 if gaps else 0.0
+
+
+def engine_timing_probe(url: str, model: str, max_tokens: int, rounds: int = 2) -> dict[str, list[tuple[int, float]]]:
+    """The engine's times as the what-if's engines take them (`Calibration.prefill_points` and
+    `decode_points`): ms to the first token of a fresh prompt of n tokens alone (min of `rounds`,
+    n up to `max_tokens`), and ms per decode step of one request alone and of `DECODE_BATCH`
+    requests decoding together, against the KV tokens the batch holds."""
     rng = random.Random(time.monotonic_ns())
-    best = dict.fromkeys(PROBE_TOKENS, (math.inf, 0))  # (seconds, prompt tokens as the server counted)
-    for _ in range(rounds):
-        for n in PROBE_TOKENS:
-            dt, out = _complete(url, {"model": model, "prompt": _letters(rng, n), "max_tokens": 1, "temperature": 0})
-            if dt < best[n][0]:
-                best[n] = (dt, _usage(out)[0] or n)
-    (t_short, n_short), (t_long, n_long) = best[PROBE_TOKENS[0]], best[PROBE_TOKENS[1]]
-    return (n_long - n_short) / (t_long - t_short) if t_long > t_short and n_long > n_short else 0.0
+    prefill: list[tuple[int, float]] = []
+    for n in (t for t in TIMING_PREFILL_TOKENS if t <= max_tokens):
+        best = min(
+            _complete(url, {"model": model, "prompt": _letters(rng, n), "max_tokens": 1, "temperature": 0})[0]
+            for _ in range(rounds)
+        )
+        prefill.append((n, round(best * 1000, 3)))
+    decode: list[tuple[int, float]] = []
+    body = {"max_tokens": DECODE_TOKENS, "temperature": 0, "ignore_eos": True, "model": model}
+    alone = _decode_step_ms(_stream(url, {**body, "prompt": _letters(rng, 512)}))
+    decode.append((512 + DECODE_TOKENS // 2, round(alone, 3)))
+    with concurrent.futures.ThreadPoolExecutor(DECODE_BATCH) as ex:
+        streams = list(ex.map(lambda _: _stream(url, {**body, "prompt": _letters(rng, 1024)}), range(DECODE_BATCH)))
+    batch = sorted(_decode_step_ms(t) for t in streams)
+    decode.append((DECODE_BATCH * (1024 + DECODE_TOKENS // 2), round(batch[len(batch) // 2], 3)))
+    return {"prefill_points": prefill, "decode_points": decode}
 
 
 @dataclasses.dataclass(frozen=True)

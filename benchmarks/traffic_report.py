@@ -86,7 +86,7 @@ class Summary:
                 "replay_s": round(r.replay_s, 2),
                 "prefill_probe_tokens_per_s": round(r.prefill_probe_tokens_per_s, 1),
                 "ratio_probe": r.ratio_probe.as_json() if r.ratio_probe is not None else None,
-                "kv_cache_tokens": r.kv_blocks * r.block_size,
+                "kv_cache_tokens": r.kv_cache_tokens,
                 "loadavg_1m_before_after": [round(v, 2) for v in r.loadavg],
                 "schedule_lag_p99_ms": r.load.schedule_lag_p99_ms,
             }
@@ -217,8 +217,8 @@ def plot_sweep(
         rows = sorted((s for s in summaries if s.config == config), key=lambda s: s.rate)
         rates = [s.rate for s in rows]
         p90 = [float(s.as_json()["ttft_p90_ms"]) for s in rows]  # type: ignore[arg-type]
-        lo = [p - min(r.load.ttft(90) for r in s.runs) for p, s in zip(p90, rows)]
-        hi = [max(r.load.ttft(90) for r in s.runs) - p for p, s in zip(p90, rows)]
+        lo = [max(0.0, p - min(r.load.ttft(90) for r in s.runs)) for p, s in zip(p90, rows)]
+        hi = [max(0.0, max(r.load.ttft(90) for r in s.runs) - p) for p, s in zip(p90, rows)]
         ax1.errorbar(rates, p90, yerr=[lo, hi], marker="o", capsize=3, color=color, label=config)
         ax2.plot(rates, [int(s.as_json()["prefill_tokens"]) for s in rows], marker="o", color=color, label=config)  # type: ignore[call-overload]
         if predicted:

@@ -30,6 +30,12 @@ class Calibration(msgspec.Struct, forbid_unknown_fields=True):
     # memcpy of the same bytes in the same run, GB/s: the hardware reference for the two above.
     memcpy_gbps: float
     version: int = CALIBRATION_VERSION
+    # The engine's own timing, where it was measured (benchmarks/real_traffic.py): a cold prompt
+    # of n tokens alone, (n, ms to its first token), and a decode-only step of a batch holding c KV
+    # tokens, (c, ms). With them the what-if's engines take these times instead of the mocker's
+    # scaled to `prefill_tokens_per_s` (whose fixed cost per prefill is a GPU's, not this engine's).
+    prefill_points: list[tuple[int, float]] | None = None
+    decode_points: list[tuple[int, float]] | None = None
 
 
 def write_calibration(path: str | Path, calibration: Calibration) -> None:
@@ -56,4 +62,13 @@ def read_calibration(path: str | Path) -> Calibration:
             raise ValueError(f"calibration file {p}: {name} must be > 0, got {getattr(cal, name)}")
     if cal.kv_bytes_per_token <= 0:
         raise ValueError(f"calibration file {p}: kv_bytes_per_token must be > 0, got {cal.kv_bytes_per_token}")
+    for name in ("prefill_points", "decode_points"):
+        points = getattr(cal, name)
+        if points is None:
+            continue
+        xs = [x for x, _ in points]
+        if len(points) < 2 or xs != sorted(set(xs)) or any(x <= 0 or not y > 0 for x, y in points):
+            raise ValueError(
+                f"calibration file {p}: {name} must be at least two (tokens, ms) pairs, tokens rising, all > 0"
+            )
     return cal

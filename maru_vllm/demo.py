@@ -1,14 +1,17 @@
 """`make demo` / `maru-dynamo demo`: the main job on the embedded defaults.
 
 Runs the bundled aggregated graph (`graphs/agg.yaml`: nats-server, the Maru pool, Dynamo's
-frontend with the pool-aware KV router, two Maru workers) on the offline `tiny` model and shows
-what the product does:
+frontend with the pool-aware KV router, two Maru workers) on the offline `medium` fixture model,
+whose prefill costs about what a GPU's does against a pool load (a pool hit replaces a prefill
+of 5-20x its time, as on a GPU serving a 32B model from CXL), and shows what the product does:
 
 1. a long prompt goes through the router to one worker, which prefills it and stores its
    chunks in the shared pool;
 2. the router now credits the *other* worker with those chunks at the pool tier;
 3. the same prompt sent to that other worker is served from the pool (its `cached_tokens`
-   cover the prompt) with the same greedy output - nothing was recomputed.
+   cover the prompt) with the same greedy output - nothing was recomputed - in a fraction of
+   the prefill's time: the demo prints the ratio, and the same prompt served from that
+   worker's own prefix cache for reference.
 
 Then it prints the pool's status and stops everything.
 """
@@ -27,23 +30,40 @@ from maru_vllm.launch import ProcessGroup
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="run the main job (aggregated graph, cross-worker KV reuse) and stop")
-    p.add_argument("--model", default="tiny", help="fixture size (tiny, bench) or a model directory (default tiny)")
+    p.add_argument(
+        "--model", default="medium", help="fixture size (tiny, medium, bench) or a model directory (default medium)"
+    )
     p.add_argument(
         "--prompt-tokens",
         type=int,
-        default=3 * 256 + 1,
-        help="length of the demo prompt in tokens (default 769: three 256-token pool chunks)",
+        default=8 * 256 + 1,
+        help="length of the demo prompt in tokens (default 2049: eight 256-token pool chunks and one token)",
     )
     p.add_argument("--keep-logs", action="store_true", help="keep the graph's logs")
     p.set_defaults(func=run_demo)
 
 
 def _post(url: str, payload: dict[str, Any]) -> tuple[dict[str, Any], float]:
-    req = urllib.request.Request(url, json.dumps(payload).encode(), {"content-type": "application/json"})
+    """A streamed completion: ({"text", "usage"}, seconds to its first token). The time to the
+    first token is what a prompt's prefill - or its load from a cache - costs the user."""
+    body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
     t0 = time.perf_counter()
+    ttft: float | None = None
+    text: list[str] = []
+    usage: dict[str, Any] = {}
     with urllib.request.urlopen(req, timeout=600) as resp:
-        out = json.loads(resp.read())
-    return out, time.perf_counter() - t0
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            for choice in event.get("choices") or []:
+                # a byte-level token can be part of a UTF-8 character: an event with no text yet
+                ttft = time.perf_counter() - t0 if ttft is None else ttft
+                text.append(choice.get("text") or "")
+            usage = event.get("usage") or usage
+    return {"text": "".join(text), "usage": usage}, (ttft if ttft is not None else time.perf_counter() - t0)
 
 
 def _cached(out: dict[str, Any]) -> int:
@@ -85,8 +105,8 @@ def run_demo(args: argparse.Namespace) -> int:
         first, t_first = _post(f"{url}/v1/completions", body)
         worker_a = _selected_worker(frontend.log_text(), 0)
         print(
-            f"\n[demo] 1. router sent the {len(prompt)}-token prompt to worker {worker_a}: prefilled in "
-            f"{t_first:.2f}s, cached_tokens={_cached(first)}"
+            f"\n[demo] 1. router sent the {len(prompt)}-token prompt to worker {worker_a}: first token after "
+            f"{t_first:.2f}s (its prefill), cached_tokens={_cached(first)}"
         )
 
         pool_address = next(
@@ -103,13 +123,19 @@ def run_demo(args: argparse.Namespace) -> int:
         health = json.loads(urllib.request.urlopen(f"{url}/health", timeout=10).read())
         ids = sorted({i["instance_id"] for i in health.get("instances", []) if i.get("endpoint") == "generate"})
         worker_b = next(i for i in ids if i != worker_a)
-        second, t_second = _post(f"{url}/v1/completions", {**body, "nvext": {"backend_instance_id": worker_b}})
-        same = second["choices"][0]["text"] == first["choices"][0]["text"]
+        on_b = {**body, "nvext": {"backend_instance_id": worker_b}}
+        second, t_second = _post(f"{url}/v1/completions", on_b)
+        same = second["text"] == first["text"]
         print(
             f"[demo] 3. the same prompt on worker {worker_b}, which never saw it: cached_tokens={_cached(second)} "
-            f"(loaded from the pool), {t_second:.2f}s, same output: {same}"
+            f"(loaded from the pool), first token after {t_second:.2f}s, same output: {same}"
         )
-        print(f"[demo]    output: {second['choices'][0]['text']!r}")
+        print(f"[demo]    output: {second['text']!r}")
+        _, t_local = _post(f"{url}/v1/completions", on_b)
+        print(
+            f"[demo]    recompute-to-load: the prefill took {t_first / t_second:.1f}x as long as the pool hit "
+            f"that replaced it; a hit in worker {worker_b}'s own prefix cache now takes {t_local:.2f}s"
+        )
         with PoolClient.connect(pool_address) as c:
             print("\n[demo] pool status:\n" + format_status(c.stats()))
         return 0 if same and _cached(second) > 0 else 1

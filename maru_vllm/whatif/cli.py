@@ -126,8 +126,15 @@ def _spec_from_args(args: argparse.Namespace) -> S.ClusterSpec:
         cal = read_calibration(args.calibration)
         kvbpt = kvbpt or cal.kv_bytes_per_token
         pool_gbps = pool_gbps or cal.load_gbps
-        spec = S.ClusterSpec(kv_bytes_per_token=kvbpt, pool_gbps=pool_gbps, **base)
-        # The mocker's own prefill speed scaled to the measured one (decode keeps the mocker's).
+        spec = S.ClusterSpec(
+            kv_bytes_per_token=kvbpt,
+            pool_gbps=pool_gbps,
+            engine_prefill_points=tuple(map(tuple, cal.prefill_points)) if cal.prefill_points else None,  # type: ignore[arg-type]
+            engine_decode_points=tuple(map(tuple, cal.decode_points)) if cal.decode_points else None,  # type: ignore[arg-type]
+            **base,
+        )
+        # The mocker's own prefill speed scaled to the measured one (decode keeps the mocker's), for
+        # whatever the calibration did not measure itself.
         return dataclasses.replace(spec, prefill_speedup=cal.prefill_tokens_per_s / mocker_prefill_tokens_per_s(spec))
     return S.ClusterSpec(
         kv_bytes_per_token=kvbpt or S.DEFAULT_KV_BYTES_PER_TOKEN, pool_gbps=pool_gbps or S.DEFAULT_POOL_GBPS, **base
@@ -167,7 +174,13 @@ def run_whatif(args: argparse.Namespace) -> int:
             f"pool {spec.pool_bytes / 1e9:g} GB = {spec.pool_blocks:,} blocks of {spec.block_size} tokens, "
             f"{spec.pool_gbps:g} GB/s per link, {spec.pool_aggregate_gbps:g} GB/s aggregate; "
             f"host weight {spec.host_weight:g}"
-            + (f"; prefill speed x{spec.prefill_speedup:.4g} (calibration)" if args.calibration else "")
+            + (
+                "; engine times measured (calibration)"
+                if spec.engine_prefill_points and spec.engine_decode_points
+                else f"; prefill speed x{spec.prefill_speedup:.4g} (calibration)"
+                if args.calibration
+                else ""
+            )
         )
         print(report.table(rows, sweep=weights is not None))
         if best:

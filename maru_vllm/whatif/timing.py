@@ -147,8 +147,15 @@ def _measure(block_size: int, kv_bytes_per_token: int, prefill_speedup: float, g
 
 
 def mocker_timing(spec: ClusterSpec) -> MockerTiming:
-    """The mocker's prefill and decode times for `spec`'s engine (measured once per process)."""
-    return _measure(spec.block_size, spec.kv_bytes_per_token, float(spec.prefill_speedup), spec.gpu_blocks)
+    """The engine times of `spec`: a measured engine's where the calibration carried them, else the
+    mocker's prefill and decode times for its engine (measured once per process)."""
+    mocker: MockerTiming | None = None
+    if spec.engine_prefill_points is None or spec.engine_decode_points is None:
+        mocker = _measure(spec.block_size, spec.kv_bytes_per_token, float(spec.prefill_speedup), spec.gpu_blocks)
+    return MockerTiming(
+        spec.engine_prefill_points or mocker.prefill_points,  # type: ignore[union-attr]
+        spec.engine_decode_points or mocker.decode_points,  # type: ignore[union-attr]
+    )
 
 
 def mocker_prefill_tokens_per_s(spec: ClusterSpec) -> float:
