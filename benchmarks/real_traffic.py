@@ -60,7 +60,7 @@ for p in (REPO, REPO / "benchmarks"):
 
 from lmcache_peer import start_lmcache_server  # noqa: E402
 from maru_vllm.calibration import write_calibration  # noqa: E402
-from real_traffic_whatif import COUNTERPART, cache_config, calibration_from_runs, side_by_side, whatif_rows  # noqa: E402
+from real_traffic_whatif import cache_config, calibration_from_runs, predict_rates  # noqa: E402
 from traffic_load import (  # noqa: E402
     AIPERF_BIN,
     LoadResult,
@@ -83,6 +83,7 @@ DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl
 MAX_MODEL_LEN = 4096
 ENGINE_BLOCK_TOKENS = 128  # vLLM's KV block on CPU, set explicitly so --kv-cache-tokens means whole blocks
 CHUNK_TOKENS = 128  # pool chunk = one engine block: a shared prefix is loadable block by block
+STEP_TOKENS = 2048  # prompt tokens per engine step (vLLM CPU's default), set so the what-if knows it
 POOL_SIZE = "1G"
 
 
@@ -106,7 +107,14 @@ class Config:
     ) -> dict[str, object]:
         """The graph of this configuration; `kv_cache_tokens` sizes every worker's KV cache (whole
         engine blocks, ``--num-gpu-blocks-override``), the same for plain and Maru workers."""
-        args: list[str] = ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(ENGINE_BLOCK_TOKENS)]
+        args: list[str] = [
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--block-size",
+            str(ENGINE_BLOCK_TOKENS),
+            "--max-num-batched-tokens",
+            str(STEP_TOKENS),
+        ]
         if kv_cache_tokens is not None:  # and the null block vLLM keeps out of every cache
             args += ["--num-gpu-blocks-override", str(kv_cache_tokens // ENGINE_BLOCK_TOKENS + 1)]
         if self.engine == "maru" and not self.pool_events:
@@ -162,7 +170,7 @@ class Run:
     load_chunks: int = 0  # pool chunks loaded in the replay and the seconds of each part of their loads
     load_parts: dict[str, float] = dataclasses.field(default_factory=dict)
     timing: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)  # engine_timing_probe
-
+    cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)  # CPU seconds of the replay by role
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -215,6 +223,61 @@ def _cpu_seconds(pid: int) -> float:
 
     t = psutil.Process(pid).cpu_times()
     return float(t.user + t.system)
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a live process and its live descendants."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+CPU_ROLES = ("engines", "frontend", "pool", "nats", "lmcache")
+
+
+def _cpu_by_role(group: Any) -> dict[str, float]:
+    """CPU seconds so far of the graph's processes, by role (workers' trees are the engines)."""
+    out = dict.fromkeys(CPU_ROLES, 0.0)
+    for p in group.processes:
+        if p.proc is None or p.proc.poll() is not None:
+            continue
+        name = p.name
+        role = (
+            "engines"
+            if name.startswith("worker")
+            else "frontend"
+            if name == "frontend"
+            else "nats"
+            if name == "nats-server"
+            else "lmcache"
+            if "lmcache" in name
+            else "pool"
+            if "pool" in name
+            else None
+        )
+        if role is not None:
+            out[role] += _tree_cpu_seconds(p.proc.pid)
+    return out
+
+
+def _children_cpu_seconds() -> float:
+    """CPU seconds of this process's waited-for children (AIPerf and everything it started)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def _warm_up(url: str, model: str, metrics: Sequence[str], log: Callable[[str], None]) -> None:
@@ -320,6 +383,7 @@ def run_config(
         front = procs["frontend"]
         assert front.proc is not None
         cpu0 = _cpu_seconds(front.proc.pid)
+        roles0, aiperf0 = _cpu_by_role(group), _children_cpu_seconds()
         nats0 = nats_counters(varz)
         load0 = os.getloadavg()[0]
         replay0 = time.monotonic()
@@ -342,7 +406,9 @@ def run_config(
             tail = (gdir / "aiperf.log").read_text(errors="replace").splitlines()[-25:]
             raise RuntimeError(f"[{cfg.name}] aiperf exited {rc}:\n" + "\n".join(tail))
         cpu1 = _cpu_seconds(front.proc.pid)
+        roles1, aiperf1 = _cpu_by_role(group), _children_cpu_seconds()
         replay_s = time.monotonic() - replay0
+        cpu = {k: roles1[k] - roles0[k] for k in CPU_ROLES} | {"aiperf": aiperf1 - aiperf0}
         nats1 = nats_counters(varz)
         # Engines count a request's tokens when it finishes; AIPerf returns once every one has.
         after = [read_counters(m) for m in metrics]
@@ -376,6 +442,7 @@ def run_config(
             int(loads["chunks_loaded"]),
             {p: loads[f"load_{p}_seconds"] for p in LOAD_PARTS},
             timing,
+            cpu,
         )
     except BaseException:
         log(f"[{cfg.name}] failed; logs in {gdir / 'logs'}")
@@ -457,35 +524,18 @@ def whatif_report(
 ) -> tuple[str, dict[tuple[str, float], dict[str, float]]]:
     """The same scaled traffic at each rate through `maru-dynamo whatif`, calibrated on `runs`,
     beside the real figures; and the predictions keyed by (real config, rate) for the plot."""
-    cal = calibration_from_runs(runs, bed.model)
-    cal_file = work / "calibration.json"
-    write_calibration(cal_file, cal)
-    # The what-if needs whole engine blocks per hash id: where the engines' blocks are larger than
-    # the trace's, it simulates blocks of the trace's size (the same KV-cache tokens in all).
-    block = math.gcd(runs[0].block_size, traffic.block_tokens)
-    texts, predicted = [], {}
-    for rate, trace_file in sorted(traffic_files.items()):
-        at_rate = [s for s in summaries if s.rate == rate]
-        rows = whatif_rows(
-            trace_file,
-            cal_file,
-            workers=bed.workers,
-            trace_block_size=traffic.block_tokens,
-            block_size=block,
-            gpu_blocks=runs[0].kv_cache_tokens // block,
-            pool_size=bed.pool_size,
-            configs=sorted({COUNTERPART[s.config] for s in at_rate if s.config in COUNTERPART}),
-        )
-        by_twin = {str(r["config"]): r for r in rows}
-        for s in at_rate:
-            w = by_twin.get(COUNTERPART.get(s.config, ""))
-            if w is not None and isinstance(w.get("ttft_p90_ms"), (int, float)):
-                predicted[(s.config, rate)] = {
-                    "prefill_tokens": float(w["prefill_tokens"]),  # type: ignore[arg-type]
-                    "ttft_p90_ms": float(w["ttft_p90_ms"]),  # type: ignore[arg-type]
-                }
-        texts.append(f"-- rate {rate:g} --\n" + side_by_side([s.as_json() for s in at_rate], rows, cal))
-    return "\n".join(texts), predicted
+    cal = calibration_from_runs(runs, bed.model, STEP_TOKENS)
+    return predict_rates(
+        [s.as_json() for s in summaries],
+        traffic_files,
+        cal,
+        work=work,
+        workers=bed.workers,
+        trace_block_tokens=traffic.block_tokens,
+        engine_block_tokens=runs[0].block_size,
+        kv_cache_tokens=runs[0].kv_cache_tokens,
+        pool_size=bed.pool_size,
+    )
 
 
 def order_for(repeat: int, configs: Sequence[Config]) -> list[Config]:
@@ -728,7 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         detail = {
             **{k: v for k, v in doc.items() if k != "results"},
             "argv": list(argv) if argv is not None else sys.argv[1:],
-            "calibration": msgspec.to_builtins(calibration_from_runs(runs, model)),
+            "calibration": msgspec.to_builtins(calibration_from_runs(runs, model, STEP_TOKENS)),
             "input_tokens": traffic.input_tokens,
             "prefix_tree_tokens": traffic.unique_prefix_tokens(),
             "repeats": args.repeats,
@@ -748,7 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plot_cdf(summaries, args.plot, title)
     if args.calibration_out:
         try:
-            write_calibration(args.calibration_out, calibration_from_runs(runs, model))
+            write_calibration(args.calibration_out, calibration_from_runs(runs, model, STEP_TOKENS))
         except RuntimeError as exc:
             print(f"real_traffic.py: no calibration: {exc}", file=sys.stderr)
     if not args.keep_logs:

@@ -5,7 +5,12 @@
 loaded per second of loading, the model's KV bytes per token); `whatif_rows` replays the very
 scaled trace AIPerf sent through ``maru-dynamo whatif --calibration`` with the engines' block size
 and KV-cache blocks (``vllm:cache_config_info``); `side_by_side` prints both, and the TTFT p90 and
-prefill-token orderings of the configurations each one has.
+prefill-token orderings of the configurations each one has; `predict_rates` does it for each
+rate of a sweep.
+
+Run on its own it predicts again from a recorded run (``--detail-json`` of `real_traffic.py`,
+which keeps the run's arguments and calibration), e.g. after a change to the what-if:
+``python benchmarks/real_traffic_whatif.py docs/real_traffic_synthetic_runs.json [--json OUT]``.
 
 Real configurations and their what-if counterparts: plain-rr = round-robin, plain-kv = kv-gpu,
 maru-pool = kv-pool (maru-rr and maru-kv-gpu have none: the what-if's round-robin and kv-gpu have no pool).
@@ -13,9 +18,12 @@ maru-pool = kv-pool (maru-rr and maru-kv-gpu have none: the what-if's round-robi
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -23,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maru_vllm.calibration import Calibration
+from maru_vllm.calibration import Calibration, write_calibration
 from maru_vllm.whatif.spec import kv_bytes_per_token_of_model
 
 COUNTERPART = {"plain-rr": "round-robin", "plain-kv": "kv-gpu", "maru-pool": "kv-pool"}
@@ -55,7 +63,7 @@ def _memcpy_gbps(nbytes: int = 64 << 20, rounds: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def calibration_from_runs(runs: Sequence[object], model: str) -> Calibration:
+def calibration_from_runs(runs: Sequence[object], model: str, step_tokens: int | None = None) -> Calibration:
     """Prefill speed and pool load bandwidth as the engines measured them during `runs`: the median
     prefill probe (`traffic_probes.engine_timing_probe`) where the runs have one, else prefill tokens
     over the engines' summed prefill seconds (which understates the speed when prefills overlap);
@@ -83,6 +91,7 @@ def calibration_from_runs(runs: Sequence[object], model: str) -> Calibration:
         memcpy_gbps=_memcpy_gbps(),
         prefill_points=median_points([t["prefill_points"] for t in timings]),
         decode_points=median_points([t["decode_points"] for t in timings]),
+        step_tokens=step_tokens,
     )
 
 
@@ -184,3 +193,96 @@ def side_by_side(real: Sequence[dict[str, object]], whatif: Sequence[dict[str, o
 
 def _f(v: object) -> str:
     return f"{v:.1f}" if isinstance(v, (int, float)) else "-"
+
+
+def predict_rates(
+    real: Sequence[dict[str, object]],
+    traffic_files: dict[float, Path],
+    cal: Calibration,
+    *,
+    work: Path,
+    workers: int,
+    trace_block_tokens: int,
+    engine_block_tokens: int,
+    kv_cache_tokens: int,
+    pool_size: str,
+) -> tuple[str, dict[tuple[str, float], dict[str, float]]]:
+    """The what-if at each rate's traffic (`traffic_files`), calibrated by `cal`, beside the real
+    rows (``real_traffic --json`` rows, each with its ``rate``); and its predictions keyed by
+    (real config, rate)."""
+    cal_file = work / "calibration.json"
+    write_calibration(cal_file, cal)
+    # The what-if needs whole engine blocks per hash id: where the engines' blocks are larger than
+    # the trace's, it simulates blocks of the trace's size (the same KV-cache tokens in all).
+    block = math.gcd(engine_block_tokens, trace_block_tokens)
+    texts: list[str] = []
+    predicted: dict[tuple[str, float], dict[str, float]] = {}
+    for rate, trace_file in sorted(traffic_files.items()):
+        at_rate = [r for r in real if r["rate"] == rate]
+        rows = whatif_rows(
+            trace_file,
+            cal_file,
+            workers=workers,
+            trace_block_size=trace_block_tokens,
+            block_size=block,
+            gpu_blocks=kv_cache_tokens // block,
+            pool_size=pool_size,
+            configs=sorted({COUNTERPART[str(r["config"])] for r in at_rate if r["config"] in COUNTERPART}),
+        )
+        by_twin = {str(w["config"]): w for w in rows}
+        for r in at_rate:
+            w = by_twin.get(COUNTERPART.get(str(r["config"]), ""))
+            if w is not None and isinstance(w.get("ttft_p90_ms"), (int, float)):
+                predicted[(str(r["config"]), rate)] = {
+                    "prefill_tokens": float(w["prefill_tokens"]),  # type: ignore[arg-type]
+                    "ttft_p90_ms": float(w["ttft_p90_ms"]),  # type: ignore[arg-type]
+                    "ttft_p50_ms": float(w["ttft_p50_ms"]),  # type: ignore[arg-type]
+                }
+        texts.append(f"-- rate {rate:g} --\n" + side_by_side(at_rate, rows, cal))
+    return "\n".join(texts), predicted
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Predict again from a recorded `real_traffic.py --detail-json` run."""
+    import msgspec
+
+    import real_traffic
+
+    ap = argparse.ArgumentParser(description="the what-if again, on a recorded real_traffic.py run")
+    ap.add_argument("detail", type=Path, help="the run's --detail-json file")
+    ap.add_argument("--json", type=Path, default=None, help="also rewrite this --json file's 'whatif' entries")
+    args = ap.parse_args(argv)
+    doc = json.loads(args.detail.read_text())
+    run_args = real_traffic._parser().parse_args(doc["argv"])
+    _, _, traffics = real_traffic._validate(run_args)
+    cal = msgspec.convert(doc["calibration"], Calibration)
+    from maru_dynamo.graphs.run import resolve_model
+
+    model = resolve_model(run_args.model)
+    with tempfile.TemporaryDirectory(prefix="maru-predict-") as tmp:
+        files = {rate: t.write(Path(tmp) / f"trace-{rate:g}.jsonl") for rate, t in traffics.items()}
+        text, predicted = predict_rates(
+            doc["results"],
+            files,
+            msgspec.structs.replace(cal, model=model),
+            work=Path(tmp),
+            workers=run_args.workers,
+            trace_block_tokens=run_args.trace_block_size,
+            engine_block_tokens=real_traffic.ENGINE_BLOCK_TOKENS,
+            kv_cache_tokens=int(doc["kv_cache_tokens"]),
+            pool_size=run_args.pool_size,
+        )
+    print(text)
+    if args.json is not None:
+        out = json.loads(args.json.read_text())
+        for row in out["results"]:
+            key = (row["config"], row["rate"])
+            row.pop("whatif", None)
+            if key in predicted:
+                row["whatif"] = predicted[key]
+        args.json.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

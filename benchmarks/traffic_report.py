@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from traffic_load import median
+
+CORES = len(os.sched_getaffinity(0))  # what a run's CPU shares are of
 
 
 @dataclasses.dataclass
@@ -88,6 +91,9 @@ class Summary:
                 "ratio_probe": r.ratio_probe.as_json() if r.ratio_probe is not None else None,
                 "kv_cache_tokens": r.kv_cache_tokens,
                 "loadavg_1m_before_after": [round(v, 2) for v in r.loadavg],
+                "cpu_share_of_the_cores": {
+                    k: round(v / r.replay_s / CORES, 3) for k, v in r.cpu_s.items() if r.replay_s
+                },
                 "schedule_lag_p99_ms": r.load.schedule_lag_p99_ms,
             }
             for r in self.runs
@@ -156,7 +162,7 @@ def format_goodput(rows: Sequence[dict[str, object]], rate_unit: str, baseline: 
     for r in rows:
         rate = r["max_rate"]
         vs = (
-            f" ({float(rate) / float(base):.2f}x {baseline})"  # type: ignore[arg-type]
+            f" ({float(rate) / float(base):.2f}x {baseline})"
             if isinstance(rate, (int, float)) and isinstance(base, (int, float)) and base > 0
             else ""
         )

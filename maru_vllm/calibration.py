@@ -36,6 +36,8 @@ class Calibration(msgspec.Struct, forbid_unknown_fields=True):
     # scaled to `prefill_tokens_per_s` (whose fixed cost per prefill is a GPU's, not this engine's).
     prefill_points: list[tuple[int, float]] | None = None
     decode_points: list[tuple[int, float]] | None = None
+    # Prompt tokens one engine step computes at most (vLLM's max_num_batched_tokens), where known.
+    step_tokens: int | None = None
 
 
 def write_calibration(path: str | Path, calibration: Calibration) -> None:
@@ -62,6 +64,8 @@ def read_calibration(path: str | Path) -> Calibration:
             raise ValueError(f"calibration file {p}: {name} must be > 0, got {getattr(cal, name)}")
     if cal.kv_bytes_per_token <= 0:
         raise ValueError(f"calibration file {p}: kv_bytes_per_token must be > 0, got {cal.kv_bytes_per_token}")
+    if cal.step_tokens is not None and cal.step_tokens < 1:
+        raise ValueError(f"calibration file {p}: step_tokens must be >= 1, got {cal.step_tokens}")
     for name in ("prefill_points", "decode_points"):
         points = getattr(cal, name)
         if points is None:

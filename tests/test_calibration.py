@@ -22,6 +22,9 @@ def test_round_trip(tmp_path):
     p = tmp_path / "cal.json"
     write_calibration(p, _cal())
     assert read_calibration(p) == _cal()
+    measured = _cal(prefill_points=[(16, 20.5), (1536, 250.0)], decode_points=[(528, 12.0), (8320, 16.5)], step_tokens=2048)
+    write_calibration(p, measured)
+    assert read_calibration(p) == measured
 
 
 @pytest.mark.parametrize(
@@ -32,6 +35,10 @@ def test_round_trip(tmp_path):
         (lambda d: d.update(bogus=1), "bogus"),
         (lambda d: d.pop("model"), "model"),
         (lambda d: d.update(version=99), "version 99"),
+        (lambda d: d.update(prefill_points=[[16, 20.0]]), "prefill_points must be at least two (tokens, ms) pairs"),
+        (lambda d: d.update(decode_points=[[500, 12.0], [100, 14.0]]), "decode_points must be at least two"),
+        (lambda d: d.update(prefill_points=[[16, 20.0], [512, 0]]), "prefill_points must be at least two"),
+        (lambda d: d.update(step_tokens=0), "step_tokens must be >= 1, got 0"),
     ],
 )
 def test_bad_files_are_one_line_errors(tmp_path, mutate, needle):

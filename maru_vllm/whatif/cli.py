@@ -131,6 +131,7 @@ def _spec_from_args(args: argparse.Namespace) -> S.ClusterSpec:
             pool_gbps=pool_gbps,
             engine_prefill_points=tuple(map(tuple, cal.prefill_points)) if cal.prefill_points else None,  # type: ignore[arg-type]
             engine_decode_points=tuple(map(tuple, cal.decode_points)) if cal.decode_points else None,  # type: ignore[arg-type]
+            **({"step_tokens": cal.step_tokens} if cal.step_tokens else {}),
             **base,
         )
         # The mocker's own prefill speed scaled to the measured one (decode keeps the mocker's), for

@@ -16,11 +16,12 @@ Why this exists: Dynamo 1.6.1's offline replay models the shared tier (``native_
   random (``router_temperature`` 0, Dynamo's defaults);
 * **the mocker's timing**, measured from Dynamo's replay (`timing.mocker_timing`).
 
-What differs from Dynamo's mocker (stated in the README): each worker runs one prefill at a
-time, first come first served (the mocker's vLLM scheduler may pack several short prompts into
-one step); running requests decode one token per engine step, a step taking the mocker's
-decode-only time for the batch's KV tokens, or, while a prefill runs, a chunk's time plus that
-decode time (vLLM's mixed batch); engine cache: vLLM-style prefix cache of ``gpu_blocks`` blocks,
+Each worker's engine steps as vLLM's scheduler packs them: the admitted prompts' next chunks,
+then waiting requests in order of arrival, up to ``step_tokens`` prompt tokens a step (vLLM's
+``max_num_batched_tokens``); a step with prefill work takes the prefill time of its tokens (the
+mocker's, or a measured engine's) plus, while requests decode, a decode step's time (vLLM's
+mixed batch); between such steps running requests decode one token per step, a step taking the
+decode-only time for the batch's KV tokens; engine cache: vLLM-style prefix cache of ``gpu_blocks`` blocks,
 free blocks evicted least recently used (a request's tail first), hits capped at the prompt's
 last full block before its last token; the pool and host tiers are written through when a
 prefill ends (every full prompt block; vLLM's offloading connectors and Maru store on prefill) and
@@ -38,7 +39,7 @@ from collections.abc import Container, Sequence
 from typing import Any
 
 from maru_vllm.whatif.spec import KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
-from maru_vllm.whatif.timing import STEP_TOKENS, MockerTiming
+from maru_vllm.whatif.timing import MockerTiming
 from maru_vllm.whatif.trace import TraceRequest
 
 POOL_WORKER_ID = 1 << 30  # the pool's own id in the host-tier tree
@@ -193,6 +194,10 @@ class _Request:
         "blocks_needed",
         "pinned",
         "first_token",
+        "remaining",
+        "dev_hit",
+        "load_ms",
+        "reserved",
     )
 
     def __init__(self, idx: int, req: TraceRequest, local: list[int], seq: list[int], arrival: float) -> None:
@@ -206,6 +211,10 @@ class _Request:
         self.blocks_needed = 0
         self.pinned: list[int] = []
         self.first_token = 0.0
+        self.remaining = 0  # prompt tokens still to compute once admitted
+        self.dev_hit = 0  # prompt blocks found in the worker's prefix cache at admission
+        self.load_ms = 0.0  # loading its tier hit, in the step that admitted it
+        self.reserved = 0  # prompt blocks it will add to the prefix cache, reserved while it prefills
 
 
 class _Worker:
@@ -214,8 +223,10 @@ class _Worker:
         self.gpu = _BlockCache(spec.gpu_blocks)
         self.host = _BlockCache(host_blocks) if host_blocks else None
         self.private_blocks = 0  # blocks of running requests that are not shared prefix blocks
-        self.queue: list[_Request] = []
-        self.busy = False
+        self.queue: list[_Request] = []  # waiting to be admitted
+        self.prefilling: list[_Request] = []  # admitted, prompt chunks left to compute
+        self.reserved_blocks = 0  # prompt blocks of prefilling requests, not yet in the prefix cache
+        self.busy = False  # an engine step with prefill work runs
         self.active_prefill_tokens = 0
         # Decode as the mocker steps it: every running request advances one token per engine step;
         # a step decodes only (its time grows with the batch's KV tokens) or also runs a prefill
@@ -344,10 +355,9 @@ class PoolModel:
         self._try_start(now, wk)
 
     # -- engine -------------------------------------------------------------------------------
-    def _try_start(self, now: float, wk: _Worker) -> None:
-        if wk.busy or not wk.queue:
-            return
-        rq = wk.queue[0]
+    def _admit(self, now: float, wk: _Worker, rq: _Request) -> bool:
+        """Admit `rq` to prefill if its blocks fit (evicting free blocks as vLLM does): its hits
+        pinned, its tier hit loaded in the step it joins, its new blocks reserved. False: it waits."""
         bs = self.spec.block_size
         isl = rq.req.input_length
         max_hit = (isl - 1) // bs  # the last token is always computed
@@ -363,43 +373,85 @@ class PoolModel:
         new_shared = len(rq.seq) - dev_hit  # prompt blocks this request adds to the prefix cache
         private = max(0, total_blocks - len(rq.seq))
         need = new_shared + private
-        free_now = wk.gpu.capacity - wk.gpu.used() - wk.private_blocks
+        free_now = wk.gpu.capacity - wk.gpu.used() - wk.private_blocks - wk.reserved_blocks
         if need > free_now:
             short = need - free_now
             hits_free = sum(1 for s in rq.seq[:dev_hit] if s in wk.gpu.free)
-            if wk.gpu.evictable() - hits_free < short and wk.decode_due:
-                return  # wait for running requests to free blocks
+            if wk.gpu.evictable() - hits_free < short and (wk.decode_due or wk.prefilling):
+                return False  # wait for running requests to free blocks
             wk.gpu.pin(rq.seq[:dev_hit])  # hits are in use from now on, not evictable
             self.device_index.removed(wk.wid, wk.gpu.evict(short))
         else:
             wk.gpu.pin(rq.seq[:dev_hit])
-        wk.queue.pop(0)
-        wk.busy = True
         wk.gpu.touch(rq.seq[:dev_hit])
         if tier is not None and tier_hit > dev_hit:
             tier.touch(rq.seq[dev_hit:tier_hit])
         computed = isl - tier_hit * bs
         load_tokens = (tier_hit - dev_hit) * bs
-        load_ms = 0.0
+        rq.load_ms = 0.0
         if load_tokens:
             self.loads_in_flight += 1
             gbps = self.spec.pool_gbps
             if self.config == KV_POOL:
                 gbps = min(gbps, self.spec.pool_aggregate_gbps / self.loads_in_flight)
-            load_ms = load_tokens * self.spec.kv_bytes_per_token / (gbps * 1e9) * 1000.0
+            rq.load_ms = load_tokens * self.spec.kv_bytes_per_token / (gbps * 1e9) * 1000.0
         self.prefill_tokens += computed
+        rq.remaining = computed
+        rq.dev_hit = dev_hit
         rq.pinned = rq.seq[:dev_hit]
         rq.blocks_needed = private
+        rq.reserved = new_shared
         wk.private_blocks += private
-        chunks = max(1, -(-computed // STEP_TOKENS))
-        # Each prefill chunk runs in a step that also decodes the running requests (vLLM's mixed
-        # batch): the step takes the chunk's time plus a decode step's.
-        mixed_ms = chunks * self.timing.itl_ms(wk.context_tokens) if wk.decode_due else 0.0
-        duration = load_ms + self.timing.prefill_ms(computed) + mixed_ms
+        wk.reserved_blocks += new_shared
+        return True
+
+    def _try_start(self, now: float, wk: _Worker) -> None:
+        """Start the worker's next engine step if it has prefill work, as vLLM's scheduler packs
+        one: the admitted prompts' next chunks first, then waiting requests in order of arrival,
+        while the step has prompt tokens left (`step_tokens`) and their blocks fit. The step takes
+        the prefill time of its tokens, the loads of the requests it admitted, and - when requests
+        are decoding - a decode step's time (vLLM's mixed batch)."""
+        if wk.busy:
+            return
+        budget = self.spec.step_tokens
+        chunks: list[tuple[_Request, int]] = []
+        for rq in wk.prefilling:
+            if budget <= 0:
+                break
+            take = min(rq.remaining, budget)
+            chunks.append((rq, take))
+            budget -= take
+        load_ms = 0.0
+        while budget > 0 and wk.queue and self._admit(now, wk, wk.queue[0]):
+            rq = wk.queue.pop(0)
+            wk.prefilling.append(rq)
+            load_ms += rq.load_ms
+            take = min(rq.remaining, budget)
+            chunks.append((rq, take))
+            budget -= take
+        if not chunks:
+            return
+        tokens = sum(take for _, take in chunks)
+        mixed_ms = self.timing.itl_ms(wk.context_tokens) if wk.decode_due else 0.0
+        duration = load_ms + self.timing.prefill_ms(tokens) + mixed_ms
         self._advance(now, wk)
-        wk.prefill_rate = chunks / duration if duration > 0 else None
+        wk.busy = True
+        wk.prefill_rate = 1.0 / duration if duration > 0 else None
         self._reschedule(now, wk)
-        self._at(now + duration, "prefilled", (rq, bool(load_tokens), dev_hit))
+        self._at(now + duration, "stepped", (wk, chunks))
+
+    def _on_stepped(self, now: float, payload: tuple[_Worker, list[tuple[_Request, int]]]) -> None:
+        wk, chunks = payload
+        self._advance(now, wk)
+        wk.busy = False
+        wk.prefill_rate = None
+        for rq, take in chunks:
+            rq.remaining -= take
+            if rq.remaining <= 0:
+                wk.prefilling.remove(rq)
+                self._prefilled(now, wk, rq)
+        self._try_start(now, wk)
+        self._reschedule(now, wk)
 
     # -- decode clock -------------------------------------------------------------------------
     def _advance(self, now: float, wk: _Worker) -> None:
@@ -429,14 +481,12 @@ class PoolModel:
         self._try_start(now, wk)
         self._reschedule(now, wk)
 
-    def _on_prefilled(self, now: float, payload: tuple[_Request, bool, int]) -> None:
-        rq, loaded, dev_hit = payload
-        wk = self.workers[rq.worker]
-        if loaded:
+    def _prefilled(self, now: float, wk: _Worker, rq: _Request) -> None:
+        """`rq`'s last prompt chunk ran: its first token, its blocks in the prefix cache, its decode."""
+        dev_hit = rq.dev_hit
+        if rq.load_ms:
             self.loads_in_flight -= 1
-        self._advance(now, wk)
-        wk.busy = False
-        wk.prefill_rate = None
+        wk.reserved_blocks -= rq.reserved
         rq.first_token = now
         self.ttfts.append(now - rq.arrival)
         # The prompt's blocks are now in the device prefix cache (computed or loaded): stored events.
@@ -449,8 +499,6 @@ class PoolModel:
         self._write_through(wk, rq)
         heapq.heappush(wk.decode_due, (wk.decode_v + rq.req.output_length - 1, rq.idx, rq))
         wk.context_tokens += rq.req.input_length + rq.req.output_length // 2  # its KV, on average over its decode
-        self._try_start(now, wk)
-        self._reschedule(now, wk)
 
     def _write_through(self, wk: _Worker, rq: _Request) -> None:
         if self.config == KV_POOL:

@@ -105,6 +105,9 @@ def kv_bytes_per_token_of_model(model: str) -> int:
     return 2 * layers * kv_heads * head_dim * nbytes
 
 
+MOCKER_STEP_TOKENS = 8192  # Dynamo mocker's default max_num_batched_tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
     """Everything about the simulated cluster except the worker count and the configuration."""
@@ -124,9 +127,12 @@ class ClusterSpec:
     # `decode_points`), used by the pool model instead of the mocker's where given.
     engine_prefill_points: tuple[tuple[int, float], ...] | None = None
     engine_decode_points: tuple[tuple[int, float], ...] | None = None
+    # Prompt tokens one engine step computes at most (vLLM's max_num_batched_tokens; Dynamo's
+    # mocker's default 8192): the pool model's engines pack prefill chunks into steps of it.
+    step_tokens: int = MOCKER_STEP_TOKENS
 
     def __post_init__(self) -> None:
-        for name in ("kv_bytes_per_token", "block_size", "gpu_blocks", "pool_bytes", "trace_block_size"):
+        for name in ("kv_bytes_per_token", "block_size", "gpu_blocks", "pool_bytes", "trace_block_size", "step_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("pool_gbps", "pool_aggregate_gbps", "arrival_speedup", "prefill_speedup"):

@@ -26,9 +26,9 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-from maru_vllm.whatif.spec import ClusterSpec
+from maru_vllm.whatif.spec import MOCKER_STEP_TOKENS, ClusterSpec
 
-STEP_TOKENS = 8192  # Dynamo mocker's default max_num_batched_tokens (a prefill chunk)
+STEP_TOKENS = MOCKER_STEP_TOKENS  # the mocker's prefill chunk
 _PREFILL_POINTS = (64, 256, 512, 1024, 2048, 4096, STEP_TOKENS)
 _DECODE_BATCH = 8
 _DECODE_SHARES = (0.02, 0.1, 0.25, 0.5, 0.85)  # of the GPU KV cache, held by the decoding batch
