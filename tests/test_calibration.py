@@ -22,7 +22,9 @@ def test_round_trip(tmp_path):
     p = tmp_path / "cal.json"
     write_calibration(p, _cal())
     assert read_calibration(p) == _cal()
-    measured = _cal(prefill_points=[(16, 20.5), (1536, 250.0)], decode_points=[(528, 12.0), (8320, 16.5)], step_tokens=2048)
+    measured = _cal(
+        prefill_points=[(16, 20.5), (1536, 250.0)], decode_points=[(528, 12.0), (8320, 16.5)], step_tokens=2048
+    )
     write_calibration(p, measured)
     assert read_calibration(p) == measured
 
