@@ -7,10 +7,7 @@ scaled trace AIPerf sent through ``maru-dynamo whatif --calibration`` with the e
 and KV-cache blocks (``vllm:cache_config_info``); `side_by_side` prints both, and the TTFT p90 and
 prefill-token orderings of the configurations each one has; `predict_rates` does it for each
 rate of a sweep.
-
-Run on its own it predicts again from a recorded run (``--detail-json`` of `real_traffic.py`,
-which keeps the run's arguments and calibration), e.g. after a change to the what-if:
-``python benchmarks/real_traffic_whatif.py docs/real_traffic_synthetic_runs.json [--json OUT]``.
+`real_traffic_predict.py` predicts again from a recorded run.
 
 Real configurations and their what-if counterparts: plain-rr = round-robin, plain-kv = kv-gpu,
 maru-pool = kv-pool (maru-rr and maru-kv-gpu have none: the what-if's round-robin and kv-gpu have no pool).
@@ -18,12 +15,10 @@ maru-pool = kv-pool (maru-rr and maru-kv-gpu have none: the what-if's round-robi
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -240,49 +235,3 @@ def predict_rates(
                 }
         texts.append(f"-- rate {rate:g} --\n" + side_by_side(at_rate, rows, cal))
     return "\n".join(texts), predicted
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Predict again from a recorded `real_traffic.py --detail-json` run."""
-    import msgspec
-
-    import real_traffic
-
-    ap = argparse.ArgumentParser(description="the what-if again, on a recorded real_traffic.py run")
-    ap.add_argument("detail", type=Path, help="the run's --detail-json file")
-    ap.add_argument("--json", type=Path, default=None, help="also rewrite this --json file's 'whatif' entries")
-    args = ap.parse_args(argv)
-    doc = json.loads(args.detail.read_text())
-    run_args = real_traffic._parser().parse_args(doc["argv"])
-    _, _, traffics = real_traffic._validate(run_args)
-    cal = msgspec.convert(doc["calibration"], Calibration)
-    from maru_dynamo.graphs.run import resolve_model
-
-    model = resolve_model(run_args.model)
-    with tempfile.TemporaryDirectory(prefix="maru-predict-") as tmp:
-        files = {rate: t.write(Path(tmp) / f"trace-{rate:g}.jsonl") for rate, t in traffics.items()}
-        text, predicted = predict_rates(
-            doc["results"],
-            files,
-            msgspec.structs.replace(cal, model=model),
-            work=Path(tmp),
-            workers=run_args.workers,
-            trace_block_tokens=run_args.trace_block_size,
-            engine_block_tokens=real_traffic.ENGINE_BLOCK_TOKENS,
-            kv_cache_tokens=int(doc["kv_cache_tokens"]),
-            pool_size=run_args.pool_size,
-        )
-    print(text)
-    if args.json is not None:
-        out = json.loads(args.json.read_text())
-        for row in out["results"]:
-            key = (row["config"], row["rate"])
-            row.pop("whatif", None)
-            if key in predicted:
-                row["whatif"] = predicted[key]
-        args.json.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

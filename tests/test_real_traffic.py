@@ -315,3 +315,42 @@ def test_sweep_traffic_has_the_same_requests_at_every_rate() -> None:
     slow, fast = traffics[2.0], traffics[4.0]
     assert [r.hash_ids for r in slow.requests] == [r.hash_ids for r in fast.requests]
     assert fast.duration_s == pytest.approx(slow.duration_s / 2, rel=1e-3)
+
+
+def test_predict_replays_the_whatif_on_a_recorded_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """real_traffic_predict.py rebuilds each rate's traffic from the recorded argv and predicts with
+    the recorded calibration; --json rewrites the run's 'whatif' entries."""
+    import real_traffic_predict as P
+
+    argv = ["--synthetic", "--requests", "12", "--synthetic-isl", "512", "--prefixes", "2", "--sweep", "2,4"]
+    argv += ["--model", "tiny", "--kv-cache-tokens", "4096"]
+    cal = {
+        "model": "tiny",
+        "kv_bytes_per_token": 1024,
+        "load_gbps": 2.0,
+        "store_gbps": 2.0,
+        "prefill_tokens_per_s": 50000.0,
+        "memcpy_gbps": 8.0,
+        "version": 1,
+        "prefill_points": [[16, 5.0], [512, 15.0], [4000, 90.0]],
+        "decode_points": [[528, 3.0], [8320, 4.0]],
+        "step_tokens": 2048,
+    }
+    rows = [
+        {"config": c, "rate": r, "prefill_tokens": 3000, "ttft_p50_ms": 20.0, "ttft_p90_ms": 40.0}
+        for c in ("plain-kv", "maru-pool")
+        for r in (2.0, 4.0)
+    ]
+    detail = tmp_path / "runs.json"
+    detail.write_text(json.dumps({"argv": argv, "calibration": cal, "kv_cache_tokens": 4096, "results": rows}))
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"results": [{**r, "whatif": {"stale": 1}} for r in rows]}))
+    assert P.main([str(detail), "--json", str(results)]) == 0
+    out = capsys.readouterr().out
+    assert "-- rate 2 --" in out and "-- rate 4 --" in out
+    assert "plain-kv   kv-gpu" in out and "maru-pool  kv-pool" in out
+    rewritten = json.loads(results.read_text())["results"]
+    for r in rewritten:
+        assert set(r["whatif"]) == {"prefill_tokens", "ttft_p50_ms", "ttft_p90_ms"}, r
+    by = {(r["config"], r["rate"]): r["whatif"]["prefill_tokens"] for r in rewritten}
+    assert by[("maru-pool", 2.0)] <= by[("plain-kv", 2.0)]

@@ -134,8 +134,9 @@ def _spec_from_args(args: argparse.Namespace) -> S.ClusterSpec:
             **({"step_tokens": cal.step_tokens} if cal.step_tokens else {}),
             **base,
         )
-        # The mocker's own prefill speed scaled to the measured one (decode keeps the mocker's), for
-        # whatever the calibration did not measure itself.
+        if spec.engine_prefill_points and spec.engine_decode_points and args.simulator == MODEL:
+            return spec  # the engine's own times: nothing of the mocker's is used
+        # The mocker's own prefill speed scaled to the measured one (decode keeps the mocker's).
         return dataclasses.replace(spec, prefill_speedup=cal.prefill_tokens_per_s / mocker_prefill_tokens_per_s(spec))
     return S.ClusterSpec(
         kv_bytes_per_token=kvbpt or S.DEFAULT_KV_BYTES_PER_TOKEN, pool_gbps=pool_gbps or S.DEFAULT_POOL_GBPS, **base

@@ -136,6 +136,15 @@ def _measure(block_size: int, kv_bytes_per_token: int, prefill_speedup: float, g
             capture_per_request=True,
         )
     records = sorted(report.per_request or [], key=lambda r: (r["arrival_time_ms"], r["input_length"]))
+    if len(records) < len(_PREFILL_POINTS) + len(contexts) * _DECODE_BATCH or any(
+        r.get("ttft_ms") is None or (i >= len(_PREFILL_POINTS) and r.get("itl_ms") is None)
+        for i, r in enumerate(records)
+    ):
+        raise ValueError(
+            f"the mocker's timing probe did not complete with {gpu_blocks} GPU blocks of {block_size} tokens "
+            f"(its probe prompts need up to {_PREFILL_POINTS[-1]} tokens); give more --gpu-blocks, or a "
+            "calibration with the engine's own prefill and decode times"
+        )
     prefill = tuple((n, float(rec["ttft_ms"])) for n, rec in zip(_PREFILL_POINTS, records[: len(_PREFILL_POINTS)]))
     decode = []
     rest = records[len(_PREFILL_POINTS) :]
