@@ -36,7 +36,7 @@ DEFAULT_LOCAL_BUFFER = 16 << 20
 _OBJECT_ALREADY_EXISTS = -705
 _MISSING = frozenset({-703, -704, -707, -710, -712})  # not ready, not found, lease expired, replica gone
 _UNREACHABLE = frozenset({-1, -800, -900, -901})  # internal, transfer, RPC failed, RPC timeout
-_SIZE_PROBE = "maru1-probe"  # a name no object has; asking for it tells whether the master answers
+_PROBE = "maru1-probe"  # a one-byte object the probe puts (no pool object has this name)
 
 
 @dataclass(frozen=True)
@@ -218,10 +218,15 @@ class MooncakeStore(Tier2Store):
         return [c == 1 for c in codes]
 
     def probe(self) -> None:
+        """The master answers, and takes a put: a master that just restarted answers before the
+        clients' segments are mounted on it again, and refuses puts until then."""
         store = self._connected()
-        rc = store.is_exist(_SIZE_PROBE)
+        rc = store.is_exist(_PROBE)
         if rc < 0:
             raise Tier2Error(f"the Mooncake master at {self.cfg.master} does not answer (error {rc})")
+        rc = store.put(_PROBE, b"\0")
+        if rc not in (0, _OBJECT_ALREADY_EXISTS):
+            raise Tier2Error(f"the Mooncake store at {self.cfg.master} does not take puts yet (error {rc})")
 
     def close(self) -> None:
         store, self._store = self._store, None

@@ -53,6 +53,7 @@ from maru_vllm.pool.tier2.interface import LocalObject, Tier2Error, Tier2Host, T
 logger = logging.getLogger(__name__)
 
 STATE_UP, STATE_DOWN, STATE_CONNECTING = "up", "down", "connecting"
+CONNECTING = "not joined yet"
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class Tier2:
         self._state = STATE_CONNECTING
         self._stopping = False
         self._recovering = False
-        self.breaker = PoolBreaker(f"tier 2 ({cfg.tier})", cfg.deadline_s, self._probe)
+        self.breaker = PoolBreaker(cfg.tier, cfg.deadline_s, self._probe, what="tier 2")
         self.announcer: Tier2Announcer | None = None
         if cfg.nats:
             self.announcer = Tier2Announcer(cfg.nats, cfg.tier, pool, incarnation, self._learned, self._recent)
@@ -151,7 +152,7 @@ class Tier2:
         if self.announcer is not None:
             self.announcer.start()
         # the first connection is made by the breaker's probe, off the loop, however long it takes
-        self._trip("connecting")
+        self._trip(CONNECTING)
 
     async def stop(self) -> None:
         """Cancel every job (no thread touches the region after this returns), drop the session."""
@@ -409,14 +410,15 @@ class Tier2:
     def _trip(self, why: str) -> None:
         if self._stopping:
             return
-        if why != "connecting":
+        if why != CONNECTING:
             self.counters["trips"] += 1
         was_up = self._state == STATE_UP
-        self._state = STATE_CONNECTING if why == "connecting" else STATE_DOWN
+        self._state = STATE_CONNECTING if why == CONNECTING else STATE_DOWN
         self.breaker.trip(why)
         if was_up:
             self._spawn(self._withdraw_hints())
         if not self._recovering:
+            self._recovering = True
             self._spawn(self._await_recovery())
 
     def _probe(self, deadline_s: float, stop: threading.Event) -> None:
@@ -433,7 +435,6 @@ class Tier2:
 
     async def _await_recovery(self) -> None:
         """Once the probe sees the store answer: check the known keys, then serve again."""
-        self._recovering = True
         try:
             loop = asyncio.get_running_loop()
             while not self._stopping:
@@ -482,6 +483,8 @@ class Tier2:
             for (ns, key), ok in zip(batch, there):
                 if not ok and self.directory.discard(ns, key):
                     self.counters["dropped_keys"] += 1
+                    if self.announcer is not None:  # pools that did not notice the outage learn it here
+                        self.announcer.gone(Tier2Entry(ns, key))
         return True
 
     # -- housekeeping ---------------------------------------------------------------------------
