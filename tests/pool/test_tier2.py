@@ -183,11 +183,10 @@ def test_a_stopped_killed_or_restarted_master_costs_only_the_tier(domains: Domai
     # SIGSTOP: the pools' own ops answer as before; the tier notices and withdraws its hints
     os.kill(domains.master.pid, signal.SIGSTOP)
     try:
-        t0 = time.monotonic()
+        # (the clients' 5 s request deadline would raise here if an op waited on the tier)
         _put(a, [b"during-stop-%d" % i for i in range(3)])
         assert a.lookup_prefix([b"during-stop-0"], NS) == 1
-        assert time.monotonic() - t0 < 30  # a correctness bound: the ops never waited on the tier
-        present, lower = b.lookup_tiers(old, NS)
+        _, lower = b.lookup_tiers(old, NS)
         if lower:
             b.promote(old, NS)  # the fetch misses its deadline and trips B's tier
         wait_until(lambda: _tier(a)["tier2_state"] == "down", timeout=30, what="A's tier marked down")
