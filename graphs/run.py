@@ -126,8 +126,9 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
     if spec.mooncake is not None:
         master, metadata = spec.mooncake.master, spec.mooncake.metadata
         if master is None:  # the graph's own master, with its built-in metadata server
-            rpc, http, metrics = free_ports(3)
-            add("mooncake-master", mooncake.master_command(rpc, http, metrics), env_for(), mooncake.MASTER_READY_PATTERN)
+            rpc, http, master_metrics = free_ports(3)
+            master_argv = mooncake.master_command(rpc, http, master_metrics)
+            add("mooncake-master", master_argv, env_for(), mooncake.MASTER_READY_PATTERN)
             master, metadata = f"{stack.LOOPBACK}:{rpc}", f"http://{stack.LOOPBACK}:{http}/metadata"
         tier_args = ["--mooncake-master", master, "--mooncake-protocol", spec.mooncake.protocol]
         tier_args += ["--mooncake-segment-size", str(spec.mooncake.segment_size)]
@@ -209,9 +210,7 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
     ]
     add("frontend", fe_argv, env_for())
     one = regions[0] if regions and not spec.domains else None
-    return Plan(
-        spec, model, f"http://{stack.LOOPBACK}:{http_port}", work_dir, tuple(processes), one, tuple(regions)
-    )
+    return Plan(spec, model, f"http://{stack.LOOPBACK}:{http_port}", work_dir, tuple(processes), one, tuple(regions))
 
 
 def format_plan(plan: Plan) -> str:

@@ -263,7 +263,8 @@ def _check_domains(spec: GraphSpec) -> None:
         if spec.domains and w.domain not in spec.domains:
             got = "none" if w.domain is None else repr(w.domain)
             raise GraphSpecError(
-                f"{source}: workers[{i}].domain: {got} is not a domain of this graph; use one of {', '.join(spec.domains)}"
+                f"{source}: workers[{i}].domain: {got} is not a domain of this graph; "
+                f"use one of {', '.join(spec.domains)}"
             )
         if not spec.domains and w.domain is not None:
             raise GraphSpecError(f"{source}: workers[{i}].domain: the graph has no `domains`; leave it out")

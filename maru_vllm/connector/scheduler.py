@@ -115,7 +115,7 @@ class MaruSchedulerSide:
         # Leave at least one token to compute.
         return min(max(request.num_tokens - 1, 0) // self.geometry.block_size, len(request.block_hashes))
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         st.local_tokens = num_computed_tokens
         if not self.can_load:

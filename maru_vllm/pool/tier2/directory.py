@@ -64,7 +64,7 @@ class Tier2Directory:
 
     def recent(self, n: int) -> list[tuple[tuple[str, bytes], tuple[int, int]]]:
         """The `n` most recent entries, newest first."""
-        out = []
+        out: list[tuple[tuple[str, bytes], tuple[int, int]]] = []
         for item in reversed(self._entries):
             if len(out) >= n:
                 break

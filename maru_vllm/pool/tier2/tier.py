@@ -227,9 +227,15 @@ class Tier2:
                 continue
             task = self._spawn(self._fetch(ns, key))
             self._fetching[item] = task
-            task.add_done_callback(lambda _t, item=item: self._fetching.pop(item, None))
+            task.add_done_callback(self._fetch_done(item))
             started += 1
         return started
+
+    def _fetch_done(self, item: tuple[str, bytes]) -> Callable[[asyncio.Task[Any]], None]:
+        def done(_task: asyncio.Task[Any]) -> None:
+            self._fetching.pop(item, None)
+
+        return done
 
     def stats(self) -> dict[str, Any]:
         st: dict[str, Any] = {f"tier2_{k}": v for k, v in self.counters.items()}
