@@ -55,6 +55,8 @@ class IndexHost:
 
     def _pin(self, ns: str, key: bytes) -> Obj | None:
         (obj,) = self.index.acquire(self._session(), ns, [key])
+        # the tier's own pins are not lookups: they stay out of the pool's hit and miss counts
+        self.index.counters["hits" if obj is not None else "misses"] -= 1
         return obj
 
     def pin(self, ns: str, key: bytes) -> LocalObject | None:

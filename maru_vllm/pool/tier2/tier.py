@@ -139,6 +139,7 @@ class Tier2:
         self._state = STATE_CONNECTING
         self._stopping = False
         self._recovering = False
+        self._probing: concurrent.futures.Future[None] | None = None
         self.breaker = PoolBreaker(cfg.tier, cfg.deadline_s, self._probe, what="tier 2")
         self.announcer: Tier2Announcer | None = None
         if cfg.nats:
@@ -429,7 +430,11 @@ class Tier2:
 
     def _probe(self, deadline_s: float, stop: threading.Event) -> None:
         """The breaker's probe (its own thread): the store must answer within the deadline."""
-        fut = self._check_pool.submit(self.store.probe)
+        # a probe still running (joining a master that is not there takes Mooncake's client about
+        # 90 s of retries) is waited on again rather than queued behind
+        fut = self._probing
+        if fut is None or fut.done():
+            fut = self._probing = self._check_pool.submit(self.store.probe)
         try:
             fut.result(timeout=max(deadline_s, 0.1))
         except concurrent.futures.TimeoutError:
