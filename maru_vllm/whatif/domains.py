@@ -13,6 +13,8 @@ load from their domain's pool at the pool link's speed. Configurations:
   at `tier2_gbps`) into the domain's pool, then loaded like a pool hit;
 * `kv-tier2-spill`: the tier-2 receives blocks only when a domain pool evicts them (spill on
   eviction instead of write-through), to compare the two policies;
+* `kv-tier2-both`: write-through, and a block a domain pool evicts goes to the tier-2 again
+  (as most recently used) where the tier-2 no longer holds it;
 * `kv-tier2-credit`: `kv-tier2`, and the router also credits the tier-2's blocks to every worker
   at `tier2_weight` (Dynamo's disk tier) beyond its device and pool overlaps.
 
@@ -35,7 +37,8 @@ KV_DOMAINS = "kv-domains"
 KV_TIER2 = "kv-tier2"
 KV_TIER2_SPILL = "kv-tier2-spill"
 KV_TIER2_CREDIT = "kv-tier2-credit"
-DOMAIN_CONFIGS = (KV_DOMAINS, KV_TIER2, KV_TIER2_SPILL, KV_TIER2_CREDIT)
+KV_TIER2_BOTH = "kv-tier2-both"
+DOMAIN_CONFIGS = (KV_DOMAINS, KV_TIER2, KV_TIER2_SPILL, KV_TIER2_BOTH, KV_TIER2_CREDIT)
 TIER2_WORKER_ID = POOL_WORKER_ID + 1
 
 
@@ -127,19 +130,18 @@ class DomainsModel(PoolModel):
     def _tier(self, wk: _Worker) -> _BlockCache | None:
         return self.pools[self.domain_of(wk)]
 
-    def _tier2_prefix(self, now: float, seq: list[int]) -> int:
+    def _tier2_prefix(self, now: float, seq: list[int], start: int) -> int:
+        """Where the run of visible tier-2 blocks that continues `seq` from block `start` ends (the
+        pool's lookup counts the present prefix, then the hinted chunks right after it)."""
+        n = start
         if self.tier2 is None:
-            return 0
-        n = 0
-        for s in seq:
-            if s not in self.tier2.pins or self.visible_at.get(s, 0.0) > now:
-                break
+            return n
+        while n < len(seq) and seq[n] in self.tier2.pins and self.visible_at.get(seq[n], 0.0) <= now:
             n += 1
         return n
 
     def _tier_prefix(self, now: float, wk: _Worker, seq: list[int], dev_hit: int) -> int:
-        local = super()._tier_prefix(now, wk, seq, dev_hit)
-        return max(local, self._tier2_prefix(now, seq))
+        return self._tier2_prefix(now, seq, super()._tier_prefix(now, wk, seq, dev_hit))
 
     def _load(self, now: float, wk: _Worker, rq: _Request, dev_hit: int, tier_hit: int) -> float:
         pool = self.pools[self.domain_of(wk)]
@@ -161,7 +163,8 @@ class DomainsModel(PoolModel):
 
     def _write_through(self, wk: _Worker, rq: _Request) -> None:
         d = self.domain_of(wk)
-        self._insert(self.pools[d], self.pool_indexes[d], rq, rq.first_token, spill=self.variant == KV_TIER2_SPILL)
+        spill = self.variant in (KV_TIER2_SPILL, KV_TIER2_BOTH)
+        self._insert(self.pools[d], self.pool_indexes[d], rq, rq.first_token, spill=spill)
         if self.tier2 is not None and self.variant != KV_TIER2_SPILL:
             self._to_tier2(list(zip(rq.local, rq.seq)), rq.first_token)
 
@@ -184,6 +187,7 @@ class DomainsModel(PoolModel):
         a prompt's chain in order, and the router's view of the tier-2 gets them as a stored event."""
         assert self.tier2 is not None
         fresh = [i for i, (_, s) in enumerate(blocks) if s not in self.tier2.pins]
+        self.tier2.touch([s for _, s in blocks])  # what was there already counts as just written
         for i in fresh:
             s = blocks[i][1]
             self.tier2.pins[s] = 0
