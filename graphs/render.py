@@ -12,7 +12,11 @@ graph file (graphs/spec.py) into values for that chart and has the real Helm eng
 * a DynamoGraphDeployment (nvidia.com/v1beta1) with the frontend and the Maru workers, which
   mount the pool's region and socket directory and are scheduled next to a pool pod;
 * optionally a metrics Service and ServiceMonitor for the pool (chart value
-  metrics.serviceMonitor.enabled, e.g. from --values).
+  metrics.serviceMonitor.enabled, e.g. from --values);
+* with a `mooncake:` section, the pools' second tier: every pool is a Mooncake Store client
+  (`--mooncake-master`), and with no `mooncake.master` a mooncake_master Deployment + Service.
+  Each node's pool is one domain, so a graph's `domains` (a local notion: several pools on one
+  machine) render as the one pool DaemonSet.
 """
 
 from __future__ import annotations
@@ -116,6 +120,14 @@ def chart_values(spec: GraphSpec, opts: RenderOptions) -> dict[str, Any]:
             ]
         },
     }
+    if spec.mooncake is not None:
+        values["mooncake"] = {
+            "enabled": spec.mooncake.master is None,
+            "master": spec.mooncake.master or "",
+            "metadata": spec.mooncake.metadata or "",
+            "protocol": spec.mooncake.protocol,
+            "segmentSize": size_text(spec.mooncake.segment_size),
+        }
     nats_url = opts.nats_url or spec.nats.url
     if nats_url:
         values["nats"] = {"url": nats_url}

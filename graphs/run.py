@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 
 from maru_dynamo.graphs.spec import GraphSpec
-from maru_vllm.launch import ManagedProcess, ProcessFailed, ProcessGroup, free_port, stack
+from maru_vllm.launch import ManagedProcess, ProcessFailed, ProcessGroup, free_port, free_ports, mooncake, stack
 from maru_vllm.launch.argv import has_flag
 from maru_vllm.launch.ports import free_system_port
 from maru_vllm.launch.supervisor import RestartPolicy, Supervisor
@@ -69,6 +69,7 @@ class Plan:
     work_dir: Path
     processes: tuple[PlannedProcess, ...]
     pool_region: Path | None = None  # the pool's region file: never removed as a dead worker's segment
+    pool_regions: tuple[Path, ...] = ()  # every pool's region file (one per domain)
 
     @property
     def workers(self) -> tuple[PlannedProcess, ...]:
@@ -121,23 +122,42 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
     def env_for(cpu_thread: int | None = None, **extra: str) -> dict[str, str]:
         return stack_env.build(cpu_thread=cpu_thread, **extra)
 
-    socket = work_dir / f"pool-{spec.pool.name}.sock"
-    pool_address = f"unix://{socket}"
-    path = spec.pool.path
-    if path is None and spec.pool.backend == "shm":
-        # A region of its own per run: two graphs (or a graph and a test) never share one.
-        path = f"/dev/shm/maru-{spec.pool.name}-{work_dir.name}"
-    pool_argv = stack.pool_command(
-        spec.pool.name,
-        spec.pool.size,
-        backend=spec.pool.backend,
-        listen=[pool_address],
-        nats=nats_url,
-        extra_args=["--metrics-port", str(free_port())],
-        path=path,
-        component=True,
-    )
-    add("pool", pool_argv, env_for(), stack.POOL_READY_PATTERN)
+    tier_args: list[str] = []
+    if spec.mooncake is not None:
+        master, metadata = spec.mooncake.master, spec.mooncake.metadata
+        if master is None:  # the graph's own master, with its built-in metadata server
+            rpc, http, master_metrics = free_ports(3)
+            master_argv = mooncake.master_command(rpc, http, master_metrics)
+            add("mooncake-master", master_argv, env_for(), mooncake.MASTER_READY_PATTERN)
+            master, metadata = f"{stack.LOOPBACK}:{rpc}", f"http://{stack.LOOPBACK}:{http}/metadata"
+        tier_args = ["--mooncake-master", master, "--mooncake-protocol", spec.mooncake.protocol]
+        tier_args += ["--mooncake-segment-size", str(spec.mooncake.segment_size)]
+        if metadata is not None:
+            tier_args += ["--mooncake-metadata", metadata]
+
+    pool_addresses: dict[str | None, str] = {}
+    regions: list[Path] = []
+    for domain in spec.domains or (None,):
+        pool_name = spec.pool_name_of(domain)
+        socket = work_dir / f"pool-{pool_name}.sock"
+        pool_addresses[domain] = f"unix://{socket}"
+        path = spec.pool.path if domain is None else None
+        if path is None and spec.pool.backend == "shm":
+            # A region of its own per run: two graphs (or a graph and a test) never share one.
+            path = f"/dev/shm/maru-{pool_name}-{work_dir.name}"
+        pool_argv = stack.pool_command(
+            pool_name,
+            spec.pool.size,
+            backend=spec.pool.backend,
+            listen=[pool_addresses[domain]],
+            nats=nats_url,
+            extra_args=["--metrics-port", str(free_port()), *tier_args],
+            path=path,
+            component=True,
+        )
+        add("pool" if domain is None else f"pool:{domain}", pool_argv, env_for(), stack.POOL_READY_PATTERN)
+        if path is not None:
+            regions.append(Path(path))
 
     engine = 0
     engines = sum(worker.replicas for worker in spec.workers)
@@ -148,8 +168,8 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
             else:
                 argv = stack.maru_worker_command(
                     model,
-                    pool_address,
-                    spec.pool.name,
+                    pool_addresses[worker.domain],
+                    spec.pool_name_of(worker.domain),
                     [
                         "--maru-chunk-tokens",
                         str(spec.pool.chunk_tokens),
@@ -189,8 +209,8 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
         *spec.frontend.args,
     ]
     add("frontend", fe_argv, env_for())
-    region = Path(path) if path is not None else None
-    return Plan(spec, model, f"http://{stack.LOOPBACK}:{http_port}", work_dir, tuple(processes), region)
+    one = regions[0] if regions and not spec.domains else None
+    return Plan(spec, model, f"http://{stack.LOOPBACK}:{http_port}", work_dir, tuple(processes), one, tuple(regions))
 
 
 def format_plan(plan: Plan) -> str:
@@ -333,7 +353,7 @@ def supervise(
     Pass it to `start_graph`, call its `poll()` from a loop or `start()` it in a thread, and pass
     it to `stop_graph`; `restarts(name)`, `given_up()` and `serving(name)` say how it went.
     """
-    protect = [plan.pool_region] if plan.pool_region is not None else []
+    protect = list(plan.pool_regions) or ([plan.pool_region] if plan.pool_region is not None else [])
     return Supervisor(group, policy=policy, protect=protect, out=out, on_give_up=on_give_up)
 
 

@@ -18,6 +18,7 @@ import yaml
 
 from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.region import BACKENDS, parse_size, validate_pool_name
+from maru_vllm.pool.tier2.mooncake import PROTOCOLS, validate_master, validate_metadata
 from maru_vllm.routing import validate_weight
 
 ROLES = ("agg", "prefill", "decode")
@@ -50,6 +51,16 @@ class PoolSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class MooncakeSpec:
+    """The pools' second tier: a Mooncake Store. `master` None: the graph runs its own master."""
+
+    master: str | None = None
+    metadata: str | None = None
+    protocol: str = "tcp"
+    segment_size: int = 256 << 20  # what each pool contributes to the store
+
+
+@dataclasses.dataclass(frozen=True)
 class FrontendSpec:
     router_mode: str = "kv"
     pool_tier_weight: float | None = None  # None: maru_vllm.routing decides
@@ -65,6 +76,7 @@ class WorkerSpec:
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     engine: str = "maru"
+    domain: str | None = None  # the domain (pool) it uses, in a graph with `domains`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +102,12 @@ class GraphSpec:
     frontend: FrontendSpec = FrontendSpec()
     kubernetes: KubernetesSpec = KubernetesSpec()
     source: str = "<graph>"
+    mooncake: MooncakeSpec | None = None  # None: no second tier
+    domains: tuple[str, ...] = ()  # one pool each ("<pool.name>-<domain>"); (): one pool
+
+    def pool_name_of(self, domain: str | None) -> str:
+        """The name of a domain's pool (the graph's one pool without domains)."""
+        return self.pool.name if domain is None else f"{self.pool.name}-{domain}"
 
     @property
     def mode(self) -> str:
@@ -202,7 +220,7 @@ def _nats_url(value: Any) -> str:
 
 
 def _worker(data: object, where: str, source: str) -> WorkerSpec:
-    f = _Fields(data, where, source, ("name", "role", "replicas", "args", "env", "engine"))
+    f = _Fields(data, where, source, ("name", "role", "replicas", "args", "env", "engine", "domain"))
     w = WorkerSpec(
         name=f.get("name", "", _dns_label, "a lowercase DNS label (a-z, 0-9, '-')", required=True),
         role=f.get("role", "agg", _choice(ROLES), "one of " + ", ".join(ROLES)),
@@ -210,6 +228,7 @@ def _worker(data: object, where: str, source: str) -> WorkerSpec:
         args=f.get("args", (), _args, "a list of command-line words for dynamo.vllm"),
         env=f.get("env", {}, _env, "a mapping of environment variable names to strings"),
         engine=f.get("engine", "maru", _choice(ENGINES), "one of " + ", ".join(ENGINES)),
+        domain=f.get("domain", None, _dns_label, "a domain named in `domains`"),
     )
     if w.engine == "vllm" and w.role != "agg":
         raise GraphSpecError(f"{source}: {where}.engine: 'vllm' workers are agg only (role {w.role!r})")
@@ -222,9 +241,42 @@ def _worker(data: object, where: str, source: str) -> WorkerSpec:
     return w
 
 
+def _mooncake(data: object, source: str) -> MooncakeSpec:
+    f = _Fields(data, "mooncake", source, ("master", "metadata", "protocol", "segment_size"))
+    return MooncakeSpec(
+        master=f.get("master", None, validate_master, "HOST:PORT of a running mooncake_master (leave out to run one)"),
+        metadata=f.get("metadata", None, validate_metadata, "http://HOST:PORT/metadata, etcd://..., P2PHANDSHAKE"),
+        protocol=f.get("protocol", "tcp", _choice(PROTOCOLS), "one of " + ", ".join(PROTOCOLS)),
+        segment_size=f.get("segment_size", 256 << 20, _size, "bytes or a size like 256M, 4G"),
+    )
+
+
+def _domains(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or len(set(value)) != len(value):
+        raise ValueError
+    return tuple(_dns_label(v) for v in value)
+
+
+def _check_domains(spec: GraphSpec) -> None:
+    source = spec.source
+    for i, w in enumerate(spec.workers):
+        if spec.domains and w.domain not in spec.domains:
+            got = "none" if w.domain is None else repr(w.domain)
+            raise GraphSpecError(
+                f"{source}: workers[{i}].domain: {got} is not a domain of this graph; "
+                f"use one of {', '.join(spec.domains)}"
+            )
+        if not spec.domains and w.domain is not None:
+            raise GraphSpecError(f"{source}: workers[{i}].domain: the graph has no `domains`; leave it out")
+    if spec.domains and spec.mode == "disagg":
+        raise GraphSpecError(f"{source}: domains: a graph with domains has agg workers only")
+
+
 def parse_graph(data: object, source: str = "<graph>") -> GraphSpec:
     """Validate a loaded YAML document into a `GraphSpec` (raises `GraphSpecError`)."""
-    top = _Fields(data, "", source, ("name", "model", "nats", "pool", "frontend", "workers", "kubernetes"))
+    top = _Fields(
+        data, "", source, ("name", "model", "nats", "pool", "frontend", "workers", "kubernetes", "mooncake", "domains")
+    )
     nats = _Fields(top.data.get("nats"), "nats", source, ("url",))
     pool = _Fields(top.data.get("pool"), "pool", source, ("name", "size", "backend", "path", "chunk_tokens"))
     fe = _Fields(top.data.get("frontend"), "frontend", source, ("router_mode", "pool_tier_weight", "replicas", "args"))
@@ -277,7 +329,10 @@ def parse_graph(data: object, source: str = "<graph>") -> GraphSpec:
             socket_dir=k8s.get("socket_dir", "/run/maru", _abs_path, "an absolute directory path"),
         ),
         source=source,
+        mooncake=_mooncake(top.data["mooncake"] or {}, source) if "mooncake" in top.data else None,
+        domains=top.get("domains", (), _domains, "a list of distinct lowercase DNS labels, one per pool"),
     )
+    _check_domains(spec)
     if spec.pool.backend != "shm" and spec.pool.path is None:
         raise GraphSpecError(
             f"{source}: pool.path: missing; backend {spec.pool.backend!r} needs a path "

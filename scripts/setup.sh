@@ -18,10 +18,11 @@ TORCH_VERSION=2.13.0
 VLLM_VERSION=0.31.0
 DYNAMO_VERSION=1.6.1
 LMCACHE_VERSION=0.5.6
+MOONCAKE_VERSION=0.3.13.post1
 
 CURRENT_STEP="start"
 STEP_NO=0
-STEP_TOTAL=10
+STEP_TOTAL=11
 T0=$SECONDS
 
 step() {
@@ -235,6 +236,27 @@ else
     fi
     done_step "installed"
 fi
+
+# ---------------------------------------------------------------------------------------------
+step "Mooncake Store $MOONCAKE_VERSION (the pool's second tier) + libibverbs1"
+# Mooncake's wheels link libibverbs.so.1 even for TCP; the build without CUDA on CPU machines, the
+# CUDA build on GPU ones (the extras `mooncake` / `mooncake-gpu` of pyproject.toml).
+if [[ "$GPU" == "1" ]]; then MOONCAKE_DIST=mooncake-transfer-engine; else MOONCAKE_DIST=mooncake-transfer-engine-non-cuda; fi
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+    apt_install "libibverbs1 (Mooncake's transfer engine links it) is missing" libibverbs1
+fi
+if has_version "$MOONCAKE_DIST" "$MOONCAKE_VERSION"; then
+    MOONCAKE_DONE="present"
+else
+    run_logged pip_ install "$MOONCAKE_DIST==$MOONCAKE_VERSION"
+    MOONCAKE_DONE="installed"
+fi
+"$VENV/bin/python" -c 'import mooncake.store' >"$LOG_DIR/mooncake-import.log" 2>&1 && [[ -x "$VENV/bin/mooncake_master" ]] || {
+    LAST_LOG="$LOG_DIR/mooncake-import.log"
+    echo "[setup] $MOONCAKE_DIST does not import (mooncake.store) or has no mooncake_master in $VENV/bin" >&2
+    false
+}
+done_step "$MOONCAKE_DONE: $MOONCAKE_DIST==$MOONCAKE_VERSION"
 
 # ---------------------------------------------------------------------------------------------
 step "maru-dynamo (editable) + test tools"

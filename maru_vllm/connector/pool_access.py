@@ -87,6 +87,19 @@ class PoolAccess(ConnectorPool):
     def lookup_prefix(self, keys: Sequence[bytes], namespace: str) -> int:
         return self._contained(self._client.lookup_prefix, keys, namespace) or 0
 
+    def lookup_or_fetch(self, keys: Sequence[bytes], namespace: str, *, fetch: bool = True) -> tuple[int, int]:
+        found = self._contained(self._client.lookup_tiers, keys, namespace)
+        if found is None:
+            return 0, 0
+        present, lower = found
+        if (
+            lower
+            and fetch
+            and self._contained(self._client.promote, keys[present : present + lower], namespace) is None
+        ):
+            lower = 0
+        return present, lower
+
     def distrust_lookups(self, seconds: float) -> None:
         self._client.ask_service_for(seconds)
 

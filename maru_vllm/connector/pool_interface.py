@@ -49,6 +49,17 @@ class ConnectorPool(ABC):
         """
 
     @abstractmethod
+    def lookup_or_fetch(self, keys: Sequence[bytes], namespace: str, *, fetch: bool = True) -> tuple[int, int]:
+        """Like `lookup_prefix`, and also how many keys right after the present prefix the pool's
+        lower tier holds; with `fetch`, ask the pool to bring those in (without waiting: they
+        show as present in a later lookup, or stop showing as held below once a fetch fails).
+
+        Returns:
+            (the present prefix's length, how many keys after it the lower tier holds); (0, 0)
+            when the pool cannot be asked; the second is 0 when the fetch could not be asked for.
+        """
+
+    @abstractmethod
     def lookup_parts(self, keys: Sequence[bytes], namespace: str) -> list[int]:
         """For each part key, how many leading units of a committed object it names (0 where no
         object names it).

@@ -7,6 +7,10 @@ Per request the scheduler side keeps a small `RequestState`:
                 part keys when the prompt goes on beyond them (the leading blocks it shares with
                 a pool chunk); the answer is cached until the request is scheduled or ends,
                 so a request waiting for memory does not hit the pool on every step.
+                Where the pool's lower tier (`pool.tier2`) holds the chunks after the present
+                ones, the lookup asks the pool to fetch them and answers None (vLLM asks again
+                next step) until they are in the pool or the tier gave them up, at most
+                TIER_WAIT_S; the chunks then load like any pool hit.
   load plan  -> set in `update_state_after_alloc` when vLLM accepted the external tokens:
                 chunk by chunk, the blocks beyond the local prefix-cache hit; the last chunk
                 may be loaded in part.
@@ -28,6 +32,7 @@ sample from).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -49,6 +54,11 @@ logger = init_logger(__name__)
 # down for the scheduler too), short enough that an object evicted between lookup and load costs
 # little.
 DISTRUST_AFTER_FAILED_LOAD_S = 1.0
+# The longest a request waits for chunks the pool is fetching from its lower tier (the pool
+# gives up a fetch sooner, after its own deadline; this bounds a fetch request that got lost),
+# and how often the fetch is asked for again meanwhile.
+TIER_WAIT_S = 3.0
+TIER_ASK_EVERY_S = 0.25
 
 
 @dataclasses.dataclass
@@ -70,6 +80,9 @@ class RequestState:
     expected_computed: int = -1
     # A store was planned for this request (its blocks are held at the end, see request_finished).
     has_stores: bool = False
+    # Waiting for chunks fetched from the pool's lower tier: since when, and when last asked.
+    fetch_since: float | None = None
+    fetch_asked: float = 0.0
 
 
 class MaruSchedulerSide:
@@ -102,7 +115,7 @@ class MaruSchedulerSide:
         # Leave at least one token to compute.
         return min(max(request.num_tokens - 1, 0) // self.geometry.block_size, len(request.block_hashes))
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         st.local_tokens = num_computed_tokens
         if not self.can_load:
@@ -116,7 +129,9 @@ class MaruSchedulerSide:
             present = 0
             if max_chunks:
                 keys = g.keys_all_ranks(request.block_hashes, max_chunks)
-                present = self.pool.lookup_prefix(keys, self.namespace)
+                present, fetching = self._lookup(st, keys)
+                if fetching:
+                    return None, False  # vLLM asks again next step
             st.checked_blocks = max_blocks
             st.pool_chunks = present // g.ranks
             st.part_blocks = self._shared_part(request, st.pool_chunks, max_blocks)
@@ -124,6 +139,20 @@ class MaruSchedulerSide:
             st.next_store_chunk = max(st.next_store_chunk, st.pool_chunks)
         hit_tokens = (st.pool_chunks * self.geometry.blocks_per_chunk + st.part_blocks) * self.geometry.block_size
         return max(0, hit_tokens - num_computed_tokens), False
+
+    def _lookup(self, st: RequestState, keys: list[bytes]) -> tuple[int, int]:
+        """(keys the pool holds, keys it is fetching from its lower tier that are worth waiting for)."""
+        now = time.monotonic()
+        waited = 0.0 if st.fetch_since is None else now - st.fetch_since
+        if waited >= TIER_WAIT_S:
+            return self.pool.lookup_prefix(keys, self.namespace), 0
+        present, lower = self.pool.lookup_or_fetch(keys, self.namespace, fetch=now - st.fetch_asked >= TIER_ASK_EVERY_S)
+        if lower:
+            if st.fetch_since is None:
+                st.fetch_since = now
+            if now - st.fetch_asked >= TIER_ASK_EVERY_S:
+                st.fetch_asked = now
+        return present, lower
 
     def _shared_part(self, request: Request, chunk: int, max_blocks: int) -> int:
         """How many leading blocks of `chunk` (not in the pool whole) some pool chunk holds, on

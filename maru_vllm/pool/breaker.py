@@ -53,8 +53,10 @@ class Member(Protocol):
 class PoolBreaker:
     """Open (the pool counts as down) from `trip` until the probe sees it answer in time."""
 
-    def __init__(self, name: str, deadline_s: float, probe: Probe) -> None:
+    def __init__(self, name: str, deadline_s: float, probe: Probe, *, what: str = "pool") -> None:
+        """`what` names the service in its log lines ("pool at NAME ...")."""
         self.name = name
+        self.what = what
         self.deadline_s = deadline_s
         self._probe = probe
         self._cv = threading.Condition()
@@ -98,8 +100,9 @@ class PoolBreaker:
                 self._thread = threading.Thread(target=self._run, name="maru-pool-probe", daemon=True)
                 self._thread.start()
         logger.warning(
-            "pool at %s missed a %.0f ms deadline (%s): every caller in this process serves without it "
+            "%s at %s missed a %.0f ms deadline (%s): every caller in this process serves without it "
             "until a probe sees it answer",
+            self.what,
             self.name,
             self.deadline_s * 1000,
             why,
@@ -136,7 +139,11 @@ class PoolBreaker:
                 self._thread = None
                 self._cv.notify_all()
             logger.warning(
-                "pool at %s answers again (after %.2f s); pool caching resumes", self.name, self.last_outage_s
+                "%s at %s answers again (after %.2f s); %s caching resumes",
+                self.what,
+                self.name,
+                self.last_outage_s,
+                self.what,
             )
             return
 

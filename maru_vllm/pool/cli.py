@@ -17,6 +17,7 @@ from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.index import DEFAULT_MAX_OBJECTS, DEFAULT_METADATA_BUDGET
 from maru_vllm.pool.region import BACKENDS, RegionError, parse_size, validate_pool_name
 from maru_vllm.pool.snapshot_pages import DEFAULT_MAX_PAGES
+from maru_vllm.pool.tier2 import cli as tier2_cli
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +229,7 @@ def register(subparsers: Any) -> None:
         default=1024,
         help="most concurrent pins on one object, over all sessions (default 1024)",
     )
+    tier2_cli.add_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     status = psub.add_parser("status", help="show a running pool's capacity, usage and counters")
@@ -263,6 +265,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        tier2 = tier2_cli.settings_from(args)
+    except ValueError as exc:
+        print(f"maru-dynamo pool serve: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
         cfg = ServiceConfig(
             name=args.name,
             size=args.size,
@@ -286,6 +293,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             metadata_budget=args.metadata_budget,
             presence_buckets=args.presence_buckets,
             shared_snapshot_pages=args.shared_snapshot_pages,
+            tier2=tier2,
         )
         with asyncio.Runner(loop_factory=event_loop_factory(args.event_loop)) as runner:
             return runner.run(serve(cfg))
@@ -382,6 +390,7 @@ def format_status(st: dict[str, Any]) -> str:
             f"seq {st.get('event_seq', 0)}, nats {st.get('nats') or 'off'}"
             + (" (connected)" if st.get("nats_connected") else ""),
         ),
+        *tier2_cli.status_rows(st),
         ("uptime", f"{st.get('uptime_s', 0):.0f} s"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -169,6 +169,28 @@ class PoolClient(PoolConnection):
         names; 0 where no object names it."""
         return self._lookup("lookup_parts", PresenceReader.lookup_parts, keys, namespace)
 
+    def lookup_tiers(self, keys: Sequence[bytes], namespace: str = "default") -> tuple[int, int]:
+        """(how many leading `keys` the pool holds, how many keys right after those its lower tier
+        holds): the presence table's answer and hints (`pool.presence`); where the table cannot
+        tell, the service's `lookup_prefix` and no lower-tier count."""
+        ns, checked = _ns(namespace), _keys(keys)
+        table = self._table()
+        if table is not None:
+            found = table.lookup_tiers(ns, checked)
+            if found is not None:
+                self.lookups_local += 1
+                return found
+        self.lookups_asked += 1
+        return int(self._call("lookup_prefix", {"keys": checked, "ns": ns})), 0
+
+    def promote(self, keys: Sequence[bytes], namespace: str = "default") -> int:
+        """Ask the pool to fetch `keys` from its lower tier into the region; does not wait (a
+        fetched key shows as present in later lookups, one that cannot be fetched loses its hint)."""
+        args = {"keys": _keys(keys), "ns": _ns(namespace)}
+        with self._request():
+            self._send_unanswered("promote", args)
+        return len(args["keys"])
+
     def _lookup(
         self,
         op: str,

@@ -282,6 +282,7 @@ OP_RESULTS: dict[str, Any] = {
     "stats": dict[str, int | float | str | bool | None],
     "snapshot": bytes,  # one SnapshotPage as JSON or PackedSnapshotPage as msgpack (decode_snapshot_page)
     "remove": int,
+    "promote": int,
 }
 _result_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in OP_RESULTS.items()}
 

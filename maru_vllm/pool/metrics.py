@@ -13,6 +13,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from maru_vllm.pool.tier2 import metrics as tier2_metrics
+
 logger = logging.getLogger(__name__)
 
 _GAUGES = {
@@ -64,6 +66,7 @@ class _StatsCollector:
             c = CounterMetricFamily(f"maru_pool_{name}", doc, labels=["pool"])
             c.add_metric([self.pool], float(st.get(name, 0)))
             yield c
+        yield from tier2_metrics.families(self.pool, st)
 
 
 class PoolMetrics:

@@ -23,6 +23,12 @@ Contracts:
     as a slot frees, so a bucket is never left with room while one of its keys is missing.
   * The service beats every BEAT_S; a table whose beat is older than STALE_S (a service that
     was killed, or hangs) answers None, so a dead pool's table never claims hits for long.
+  * Lower-tier hints: the service may also mark keys that this pool does not hold but a lower
+    tier (`pool.tier2`) does, with the units value LOWER_TIER. A hint only takes a slot that is
+    empty while its bucket keeps HINT_FREE_SLOTS more empty ones, and a key the pool holds
+    replaces a hint (its own, or any hint of a full bucket), so hints never push a key the pool
+    holds out of its bucket. `lookup_prefix` treats a hint as absent; `lookup_tiers` counts the
+    hinted keys after the present prefix (what a fetch from the lower tier could bring in).
   * An answer is a hint, exactly like a lookup's reply: the object can be evicted right after.
     Whoever uses it pins the object (`acquire`) and treats a missing one as a miss. A
     fingerprint collision (about 2^-56 per comparison) is such a hint too: the pin finds the
@@ -39,7 +45,7 @@ from collections.abc import Sequence
 import xxhash
 
 MAGIC = b"MARUPRES"
-VERSION = 1
+VERSION = 2  # 2: LOWER_TIER hints (a reader of version 1 would count them as present)
 SLOTS_PER_BUCKET = 8
 HEADER_SIZE = 64
 _HEADER = struct.Struct("<8sIIQQ")
@@ -50,6 +56,8 @@ UNITS_MASK = 0xFF
 TAG_MASK = ~UNITS_MASK & 0xFFFF_FFFF_FFFF_FFFF
 _PART_SALT = 0x9E37_79B9_7F4A_7C15
 MAX_UNITS = UNITS_MASK  # part units above this are not kept here (readers ask the service)
+LOWER_TIER = 0xFE  # the units of a hint: a lower tier holds this object key, this pool does not
+HINT_FREE_SLOTS = 2  # a hint leaves at least this many empty slots in its bucket
 
 
 def table_bytes(buckets: int) -> int:
@@ -118,6 +126,7 @@ class PresenceTable:
         # bucket -> {tag: units} of keys that found their bucket full
         self.spilled: dict[int, dict[int, int]] = {}
         self.entries = 0
+        self.hints = 0  # slots holding a LOWER_TIER hint (not counted in `entries`)
 
     @property
     def spilled_entries(self) -> int:
@@ -130,23 +139,62 @@ class PresenceTable:
         base = bucket * SLOTS_PER_BUCKET
         slots = self._slots
         last = tag | UNITS_MASK
-        free = -1
+        free = hint = -1
         for j, slot in enumerate(slots[base : base + SLOTS_PER_BUCKET].tolist()):
             if tag <= slot <= last:  # this tag, whatever its units
+                if slot & UNITS_MASK == LOWER_TIER:  # the pool holds what was a hint
+                    self.hints -= 1
+                    self.entries += 1
                 if slot != value:
                     slots[base + j] = value
                 return
             if slot == 0 and free < 0:
                 free = j
+            elif slot & UNITS_MASK == LOWER_TIER and hint < 0:
+                hint = j
         spill = self.spilled.get(bucket)
         if spill is not None and tag in spill:
             spill[tag] = units
             return
         self.entries += 1
+        if free < 0 and hint >= 0:  # a key the pool holds takes a hint's slot
+            free = hint
+            self.hints -= 1
         if free >= 0:
             slots[base + free] = value
         else:
             self.spilled.setdefault(bucket, {})[tag] = units
+
+    def hint(self, tag: int) -> bool:
+        """Mark `tag` as held by a lower tier only; False where its bucket has no room to spare
+        or the tag is already there (held by the pool, or hinted)."""
+        bucket = bucket_of(tag, self.buckets)
+        base = bucket * SLOTS_PER_BUCKET
+        slots = self._slots
+        last = tag | UNITS_MASK
+        free = []
+        for j, slot in enumerate(slots[base : base + SLOTS_PER_BUCKET].tolist()):
+            if tag <= slot <= last:
+                return False
+            if slot == 0:
+                free.append(j)
+        spill = self.spilled.get(bucket)
+        if len(free) <= HINT_FREE_SLOTS or (spill is not None and tag in spill):
+            return False
+        slots[base + free[0]] = tag | LOWER_TIER
+        self.hints += 1
+        return True
+
+    def unhint(self, tag: int) -> None:
+        """Drop the hint for `tag` (nothing when the slot holds the pool's own entry)."""
+        base = bucket_of(tag, self.buckets) * SLOTS_PER_BUCKET
+        slots = self._slots
+        value = tag | LOWER_TIER
+        for j, slot in enumerate(slots[base : base + SLOTS_PER_BUCKET].tolist()):
+            if slot == value:
+                slots[base + j] = 0
+                self.hints -= 1
+                return
 
     def discard(self, tag: int) -> None:
         bucket = bucket_of(tag, self.buckets)
@@ -161,6 +209,8 @@ class PresenceTable:
         last = tag | UNITS_MASK
         for j, slot in enumerate(slots[base : base + SLOTS_PER_BUCKET].tolist()):
             if tag <= slot <= last:
+                if slot & UNITS_MASK == LOWER_TIER:
+                    return  # a hint, not an entry of the pool's (unhint drops it)
                 self.entries -= 1
                 if spill:
                     moved, units = spill.popitem()
@@ -220,10 +270,29 @@ class PresenceReader:
             found = self._units(fps.of_object(ns, key))
             if found is None:
                 return None
-            if found < 0:
+            if found < 0 or found == LOWER_TIER:
                 break
             n += 1
         return n
+
+    def lookup_tiers(self, ns: str, keys: Sequence[bytes]) -> tuple[int, int] | None:
+        """(how many leading `keys` the pool holds, how many keys right after those a lower tier
+        is hinted to hold); None where the table cannot tell the first."""
+        if not self.live:
+            return None
+        fps = self.fingerprints
+        n = hinted = 0
+        for key in keys:
+            found = self._units(fps.of_object(ns, key))
+            if hinted == 0 and found is None:
+                return None
+            if found == LOWER_TIER:
+                hinted += 1
+            elif hinted or found is None or found < 0:
+                break
+            else:
+                n += 1
+        return n, hinted
 
     def lookup_parts(self, ns: str, keys: Sequence[bytes]) -> list[int] | None:
         """For each part key, the units the newest object naming it holds (0: none); None where
@@ -236,10 +305,11 @@ class PresenceReader:
             found = self._units(fps.of_part(ns, key))
             if found is None or found == UNITS_MASK:
                 return None
-            out.append(max(found, 0))
+            out.append(found if 0 < found < LOWER_TIER else 0)
         return out
 
 
 def write_units(units: int) -> int:
-    """The units a part entry records: MAX_UNITS marks "more than fits" (readers ask the service)."""
-    return min(units, MAX_UNITS)
+    """The units a part entry records: MAX_UNITS marks "more than fits" (readers ask the service);
+    LOWER_TIER and above are never recorded as a count."""
+    return units if units < LOWER_TIER else MAX_UNITS

@@ -104,6 +104,7 @@ OP_ARGS: dict[str, type[msgspec.Struct]] = {
     "stats": EmptyArgs,
     "snapshot": SnapshotArgs,
     "remove": RemoveArgs,
+    "promote": KeysArgs,
 }
 
 _encoder = msgspec.msgpack.Encoder()

@@ -45,6 +45,7 @@ from maru_vllm.pool.presence import BEAT_S, PresenceTable, default_buckets, tabl
 from maru_vllm.pool.records import MetaIO, Obj, SessionLimits
 from maru_vllm.pool.region import PAGE_SIZE, Region, round_up
 from maru_vllm.pool.snapshot_pages import DEFAULT_MAX_PAGES, SharedPages
+from maru_vllm.pool.tier2 import Tier2, Tier2Settings, start_tier2
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class ServiceConfig:
     presence_buckets: int | None = None
     # encoded snapshot pages kept for readers of the unchanged pool (`pool.snapshot_pages`); 0: none
     shared_snapshot_pages: int = DEFAULT_MAX_PAGES
+    # the cluster-wide second tier under this pool (`pool.tier2`); None: none
+    tier2: Tier2Settings | None = None
 
 
 class PoolService:
@@ -105,6 +108,7 @@ class PoolService:
         self._conns: dict[int, asyncio.StreamWriter] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.metrics_port: int | None = None
+        self.tier2: Tier2 | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> list[str]:
@@ -151,6 +155,8 @@ class PoolService:
         if self.cfg.nats:
             self.publisher = EventPublisher(self.cfg.nats, self.cfg.name, self._snapshot_page)
             self.publisher.start()
+        if self.cfg.tier2 is not None:
+            self.tier2 = await start_tier2(self.cfg.tier2, self, self.cfg.nats)
         served = []
         try:
             for a in self.addresses:
@@ -201,6 +207,8 @@ class PoolService:
             w.transport.abort()
         for t in list(self._tasks):
             t.cancel()
+        if self.tier2 is not None:  # before the region goes: no tier thread touches it after this
+            await self.tier2.stop()
         if self.publisher is not None:
             await self.publisher.close()
         for a in self.addresses:
@@ -490,6 +498,9 @@ class PoolService:
     def _op_remove(self, sid: int, args: P.RemoveArgs) -> int:
         return self._live_index.remove(args.ns, args.keys)
 
+    def _op_promote(self, sid: int, args: P.KeysArgs) -> int:
+        return self.tier2.promote(args.ns, args.keys) if self.tier2 is not None else 0
+
     def _op_stats(self, sid: int, args: P.EmptyArgs) -> dict[str, Any]:
         return self._stats()
 
@@ -524,6 +535,8 @@ class PoolService:
 
     def _on_event(self, kind: M.EventType, obj: Obj) -> None:
         self.seq += 1
+        if self.tier2 is not None:
+            self.tier2.on_event(kind, obj.ns, obj.key, obj.session)
         if self.publisher is None or self.region is None:
             return
         assert self.index is not None
@@ -631,6 +644,8 @@ class PoolService:
             events_published=pub.published if pub else 0,
             events_dropped=pub.dropped if pub else 0,
         )
+        if self.tier2 is not None:
+            st.update(self.tier2.stats())
         return st
 
 

@@ -94,6 +94,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="ttft_p90",
         help="what --sweep-weight minimises (default ttft_p90)",
     )
+    p.add_argument(
+        "--domains",
+        default=None,
+        metavar="D1,D2,...",
+        help="replay the two-level topology instead: D CXL domains of workers/D workers, a pool per domain "
+        "(--pool-size each), with and without one tier-2 under them (configs kv-domains, kv-tier2; also "
+        "kv-tier2-spill, kv-tier2-credit with --configs)",
+    )
+    p.add_argument("--tier2-size", default="1T", help="the tier-2's size (default 1T)")
+    p.add_argument("--tier2-gbps", type=float, default=12.5, help="one tier-2 fetch's bandwidth, GB/s (default 12.5)")
+    p.add_argument(
+        "--tier2-visible-ms",
+        type=float,
+        default=500.0,
+        help="from a prefill's end until its blocks are in the tier-2 for the other domains, ms (default 500)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw TTFT p50/p90 and prefill tokens vs workers")
     p.set_defaults(func=run_whatif)
@@ -143,7 +159,44 @@ def _spec_from_args(args: argparse.Namespace) -> S.ClusterSpec:
     )
 
 
+def run_domains(args: argparse.Namespace) -> int:
+    import json
+
+    from maru_vllm.whatif import domains as D
+    from maru_vllm.whatif.timing import mocker_timing
+
+    try:
+        workers = S.parse_workers(args.workers)
+        try:
+            domains = S.parse_workers(args.domains)
+        except ValueError:
+            raise ValueError(f"--domains {args.domains!r}: give domain counts like 2,4,8") from None
+        configs = (D.KV_DOMAINS, D.KV_TIER2) if args.configs == ",".join(S.CONFIGS) else tuple(args.configs.split(","))
+        for c in configs:
+            if c not in D.DOMAIN_CONFIGS:
+                raise ValueError(f"unknown config {c!r} with --domains: use {', '.join(D.DOMAIN_CONFIGS)}")
+        if not args.tier2_gbps > 0 or not args.tier2_visible_ms >= 0:
+            raise ValueError("--tier2-gbps must be > 0 and --tier2-visible-ms >= 0")
+        tier2 = D.Tier2Spec(bytes=S.parse_size(args.tier2_size), gbps=args.tier2_gbps, visible_ms=args.tier2_visible_ms)
+        spec = _spec_from_args(args)
+        requests = read_trace(args.trace, args.trace_block_size, args.requests)
+    except (ValueError, TraceError) as exc:
+        return _fail(str(exc))
+    rows = D.domain_table(requests, spec, mocker_timing(spec), workers, domains, configs, tier2)
+    if args.json:
+        print(json.dumps({"trace": args.trace, "requests": len(requests), "rows": rows}, indent=2))
+    else:
+        print(
+            f"trace {args.trace}: {len(requests)} requests; a pool of {spec.pool_bytes / 1e9:g} GB per domain, "
+            f"tier-2 {tier2.bytes / 1e9:g} GB at {tier2.gbps:g} GB/s per fetch, visible after {tier2.visible_ms:g} ms"
+        )
+        print(D.format_domain_table(rows))
+    return 0
+
+
 def run_whatif(args: argparse.Namespace) -> int:
+    if args.domains is not None:
+        return run_domains(args)
     try:
         workers = S.parse_workers(args.workers)
         configs = S.parse_configs(args.configs)

@@ -313,32 +313,45 @@ class PoolModel:
             self._rr += 1
             rq.routed_prefill_tokens = rq.req.input_length
             return w
+        costs, devs = self._costs(rq)
+        best_cost = min(costs)
+        best = [w for w, c in enumerate(costs) if c == best_cost]
+        i = best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
+        rq.routed_prefill_tokens = max(0, rq.req.input_length - devs[i] * self.spec.block_size)
+        return i
+
+    def _host_overlaps(self, rq: _Request) -> dict[int, int]:
+        """Per worker, the leading prompt blocks the router credits at the host tier."""
+        if self.host_index is None:
+            return {}
+        host = self.host_index.overlaps(rq.local)
+        if self.config == KV_POOL:
+            return dict.fromkeys(range(self.n), host.get(POOL_WORKER_ID, 0))
+        return host
+
+    def _costs(
+        self, rq: _Request, lower: dict[int, int] | None = None, lower_weight: float = 0.0
+    ) -> tuple[list[float], list[int]]:
+        """Dynamo's cost of sending `rq` to each worker, and each worker's device overlap; `lower`
+        (per worker, leading blocks a lower tier holds) is credited at `lower_weight` beyond the
+        device and host overlaps."""
         bs = self.spec.block_size
         isl = rq.req.input_length
         device = self.device_index.overlaps(rq.local)
-        host: dict[int, int] = {}
-        if self.host_index is not None:
-            host = self.host_index.overlaps(rq.local)
-            if self.config == KV_POOL:
-                pooled = host.get(POOL_WORKER_ID, 0)
-                host = dict.fromkeys(range(self.n), pooled)
-        weight = self.spec.host_weight if self.config in (KV_HOST, KV_POOL) else 0.0
-        best: list[int] = []
-        best_dev: list[int] = []
-        best_cost = float("inf")
+        host = self._host_overlaps(rq)
+        weight = self.spec.host_weight if self.host_index is not None else 0.0
+        costs: list[float] = []
+        devs: list[int] = []
         for wk in self.workers:
             dev = device.get(wk.wid, 0)
-            credit = dev + weight * max(0, host.get(wk.wid, 0) - dev)
+            got = host.get(wk.wid, 0)
+            credit = dev + weight * max(0, got - dev)
+            if lower:
+                credit += lower_weight * max(0, lower.get(wk.wid, 0) - max(dev, got))
             prefill_blocks = (wk.active_prefill_tokens + isl) / bs
-            cost = max(0.0, prefill_blocks - credit) + wk.potential_blocks(rq.seq)
-            if cost < best_cost:
-                best_cost, best, best_dev = cost, [wk.wid], [dev]
-            elif cost == best_cost:
-                best.append(wk.wid)
-                best_dev.append(dev)
-        i = 0 if len(best) == 1 else self.rng.randrange(len(best))
-        rq.routed_prefill_tokens = max(0, isl - best_dev[i] * bs)
-        return best[i]
+            costs.append(max(0.0, prefill_blocks - credit) + wk.potential_blocks(rq.seq))
+            devs.append(dev)
+        return costs, devs
 
     def _on_arrive(self, now: float, rq: _Request) -> None:
         if -(-(rq.req.input_length + 1) // self.spec.block_size) > self.spec.gpu_blocks:
@@ -363,10 +376,7 @@ class PoolModel:
         max_hit = (isl - 1) // bs  # the last token is always computed
         seq = rq.seq[:max_hit]
         dev_hit = wk.gpu.prefix_hit(seq)
-        tier_hit = dev_hit
-        tier = wk.host if self.config == KV_HOST else self.pool
-        if tier is not None:
-            tier_hit = max(dev_hit, tier.prefix_hit(seq))
+        tier_hit = self._tier_prefix(now, wk, seq, dev_hit)
         # vLLM allocates a prompt's blocks on admission and decode blocks as tokens come; the
         # model reserves the prompt plus half the output up front (the average a decode holds).
         total_blocks = -(-(isl + rq.req.output_length // 2) // bs)
@@ -384,17 +394,8 @@ class PoolModel:
         else:
             wk.gpu.pin(rq.seq[:dev_hit])
         wk.gpu.touch(rq.seq[:dev_hit])
-        if tier is not None and tier_hit > dev_hit:
-            tier.touch(rq.seq[dev_hit:tier_hit])
         computed = isl - tier_hit * bs
-        load_tokens = (tier_hit - dev_hit) * bs
-        rq.load_ms = 0.0
-        if load_tokens:
-            self.loads_in_flight += 1
-            gbps = self.spec.pool_gbps
-            if self.config == KV_POOL:
-                gbps = min(gbps, self.spec.pool_aggregate_gbps / self.loads_in_flight)
-            rq.load_ms = load_tokens * self.spec.kv_bytes_per_token / (gbps * 1e9) * 1000.0
+        rq.load_ms = self._load(now, wk, rq, dev_hit, tier_hit)
         self.prefill_tokens += computed
         rq.remaining = computed
         rq.dev_hit = dev_hit
@@ -452,6 +453,27 @@ class PoolModel:
                 self._prefilled(now, wk, rq)
         self._try_start(now, wk)
         self._reschedule(now, wk)
+
+    def _tier(self, wk: _Worker) -> _BlockCache | None:
+        """The tier below `wk`'s device cache (its host tier, or the pool), if any."""
+        return wk.host if self.config == KV_HOST else self.pool
+
+    def _tier_prefix(self, now: float, wk: _Worker, seq: list[int], dev_hit: int) -> int:
+        """How many leading blocks of `seq` the device cache and the tiers below it supply."""
+        tier = self._tier(wk)
+        return dev_hit if tier is None else max(dev_hit, tier.prefix_hit(seq))
+
+    def _load(self, now: float, wk: _Worker, rq: _Request, dev_hit: int, tier_hit: int) -> float:
+        """Milliseconds to load blocks `dev_hit:tier_hit` of `rq` from the tier (which counts as use)."""
+        tier = self._tier(wk)
+        if tier is None or tier_hit <= dev_hit:
+            return 0.0
+        tier.touch(rq.seq[dev_hit:tier_hit])
+        self.loads_in_flight += 1
+        gbps = self.spec.pool_gbps
+        if self.config == KV_POOL:
+            gbps = min(gbps, self.spec.pool_aggregate_gbps / self.loads_in_flight)
+        return (tier_hit - dev_hit) * self.spec.block_size * self.spec.kv_bytes_per_token / (gbps * 1e9) * 1000.0
 
     # -- decode clock -------------------------------------------------------------------------
     def _advance(self, now: float, wk: _Worker) -> None:

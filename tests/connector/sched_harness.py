@@ -160,9 +160,9 @@ class Probe:
         orig_finished = side.request_finished
 
         def counted(lookup: Any) -> Any:
-            def counting_lookup(keys: Any, namespace: str) -> Any:
+            def counting_lookup(keys: Any, namespace: str, **kw: Any) -> Any:
                 self._current[0] = 1
-                return lookup(keys, namespace)
+                return lookup(keys, namespace, **kw)
 
             return counting_lookup
 
@@ -188,6 +188,7 @@ class Probe:
             return orig_finished(request)
 
         side.pool.lookup_prefix = counted(side.pool.lookup_prefix)  # type: ignore[method-assign]
+        side.pool.lookup_or_fetch = counted(side.pool.lookup_or_fetch)  # type: ignore[method-assign]
         side.pool.lookup_parts = counted(side.pool.lookup_parts)  # type: ignore[method-assign]
         side.get_num_new_matched_tokens = match  # type: ignore[method-assign]
         side.update_state_after_alloc = alloc  # type: ignore[method-assign]

@@ -139,3 +139,17 @@ imagePullSecrets:
 {{- end }}
 {{- toYaml $workers }}
 {{- end }}
+
+{{/* HOST:PORT of the pools' Mooncake master: mooncake.master, this release's master, or "" (no second tier). */}}
+{{- define "maru.mooncakeMaster" -}}
+{{- if .Values.mooncake.master }}{{ .Values.mooncake.master }}
+{{- else if .Values.mooncake.enabled }}{{ .Release.Name }}-mooncake.{{ .Release.Namespace }}.svc:{{ include "maru.word" .Values.mooncake.rpcPort }}
+{{- end }}
+{{- end }}
+
+{{/* The transfer engine's metadata URL: mooncake.metadata, this release's master's built-in server, or "" (the pool's default). */}}
+{{- define "maru.mooncakeMetadata" -}}
+{{- if .Values.mooncake.metadata }}{{ .Values.mooncake.metadata }}
+{{- else if and .Values.mooncake.enabled (not .Values.mooncake.master) }}http://{{ .Release.Name }}-mooncake.{{ .Release.Namespace }}.svc:{{ include "maru.word" .Values.mooncake.metadataPort }}/metadata
+{{- end }}
+{{- end }}
