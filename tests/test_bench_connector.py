@@ -51,6 +51,7 @@ def test_summary_takes_minimum_per_length_and_calibration_reads_back(tmp_path: P
     assert res["load_parts_ms_in_engine"]["acquire"] == pytest.approx(1.0)
     assert res["prefill_tokens_per_s"] == pytest.approx(4096 / 8.0)
     path = tmp_path / "cal.json"
-    bench_connector.write_calibration(path, bench_connector.calibration_of(res))
+    bench_connector.write_calibration(path, bench_connector.calibration_of({**res, "model": "medium"}))
     cal = read_calibration(path)
     assert (cal.kv_bytes_per_token, cal.memcpy_gbps, cal.store_gbps) == (16384, 20.0, 2.0)
+    assert cal.model == "medium"
