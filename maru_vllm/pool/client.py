@@ -254,6 +254,13 @@ class PoolClient(PoolConnection):
                 if p is not None and len(p) > P.MAX_PARTS:
                     raise InvalidArgument(f"{len(p)} part keys for one object; at most {P.MAX_PARTS}")
         with self._request():
+            if not self._region_is_current():
+                # another service took the region over (a warm restart) before this session noticed
+                # its service was gone: these reservations are stale, and nothing may be written
+                for r in reservations:
+                    r.done = True
+                self._drop_connection()
+                return [False] * len(reservations)
             send: list[int] = []
             send_metas: list[Any] = []
             send_parts: list[list[bytes] | None] = []
