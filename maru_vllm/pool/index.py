@@ -496,44 +496,55 @@ class PoolIndex:
         return [o.info(self.meta_of(o)) for o in self.objects.values() if ns is None or o.ns == ns]
 
     def snapshot_page(
-        self, ns: str | None, after: int, limit: int, max_bytes: int, max_scan: int = 65536, recent: int = 0
+        self,
+        ns: str | None,
+        after: int,
+        limit: int,
+        max_bytes: int,
+        max_scan: int = 65536,
+        recent: int = 0,
+        prefixes: Sequence[str] | None = None,
     ) -> tuple[list[Obj], int | None]:
         """Visible objects committed after cursor `after`, in commit order: at most `limit` of
         them, stopping once their metadata passes `max_bytes` or `max_scan` entries were looked
-        at; with `recent` > 0 only those among the `recent` most recently used (`recently_used`,
-        taken anew for each page). Returns (objects, cursor of the next page or None when this
-        is the last)."""
+        at; of namespace `ns` and of namespaces starting with one of `prefixes` (None: any);
+        with `recent` > 0 only those among the `recent` most recently used of them
+        (`recently_used`, taken anew for each page). Returns (objects, cursor of the next page
+        or None when this is the last)."""
         self._compact_order()
         order = self._order
         i = bisect.bisect_right(order, after, key=lambda o: o.cseq)
         out: list[Obj] = []
         nbytes = 0
         end = min(len(order), i + max_scan)
-        wanted = self.recently_used(recent, ns) if recent > 0 else None
+        wanted = self.recently_used(recent, ns, prefixes) if recent > 0 else None
+        scope = _scope(ns, prefixes)
         while i < end and len(out) < limit and nbytes < max_bytes:
             o = order[i]
             i += 1
             if wanted is not None and o.oid not in wanted:
                 continue
-            if (ns is None or o.ns == ns) and self.objects.get((o.ns, o.key)) is o:
+            if scope(o.ns) and self.objects.get((o.ns, o.key)) is o:
                 out.append(o)
                 # its JSON size, roughly: key as hex, (binary) metadata as base64
                 nbytes += o.meta_len * 4 // 3 + 4 + 2 * len(o.key) + len(o.ns) + 64
         return out, (order[i - 1].cseq if i < len(order) else None)
 
-    def recently_used(self, n: int, ns: str | None = None) -> set[int]:
-        """Oids of the `n` most recently used committed objects (of `ns`): those pinned now,
-        then from the most recently used end of the LRU order. O(n) plus the pins."""
+    def recently_used(self, n: int, ns: str | None = None, prefixes: Sequence[str] | None = None) -> set[int]:
+        """Oids of the `n` most recently used committed objects (of `ns`, and of namespaces
+        starting with one of `prefixes`): those pinned now, then from the most recently used end
+        of the LRU order. O(n) plus the pins, plus the objects of other namespaces passed over."""
         out: set[int] = set()
+        scope = _scope(ns, prefixes)
         for s in self.sessions.values():
             for oid in s.pins:
                 o = self.live.get(oid)
-                if len(out) < n and o is not None and o.committed and not o.doomed and (ns is None or o.ns == ns):
+                if len(out) < n and o is not None and o.committed and not o.doomed and scope(o.ns):
                     out.add(oid)
         for oid, o in reversed(self.lru.items()):
             if len(out) >= n:
                 break
-            if ns is None or o.ns == ns:
+            if scope(o.ns):
                 out.add(oid)
         return out
 
@@ -690,3 +701,19 @@ class PoolIndex:
     def _emit(self, kind: EventType, obj: Obj) -> None:
         if self.on_event is not None:
             self.on_event(kind, obj)
+
+
+def _scope(ns: str | None, prefixes: Sequence[str] | None) -> Callable[[str], bool]:
+    """Whether a namespace is `ns` (None: any) and starts with one of `prefixes` (None: any)."""
+    if prefixes is None:
+        return (lambda _: True) if ns is None else ns.__eq__
+    starts = tuple(prefixes)
+    seen: dict[str, bool] = {}
+
+    def scope(name: str) -> bool:
+        ok = seen.get(name)
+        if ok is None:
+            ok = seen[name] = (ns is None or name == ns) and name.startswith(starts)
+        return ok
+
+    return scope
