@@ -372,7 +372,7 @@ def _start_line(st: dict[str, Any]) -> str:
     if st.get("last_stop") is None:
         return "new region"
     return (
-        f"recovered {st.get('recovered_objects', 0)} objects in {st.get('recovery_s') or 0:.2f} s"
+        f"recovered {st.get('recovered_objects', 0)} objects in {st.get('recovery_seconds') or 0:.2f} s"
         f" ({st.get('recovery_dropped', 0)} dropped); the last service stopped "
         + ("cleanly" if st.get("last_stop") == "clean" else "uncleanly")
     )

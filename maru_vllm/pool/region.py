@@ -225,8 +225,6 @@ class Region:
                 os.close(fd)
                 raise RegionError(f"{p} is not a character device (use --backend file for a file)")
             _lock(fd, p)
-            if recover != "never":
-                previous = _previous_run(fd, p, name, lay, recover)
         else:
             if not p.parent.is_dir():
                 raise RegionError(f"directory {p.parent} for the region does not exist")
@@ -259,6 +257,13 @@ class Region:
             if backend != "dax" and previous is None:
                 p.unlink(missing_ok=True)
             raise RegionError(f"cannot map region {p} ({size} bytes): {exc}") from exc
+        if backend == "dax" and recover != "never":  # a device-DAX node is only mapped, never read
+            try:
+                previous = _previous_run(bytes(mm[: EXT_AT + _EXT.size]), p, name, lay, recover)
+            except RegionError:
+                mm.close()
+                os.close(fd)
+                raise
         info = RegionInfo(
             path=str(p),
             size=size,
@@ -437,10 +442,10 @@ def _recoverable(head: bytes, path: Path, name: str, lay: Layout) -> PreviousRun
     return PreviousRun(ruuid.hex(), state == STATE_STOPPED, oid_floor, started, stopped)
 
 
-def _previous_run(fd: int, p: Path, name: str, lay: Layout, recover: Recover) -> PreviousRun | None:
-    """The last run of the region open at `fd` when it may be recovered; None (logged) when not and
-    `recover` is "auto"; RegionError when not and it is "require"."""
-    found = _recoverable(os.pread(fd, EXT_AT + _EXT.size, 0), p, name, lay)
+def _previous_run(head: bytes, p: Path, name: str, lay: Layout, recover: Recover) -> PreviousRun | None:
+    """The last run of the region whose header is `head` when it may be recovered; None (logged)
+    when not and `recover` is "auto"; RegionError when not and it is "require"."""
+    found = _recoverable(head, p, name, lay)
     if isinstance(found, PreviousRun):
         return found
     if recover == "require":
@@ -474,7 +479,7 @@ def _reopen(p: Path, name: str, lay: Layout, recover: Recover) -> tuple[int, Pre
     previous = None
     if why is None:
         try:
-            previous = _previous_run(fd, p, name, lay, recover)
+            previous = _previous_run(os.pread(fd, EXT_AT + _EXT.size, 0), p, name, lay, recover)
         except RegionError:
             os.close(fd)
             raise

@@ -536,16 +536,16 @@ class PoolService:
     def _op_snapshot(self, sid: int, args: P.SnapshotArgs) -> bytes:
         # pages of the most recently used also move with reads (no events): never shared
         shared = args.recent == 0 and self._shared_pages.max_pages > 0
-        key = (args.encoding, args.ns, args.after, args.limit)
+        key = (args.encoding, args.ns, args.after, args.limit, tuple(args.prefixes or ()))
         if shared and (page := self._shared_pages.get(key, self.seq)) is not None:
             return page
         if args.encoding == "msgpack":
             page = M.msgpack_encoder.encode(
-                self._packed_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES, args.recent)
+                self._packed_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES, args.recent, args.prefixes)
             )
         else:
             page = M.json_encoder.encode(
-                self._snapshot_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES, args.recent)
+                self._snapshot_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES, args.recent, args.prefixes)
             )
         self._pages_encoded += 1
         if shared:
@@ -588,9 +588,17 @@ class PoolService:
             )
         )
 
-    def _snapshot_page(self, ns: str | None, after: int, limit: int, max_bytes: int, recent: int = 0) -> M.SnapshotPage:
+    def _snapshot_page(
+        self,
+        ns: str | None,
+        after: int,
+        limit: int,
+        max_bytes: int,
+        recent: int = 0,
+        prefixes: list[str] | None = None,
+    ) -> M.SnapshotPage:
         assert self.index is not None and self.region is not None
-        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes, recent=recent)
+        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes, recent=recent, prefixes=prefixes)
         return M.SnapshotPage(
             self.cfg.name,
             self.region.info.incarnation,
@@ -601,10 +609,16 @@ class PoolService:
         )
 
     def _packed_page(
-        self, ns: str | None, after: int, limit: int, max_bytes: int, recent: int = 0
+        self,
+        ns: str | None,
+        after: int,
+        limit: int,
+        max_bytes: int,
+        recent: int = 0,
+        prefixes: list[str] | None = None,
     ) -> M.PackedSnapshotPage:
         assert self.index is not None and self.region is not None
-        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes, recent=recent)
+        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes, recent=recent, prefixes=prefixes)
         return M.PackedSnapshotPage(
             self.cfg.name,
             self.region.info.incarnation,
@@ -665,7 +679,7 @@ class PoolService:
         st.update(
             recovered_objects=rec.recovered if rec is not None else 0,
             recovery_dropped=rec.dropped_total if rec is not None else 0,
-            recovery_s=round(rec.seconds, 3) if rec is not None else None,
+            recovery_seconds=round(rec.seconds, 3) if rec is not None else 0.0,
             last_stop=None if previous is None else ("clean" if previous.clean else "unclean"),
         )
         pub = self.publisher
