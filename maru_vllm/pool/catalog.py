@@ -94,31 +94,55 @@ def identity_bytes(ns: str, key: bytes, parts: Sequence[bytes]) -> int:
 
 
 def encode_identity(ident: Identity) -> bytes:
-    ns = ident.ns.encode()
-    tail = b"".join([ns, ident.key, *(_PART_LEN.pack(len(p)) + p for p in ident.parts)])
     p, r = ident.payload, ident.record
-    body = _IDENT.pack(
-        _MAGIC,
-        _IDENT.size + len(tail),
-        0,
-        _FLAG_META if ident.meta_len != NO_META else 0,
+    return encode_record(
         ident.oid,
         ident.cseq,
         ident.size,
-        p.offset,
-        p.capacity,
-        p.slab,
-        r.offset,
-        r.capacity,
-        r.slab,
-        len(ns),
-        len(ident.key),
-        len(ident.parts),
+        ident.ns,
+        ident.key,
+        ident.parts,
+        ident.meta_len,
+        (p.offset, p.capacity, p.slab),
+        (r.offset, r.capacity, r.slab),
+    )
+
+
+def encode_record(
+    oid: int,
+    cseq: int,
+    size: int,
+    ns: str,
+    key: bytes,
+    parts: Sequence[bytes],
+    meta_len: int,
+    payload: tuple[int, int, int],
+    record: tuple[int, int, int],
+) -> bytes:
+    """`encode_identity` of the identity these fields make (the commit path: no objects built);
+    `payload` and `record` are (heap offset, capacity, slab start page or -1)."""
+    nsb = ns.encode()
+    pack = _PART_LEN.pack
+    tail = b"".join([nsb, key, *[pack(len(p)) + p for p in parts]]) if parts else nsb + key
+    head = _IDENT.pack(
+        _MAGIC,
+        _IDENT.size + len(tail),
+        0,
+        _FLAG_META if meta_len != NO_META else 0,
+        oid,
+        cseq,
+        size,
+        *payload,
+        *record,
+        len(nsb),
+        len(key),
+        len(parts),
         0,
     )
-    data = bytearray(body + tail)
-    struct.pack_into("<I", data, 8, _check(memoryview(data)[12:]))
-    return bytes(data)
+    check = xxhash.xxh3_64()
+    check.update(memoryview(head)[12:])
+    check.update(tail)
+    return head[:8] + (check.intdigest() & 0xFFFFFFFF).to_bytes(4, "little") + head[12:] + tail
 
 
 def decode_identity(view: memoryview, at: int, limit: int, meta_len: int) -> tuple[Identity, int] | str:

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from maru_vllm.pool.allocator import Allocation, Allocator
-from maru_vllm.pool.catalog import NO_META, BlockRef, Catalog, Identity, encode_identity, record_bytes
+from maru_vllm.pool.catalog import NO_META, Catalog, Identity, encode_record, record_bytes
 from maru_vllm.pool.messages import EventType, ObjectInfo
 from maru_vllm.pool.objects import OBJ_HEADER_SIZE
 from maru_vllm.pool.presence import PresenceTable, write_units
@@ -403,7 +403,8 @@ class PoolIndex:
             return False
         at = self.data_offset + block.offset
         self.meta_io.write(at, meta or b"")
-        ident = Identity(
+        a = obj.alloc
+        data = encode_record(
             obj.oid,
             obj.cseq,
             obj.size,
@@ -411,10 +412,9 @@ class PoolIndex:
             obj.key,
             obj.parts,
             meta_len,
-            BlockRef.of(obj.alloc),
-            BlockRef.of(block),
+            (a.offset, a.capacity, a.slab.start_page if a.slab is not None else -1),
+            (block.offset, block.capacity, block.slab.start_page if block.slab is not None else -1),
         )
-        data = encode_identity(ident)
         start = at + META_HEADER + max(meta_len, 0)
         self.meta_io.view[start : start + len(data)] = data
         obj.meta = block
