@@ -187,9 +187,11 @@ def test_removals_dropped_while_the_publisher_lags_are_withdrawn_again(
 ) -> None:
     """The router never keeps credit for a removed chunk: removals the relay had to drop past its
     backlog reach the publisher once it reads again, before the pool is announced again."""
-    first, more = 200, 3000  # the first fit in the relay's backlog; the next fill it and the socket buffers
+    # the first fit in the relay's backlog; the next overflow it and the socket buffers (a page of a
+    # resync fits in it: a resync waits for the pipe and never overflows it)
+    first, more = 200, 6000
     assert _fill(pool_service.address, first) == first
-    relay = _relay(relay_factory, pool_service, nats, downstream_hwm=1, max_unsent_bytes=1 << 20, max_page_wait_s=0.2)
+    relay = _relay(relay_factory, pool_service, nats, downstream_hwm=1, max_unsent_bytes=8 << 20, max_page_wait_s=30)
     pub = CountingPublisher(relay.endpoint)
     try:
         wait_until(
