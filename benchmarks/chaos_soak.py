@@ -44,7 +44,7 @@ from chaos.graph import GraphView, wait_for  # noqa: E402
 from chaos.load import LoadConfig, LoadGenerator, summarize  # noqa: E402
 from chaos.samplers import SHM_PREFIXES, Sampler, shm_left, shm_listing  # noqa: E402
 
-DEFAULT_FAULTS = "worker-kill@20,pool-kill@60,pool-stop@90+8,nats-stop@115"
+DEFAULT_FAULTS = "worker-kill@20,pool-restart-warm@60,pool-stop@90+8,nats-stop@115"
 DEFAULT_POOL_SIZE = "16M"  # the tiny model's 40 x 768-token working set needs several times that
 
 

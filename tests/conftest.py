@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from maru_vllm.launch import ManagedProcess, ProcessGroup, stack
+from tests.cleanup import stop_leaving_nothing
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +34,7 @@ def procs(request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
         print("\n" + group.log_tails(60))
-    group.stop_all()
+    stop_leaving_nothing(group)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -206,3 +206,58 @@ def test_only_the_vllm_file_store_a_log_names_is_removed(tmp_path: Path) -> None
     assert remove_dist_stores(log) == [mine]
     assert not mine.exists() and theirs.exists()
     assert remove_dist_stores(log) == []  # already gone: nothing to do
+
+
+# A fake engine that dies at once: it makes a shared-memory queue the way vLLM names its own
+# (`psm_*`), keeps it open and mapped, and exits before anyone looked at its tree.
+FAKE_EARLY_CRASH = """
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.ftruncate(fd, 4096)
+queue = mmap.mmap(fd, 4096)
+print("queue made; crashing", flush=True)
+os._exit(1)
+"""
+
+
+def test_a_worker_that_dies_before_it_was_looked_at_leaves_no_vllm_queue(tmp_path: Path) -> None:
+    tag = f"psm_maru-test-{uuid.uuid4().hex[:8]}"
+    before = Path(f"/dev/shm/{tag}-before")  # from before the tree started, held by nobody: not its
+    held = Path(f"/dev/shm/{tag}-held")  # a live engine's queue (this test holds it open): stays
+    made = Path(f"/dev/shm/{tag}-made")
+    group = ProcessGroup()
+    try:
+        before.write_bytes(b"x")
+        time.sleep(0.3)  # older than the tree by more than tmpfs's timestamp granularity
+        with open(held, "wb") as keep:
+            keep.write(b"x")
+            keep.flush()
+            crasher = group.start(fake("worker:fake-early-crash", FAKE_EARLY_CRASH, tmp_path, str(made)))
+            crasher.proc.wait(30)
+            assert made.exists() and crasher.log_text().count("queue made") == 1
+            sup = Supervisor(group, policy=RestartPolicy(first_delay_s=30), out=lambda line: None)
+            sup.poll()  # its first look: the tree is already dead, it never saw the queue held
+            assert not made.exists(), "the early crash's queue is still in /dev/shm"
+            assert before.exists() and held.exists()
+            assert sup.removed_segments == [made]
+            sup.stop()
+    finally:
+        group.stop_all(grace_s=0.5)
+        for p in (before, held, made):
+            p.unlink(missing_ok=True)
+
+
+def test_the_test_helpers_leave_no_pool_region_behind(tmp_path: Path) -> None:
+    """A pool killed in a test keeps its region for a warm restart; the fixtures' stop removes it."""
+    from maru_vllm.launch.stack import PoolProcess
+    from tests.cleanup import stop_leaving_nothing
+
+    group = ProcessGroup()
+    name = f"cleanup{uuid.uuid4().hex[:8]}"
+    pool = PoolProcess(name, "4M", tmp_path / "pool.log", listen=[f"unix://{tmp_path}/p.sock"])
+    group.add(pool)
+    pool.serve()
+    pool.kill()
+    assert pool.region_path.exists()
+    stop_leaving_nothing(group)
+    assert not pool.region_path.exists()

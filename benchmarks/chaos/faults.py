@@ -5,6 +5,9 @@ Kinds (the failures a deployment sees):
 * ``worker-kill`` - SIGKILL a Maru worker's whole process tree (API server, engine core and
   its helpers); successive kills alternate over the workers;
 * ``pool-kill``   - SIGKILL the pool service;
+* ``pool-restart-warm`` - SIGKILL the pool service right after a probe prompt was stored in it:
+  the service the graph starts again recovers the region, and the prompt is loaded from the pool
+  again (a cold restart would have lost it);
 * ``pool-stop``   - SIGSTOP the pool for HOLD seconds (default 8), then SIGCONT (a hung pool);
 * ``nats-stop``   - stop nats-server (SIGTERM) and let the graph bring it back.
 
@@ -14,6 +17,8 @@ long it takes, from the injection, until
 * ``worker_back_s`` - the frontend lists a new instance of the killed worker,
 * ``serves_s``      - a request pinned to that instance completes,
 * ``pool_back_s``   - the pool answers again (a new incarnation after a kill),
+* ``old_prompt_hit_s`` - the probe prompt stored before a ``pool-restart-warm`` kill is loaded from
+  the pool by the other worker (the recovered share of the pool's objects is in the notes),
 * ``nats_back_s``   - nats-server accepts connections again,
 * ``events_s``      - the pool reports its NATS link connected again,
 * ``pool_hit_s``    - the pool is hit again: a fresh prompt computed on one worker is loaded
@@ -36,7 +41,7 @@ from typing import Any
 from chaos import procs
 from chaos.graph import NATS, POOL, GraphView, cached_tokens, wait_for
 
-KINDS = ("worker-kill", "pool-kill", "pool-stop", "nats-stop")
+KINDS = ("worker-kill", "pool-kill", "pool-restart-warm", "pool-stop", "nats-stop")
 DEFAULT_HOLD_S = 8.0
 _ITEM = re.compile(r"^(?P<kind>[a-z-]+)@(?P<at>\d+(?:\.\d+)?)(?:\+(?P<hold>\d+(?:\.\d+)?))?$")
 
@@ -145,7 +150,7 @@ class FaultRunner:
             target = view.worker_names[self._kills % len(view.worker_names)]
             self._kills += 1
         else:
-            target = NATS if fault.kind == "nats-stop" else POOL
+            target = NATS if fault.kind == "nats-stop" else POOL  # pool-kill, pool-restart-warm, pool-stop
         record = FaultRecord(fault.kind, target, fault.at_s, time.monotonic() - self.t0, [])
         pid = view.pid(target)
         if pid is None:
@@ -187,6 +192,41 @@ class FaultRunner:
 
         record.recovery["pool_back_s"] = self._step(back, start)
         record.recovery["pool_hit_s"] = self._step(lambda: self._pool_hit(None), start)
+
+    def _pool_restart_warm(self, fault: Fault, record: FaultRecord, pid: int) -> None:
+        instances = self.view.instances()
+        if len(instances) < 2:
+            record.notes.append("fewer than two workers serve: no probe prompt to carry over the restart")
+            record.recovery["old_prompt_hit_s"] = None
+            return
+        writer, reader = instances[0], instances[-1]
+        prompt = self.view.probe_prompt(2 * self.chunk_tokens + 1)
+        self._ask(prompt, writer)
+        time.sleep(1.0)  # stores are write-behind: committed just after the answer
+        stats = self.view.pool_stats() or {}
+        incarnation, objects = stats.get("incarnation"), stats.get("objects")
+        start = time.monotonic()
+        record.pids = procs.signal_tree(self.view.pid(POOL) or pid, signal.SIGKILL)
+        after: dict[str, Any] = {}
+
+        def back() -> bool:
+            now = self.view.pool_stats(timeout=1.0)
+            if now is None or now.get("incarnation") == incarnation:
+                return False
+            after.update(now)
+            return True
+
+        record.recovery["pool_back_s"] = self._step(back, start)
+        record.notes.append(
+            f"recovered {after.get('recovered_objects')} of {objects} objects in {after.get('recovery_seconds')} s "
+            f"({after.get('recovery_dropped')} dropped; last stop {after.get('last_stop')})"
+        )
+
+        def old_prompt_hit() -> bool:
+            out = self._ask(prompt, reader)
+            return out is not None and cached_tokens(out) >= 2 * self.chunk_tokens
+
+        record.recovery["old_prompt_hit_s"] = self._step(old_prompt_hit, start)
 
     def _pool_stop(self, fault: Fault, record: FaultRecord, pid: int) -> None:
         start = time.monotonic()

@@ -14,6 +14,12 @@ keeps about one page of batches in memory, however large the pool.
 
 A batch is numbered when ZMQ takes it, so the numbers Dynamo sees have no gaps whatever is
 refused or dropped. Not thread-safe: it runs on the relay's event loop.
+
+What a dropped batch cannot be made good by announcing the pool again is a removal: the
+publisher still counts the block's store, and a later full announcement only adds stores. So a
+batch sent with the blocks it removes (`send(..., removed=...)`) leaves them in `Lost.removed`
+when it is dropped (at most `max_unsent_bytes // 64` distinct blocks; past that they are counted
+in `removals_forgotten`), for the owner to withdraw again once the pipe drains.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import zmq
@@ -44,6 +50,19 @@ class SendStats:
     send_errors: int = 0  # batches the downstream socket refused with an error (dropped)
     unsent_dropped: int = 0  # batches dropped because Dynamo's publisher fell max_unsent_bytes behind
     unsent_max_bytes: int = 0  # the most bytes of batches that ever waited for room in the pipe
+    removals_lost: int = 0  # pool block removals in dropped batches (withdrawn again once drained)
+    removals_forgotten: int = 0  # ... past the bound on how many are remembered
+
+
+@dataclasses.dataclass
+class Lost:
+    """What the batches dropped since the pipe last drained carried (`on_drained`'s argument)."""
+
+    pool: bool = False  # a pool batch: announce the pool again
+    removed: set[Any] = dataclasses.field(default_factory=set)  # pool blocks whose removal was dropped
+
+    def __bool__(self) -> bool:
+        return self.pool or bool(self.removed)
 
 
 class DownstreamPipe:
@@ -54,9 +73,10 @@ class DownstreamPipe:
         topic: bytes,
         stats: SendStats,
         max_unsent_bytes: int,
-        on_drained: Callable[[bool], None],
+        on_drained: Callable[[Lost], None],
     ) -> None:
-        """`on_drained(lost_pool)`: called each time the batches that waited have all been sent."""
+        """`on_drained(lost)`: called each time the batches that waited have all been sent, with
+        what the batches dropped meanwhile carried."""
         if max_unsent_bytes < 1:
             raise ValueError(f"max_unsent_bytes={max_unsent_bytes}: must be >= 1")
         self.topic = topic
@@ -65,9 +85,11 @@ class DownstreamPipe:
         self.seq = 0  # the number of the next batch
         self._max_unsent_bytes = max_unsent_bytes
         self._on_drained = on_drained
-        self._unsent: collections.deque[bytes] = collections.deque()
+        self._unsent: collections.deque[tuple[bytes, bool, Sequence[Any]]] = collections.deque()
         self._unsent_bytes = 0
-        self._lost_pool = False
+        self._lost = Lost()
+        self._failed = False  # the last `_try_send` was refused with an error
+        self._max_lost_removals = max(1024, max_unsent_bytes // 64)
         self._drained = asyncio.Event()
         self._drained.set()
         self._task: asyncio.Task[None] | None = None
@@ -89,11 +111,15 @@ class DownstreamPipe:
     def drained(self) -> bool:
         return not self._unsent
 
-    def send(self, payload: bytes, pool: bool = False) -> None:
+    def send(self, payload: bytes, pool: bool = False, removed: Sequence[Any] = ()) -> None:
         """Send `payload` as the next batch, or keep it (behind any that wait) while the pipe is full.
-        `pool`: it carries pool blocks (a drop of it is made good by a full announcement)."""
+        `pool`: it carries pool blocks (a drop of it is made good by a full announcement);
+        `removed`: the pool blocks it withdraws (a drop of it is made good by withdrawing them again)."""
         if self._unsent or not self._try_send(payload):
-            self._keep(payload, pool)
+            self._keep(payload, pool, removed)
+        elif self._failed:  # nothing waits, so no drain follows: report the loss on its own
+            self._dropped(pool, removed)
+            asyncio.get_running_loop().call_soon(self._report_lost)
 
     async def ready(self, max_wait_s: float) -> None:
         """Until nothing waits here, or `max_wait_s` passed."""
@@ -114,8 +140,10 @@ class DownstreamPipe:
 
     # -- internals -------------------------------------------------------------------------
     def _try_send(self, payload: bytes) -> bool:
-        """Hand `payload` to ZMQ as batch `seq`; False when the pipe is full."""
+        """Hand `payload` to ZMQ as batch `seq`; False when the pipe is full. `_failed` says whether
+        the socket refused it with an error (it is dropped: True is returned all the same)."""
         assert self.socket is not None
+        self._failed = False
         try:
             # pyzmq types the result as Awaitable; on a zmq.asyncio socket it is an asyncio Future.
             fut = cast(
@@ -130,12 +158,38 @@ class DownstreamPipe:
         except Exception as exc:
             self.stats.send_errors += 1
             logger.warning("KV event batch %d not sent: %s", self.seq, exc)
+            self._failed = True
             return True  # dropped: the next batch takes its number
         self.seq += 1
         self.stats.sent += 1
         return True
 
-    def _keep(self, payload: bytes, pool: bool) -> None:
+    def _report_lost(self) -> None:
+        if self._unsent or not self._lost:
+            return  # the drain under way reports it
+        lost, self._lost = self._lost, Lost()
+        try:
+            self._on_drained(lost)
+        except Exception:
+            logger.exception("relay drain callback failed")
+
+    def _dropped(self, pool: bool, removed: Sequence[Any]) -> None:
+        lost = self._lost
+        lost.pool |= pool
+        self.stats.removals_lost += len(removed)
+        room = self._max_lost_removals - len(lost.removed)
+        if len(removed) > room:
+            if not self.stats.removals_forgotten:
+                logger.error(
+                    "more than %d pool block removals dropped before Dynamo's KV publisher caught up; the "
+                    "router may credit this worker with blocks the pool no longer holds (loads of them miss)",
+                    self._max_lost_removals,
+                )
+            self.stats.removals_forgotten += len(removed) - max(room, 0)
+            removed = removed[: max(room, 0)]
+        lost.removed.update(removed)
+
+    def _keep(self, payload: bytes, pool: bool, removed: Sequence[Any]) -> None:
         if self._unsent_bytes + len(payload) > self._max_unsent_bytes:
             if not self.stats.unsent_dropped:
                 logger.warning(
@@ -144,9 +198,9 @@ class DownstreamPipe:
                     " (the pool's blocks are announced again once it catches up)" if pool else "",
                 )
             self.stats.unsent_dropped += 1
-            self._lost_pool |= pool
+            self._dropped(pool, removed)
             return
-        self._unsent.append(payload)
+        self._unsent.append((payload, pool, removed))
         self._unsent_bytes += len(payload)
         self.stats.unsent_max_bytes = max(self.stats.unsent_max_bytes, self._unsent_bytes)
         self._drained.clear()
@@ -156,14 +210,18 @@ class DownstreamPipe:
     async def _drain(self) -> None:
         delay = _RETRY_FIRST_S
         while self._unsent:
-            if self._try_send(self._unsent[0]):
-                self._unsent_bytes -= len(self._unsent.popleft())
+            payload, pool, removed = self._unsent[0]
+            if self._try_send(payload):
+                self._unsent.popleft()
+                self._unsent_bytes -= len(payload)
+                if self._failed:
+                    self._dropped(pool, removed)
                 delay = _RETRY_FIRST_S
             else:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, _RETRY_MAX_S)
         self._drained.set()
-        lost, self._lost_pool = self._lost_pool, False
+        lost, self._lost = self._lost, Lost()
         try:
             self._on_drained(lost)
         except Exception:

@@ -53,9 +53,12 @@ class PoolSourceConfig:
     pool_token: str | None = None
     #: request snapshots of this namespace only (None: all namespaces, filtered by the owner)
     snapshot_namespace: str | None = None
-    #: > 0: snapshots list only the pool's this many most recently used objects (needs
-    #: `pool_address`; NATS snapshot pages list every object)
+    #: > 0: snapshots list only the pool's this many most recently used objects (of the
+    #: namespaces asked for)
     snapshot_recent: int = 0
+    #: snapshots list only namespaces starting with one of these (None: all; the relay sets
+    #: its namespace filter's), and `snapshot_recent` counts only those
+    snapshot_prefixes: tuple[str, ...] | None = None
     probe_interval_s: float = 10.0
     request_timeout_s: float = 5.0
     max_queue: int = 200_000
@@ -280,7 +283,9 @@ class PoolEventSource:
         if not self.config.pool_address:
             after = 0
             while True:  # page by page: each NATS reply stays under the server's max payload
-                page = await self._nats_snapshot_page(namespace, after)
+                page = await self._nats_snapshot_page(
+                    namespace, after, self.config.snapshot_recent, self.config.snapshot_prefixes
+                )
                 yield page
                 if page.next is None:
                     return
@@ -316,10 +321,19 @@ class PoolEventSource:
             heartbeat=False,
             populate=False,
         ) as c:
-            yield from c.snapshot_pages(namespace, recent=self.config.snapshot_recent)
+            yield from c.snapshot_pages(
+                namespace, recent=self.config.snapshot_recent, prefixes=self.config.snapshot_prefixes
+            )
 
-    async def _nats_snapshot_page(self, namespace: str | None, after: int = 0) -> SnapshotPage:
-        body = msgspec.json.encode({"namespace": namespace, "after": after})
+    async def _nats_snapshot_page(
+        self, namespace: str | None, after: int = 0, recent: int = 0, prefixes: tuple[str, ...] | None = None
+    ) -> SnapshotPage:
+        request: dict[str, Any] = {"namespace": namespace, "after": after}
+        if recent > 0:
+            request["recent"] = recent
+        if prefixes is not None:
+            request["prefixes"] = list(prefixes)
+        body = msgspec.json.encode(request)
         reply = await self._link.nc.request(
             snapshot_subject(self.config.pool_name), body, timeout=self.config.request_timeout_s
         )

@@ -102,6 +102,14 @@ class NamespaceFilter:
         return namespace in self.exact or any(namespace.startswith(p) for p in self.prefixes)
 
     @property
+    def snapshot_prefixes(self) -> tuple[str, ...] | None:
+        """Namespace prefixes a snapshot for this filter may be limited to (None: every
+        namespace); exact names count as prefixes (a superset: the view filters the rest)."""
+        if not self.exact and not self.prefixes:
+            return None
+        return (*sorted(self.exact), *self.prefixes)
+
+    @property
     def single_namespace(self) -> str | None:
         """The one namespace to request snapshots for, when the filter names exactly one."""
         if len(self.exact) == 1 and not self.prefixes:

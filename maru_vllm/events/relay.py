@@ -29,7 +29,9 @@
   the router holds then grow with N, not with the pool.
 * Flow control (`downstream.DownstreamPipe`): the pipe to Dynamo's publisher holds at most
   `downstream_hwm` batches; what it refuses waits in the relay, in order, up to
-  `max_unsent_bytes`, and a resync reads its next snapshot page only once nothing waits. So a
+  `max_unsent_bytes`, and a resync reads its next snapshot page only once nothing waits. Pool
+  batches dropped past that are made good once the pipe drains: the blocks whose removal was
+  dropped are withdrawn again, then the pool is announced again in full. So a
   resync of any size runs at the pace of Dynamo's publisher with about one page of batches in
   flight. Once a resync's batches are sent the relay asks glibc's malloc to return the memory
   the resync freed (`release_free_memory`).
@@ -54,7 +56,7 @@ import zmq
 import zmq.asyncio
 
 from maru_vllm.events import vllm_format as vf
-from maru_vllm.events.downstream import DownstreamPipe, SendStats
+from maru_vllm.events.downstream import DownstreamPipe, Lost, SendStats
 from maru_vllm.events.nats_source import PoolEventSource, PoolSourceConfig
 from maru_vllm.events.packed_chunks import ChunkStores
 from maru_vllm.events.pool_view import NamespaceFilter, PoolView
@@ -146,6 +148,8 @@ class KvEventRelay:
         self.view = PoolView(namespaces, block_size, max_objects=max_announced_chunks)
         if max_announced_chunks is not None and pool is not None:
             pool = dataclasses.replace(pool, snapshot_recent=max_announced_chunks)
+        if pool is not None and pool.snapshot_prefixes is None:  # snapshots of what this relay follows
+            pool = dataclasses.replace(pool, snapshot_prefixes=namespaces.snapshot_prefixes)
         self.stats = RelayStats()
         self.endpoint: str | None = None
         self._pool_cfg = pool
@@ -157,6 +161,7 @@ class KvEventRelay:
         self._downstream_hwm = downstream_hwm
         self._max_page_wait_s = max_page_wait_s
         self._trim_when_sent = False  # a resync ended: return the memory it freed once its batches are sent
+        self._announce_when_drained = False  # pool batches were dropped: announce the pool once drained
         self._open = False  # a subscriber has joined: send instead of holding
         self._held: collections.deque[bytes] = collections.deque(maxlen=max_held)
         self._held_pool: list[bytes] = []  # pool batches held until the first subscriber joins
@@ -293,7 +298,7 @@ class KvEventRelay:
         if snap.last:
             self._trim_when_sent = True
             if self._pipe.drained:
-                asyncio.get_running_loop().call_soon(self._on_drained, False)
+                asyncio.get_running_loop().call_soon(self._on_drained, Lost())
         if not snap.last or snap.full:
             return  # a full resync is itself a re-announcement
         self._resyncs += 1
@@ -357,14 +362,16 @@ class KvEventRelay:
             ", ".join(f"{type(a).__name__}x{_blocks_of(a)}" for a in announcements),
         )
         blocks = 0
+        removed: list[Any] = []
         for a in announcements:
             blocks += _blocks_of(a)
             if isinstance(a, BlocksRemoved):
                 self.stats.pool_blocks_removed += _blocks_of(a)
+                removed += a.block_hashes
             else:
                 self.stats.pool_blocks_stored += _blocks_of(a)
         if self._open:
-            self._pipe.send(payload, pool=True)
+            self._pipe.send(payload, pool=True, removed=removed)
         elif self._held_pool_blocks + blocks <= self._max_held_pool_blocks and not self._announce_on_join:
             self._held_pool.append(payload)
             self._held_pool_blocks += blocks
@@ -386,10 +393,17 @@ class KvEventRelay:
         """A resync's pace: its next page is read once every batch before it went to ZMQ."""
         await self._pipe.ready(self._max_page_wait_s)
 
-    def _on_drained(self, lost_pool: bool) -> None:
+    def _on_drained(self, lost: Lost) -> None:
+        if lost.removed:
+            # Withdrawn again first: the publisher still counts their stores, and announcing the
+            # pool again only adds stores (a block the pool holds again is stored again right after)
+            logger.info("withdrawing %d pool blocks again whose removal was dropped", len(lost.removed))
+            self._announce([BlocksRemoved(tuple(lost.removed))])
+        self._announce_when_drained |= lost.pool  # pool batches were dropped while the publisher lagged
         if not self._pipe.drained:
             return
-        if lost_pool:  # pool batches were dropped while Dynamo's publisher lagged
+        if self._announce_when_drained:
+            self._announce_when_drained = False
             self._announce_everything()
         if self._trim_when_sent:
             self._trim_when_sent = False

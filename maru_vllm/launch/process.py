@@ -62,6 +62,7 @@ class ManagedProcess:
                 )
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0  # where this start's output begins in the (appended) log
+        self.started_ns: int | None = None  # wall clock (time.time_ns) of this start
 
     def restart(self) -> ManagedProcess:
         """Start again after a stop, with the same command, environment and log file."""
@@ -76,6 +77,7 @@ class ManagedProcess:
             raise RuntimeError(f"{self.name} already started (pid {self.proc.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self.started_ns = time.time_ns()
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed in `finally` once the child holds its copy
         try:
             self.proc = subprocess.Popen(
@@ -130,7 +132,9 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             logger.error("%s (pid %d) survived SIGKILL", self.name, self.proc.pid)
         if wait_session_gone(self.proc.pid, timeout_s=5.0):
-            removed = segments.release(only=VLLM_SHM_PREFIXES) + remove_dist_stores(self.output())
+            removed = segments.release(only=VLLM_SHM_PREFIXES, since_ns=self.started_ns) + remove_dist_stores(
+                self.output()
+            )
             if removed:
                 logger.info("%s left %d shared-memory files; removed", self.name, len(removed))
         return self.proc.returncode

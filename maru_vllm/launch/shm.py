@@ -4,7 +4,11 @@ vLLM engines create shared-memory message queues (`psm_*`) and named semaphores 
 at start and remove them on a clean exit; a SIGKILLed engine leaves them. Its torch.distributed
 file store (`$TMPDIR/vllm_dist_*`) is never removed. `ShmSegments` remembers, by inode, what a
 tree had mapped or open while it lived and removes, once it is dead, what no live process holds;
-the supervisor and `ManagedProcess.stop` use it.
+the supervisor and `ManagedProcess.stop` use it. A tree can die between two looks at it (an
+engine that crashes within a second or two of its start): what vLLM names its files that this
+user created while the tree lived (`since_ns`) and that no live process holds goes too - every
+live vLLM process holds the queues and semaphores it made open or mapped, so such a file can
+only be left over.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ SHM_DIR = Path("/dev/shm")
 # all `ManagedProcess.stop` removes, since any other file a tree maps may be somebody's (a pool's
 # region outlives every engine that maps it).
 VLLM_SHM_PREFIXES = ("psm_", "sem.mp-", "vllm_dist_")
+_CTIME_SLACK_NS = 100_000_000  # tmpfs timestamps are coarse (a clock tick)
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -110,12 +115,18 @@ class ShmSegments:
         for pid in session_members(session):
             self.seen |= set(shm_inodes_of(pid, self.shm_dir))
 
-    def release(self, protect: Collection[Path] = (), only: tuple[str, ...] | None = None) -> list[Path]:
+    def release(
+        self, protect: Collection[Path] = (), only: tuple[str, ...] | None = None, since_ns: int | None = None
+    ) -> list[Path]:
         """Remove the seen segments nobody holds now (with `only`: just those whose name starts
-        with one of its prefixes); returns the removed paths. Forgets all seen."""
+        with one of its prefixes); with `since_ns` (the tree's start, wall clock) also the files
+        named as vLLM names its own (`VLLM_SHM_PREFIXES`, within `only`) that this user created
+        since and nobody holds. Returns the removed paths. Forgets all seen."""
         seen, self.seen = self.seen, set()
-        if not seen:
+        if not seen and since_ns is None:
             return []
+        born_after = None if since_ns is None else since_ns - _CTIME_SLACK_NS
+        me = os.geteuid()
         keep = set(protect)
         candidates: dict[Path, int] = {}
         try:
@@ -129,7 +140,14 @@ class ShmSegments:
                 continue
             if only is not None and not path.name.startswith(only):
                 continue
-            if st.st_ino in seen and stat.S_ISREG(st.st_mode) and path not in keep:
+            if not stat.S_ISREG(st.st_mode) or path in keep:
+                continue
+            if st.st_ino in seen or (
+                born_after is not None
+                and path.name.startswith(VLLM_SHM_PREFIXES)
+                and st.st_uid == me
+                and st.st_ctime_ns >= born_after
+            ):
                 candidates[path] = st.st_ino
         if not candidates:
             return []

@@ -245,7 +245,9 @@ class Supervisor:
                     continue
                 if not wait_session_gone(w.proc.pid):
                     logger.error("%s: processes of session %d survive its stop", w.proc.name, w.proc.pid)
-                removed += w.segments.release(self.protect) + remove_dist_stores(w.proc.output())
+                removed += w.segments.release(self.protect, since_ns=w.proc.started_ns) + remove_dist_stores(
+                    w.proc.output()
+                )
         self.removed_segments += removed
         if removed:
             logger.info("removed /dev/shm segments left by stopped processes: %s", ", ".join(p.name for p in removed))
@@ -257,7 +259,7 @@ class Supervisor:
         proc.kill()  # the rest of its session: engine cores, tokenizer workers
         if not wait_session_gone(proc.pid):
             logger.error("%s: processes of session %d survive SIGKILL", proc.name, proc.pid)
-        removed = w.segments.release(self.protect) + remove_dist_stores(proc.output())
+        removed = w.segments.release(self.protect, since_ns=proc.started_ns) + remove_dist_stores(proc.output())
         self.removed_segments += removed
         if removed:
             logger.info("%s: removed what its dead tree left: %s", proc.name, ", ".join(map(str, removed)))

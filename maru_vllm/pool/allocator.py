@@ -20,6 +20,7 @@ The allocator only tracks space; it never touches the region's bytes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 PAGE = 4096
@@ -78,14 +79,16 @@ _CLASS_SIZES = _make_classes()
 class PageRuns:
     """Free-run allocator over `npages` pages with neighbour coalescing."""
 
-    def __init__(self, npages: int) -> None:
+    def __init__(self, npages: int, free_runs: Iterable[tuple[int, int]] | None = None) -> None:
+        """`free_runs`: (start, pages) of the free runs (default: every page is free)."""
         self.npages = npages
         self.free_pages = 0
         self._by_start: dict[int, int] = {}
         self._by_end: dict[int, int] = {}
         self._buckets: list[dict[int, None]] = [dict() for _ in range(max(1, npages.bit_length() + 1))]
-        if npages:
-            self._insert(0, npages)
+        for start, n in [(0, npages)] if free_runs is None else free_runs:
+            if n > 0:
+                self._insert(start, n)
 
     def _insert(self, start: int, n: int) -> None:
         self._by_start[start] = n
@@ -217,6 +220,79 @@ class Allocator:
             del cls.partial[slab.start_page]
             self.pages.free(slab.start_page, slab.npages)
             self.slab_bytes -= slab.npages * PAGE
+
+    def restore(self, blocks: Sequence[tuple[int, int, int]]) -> list[Allocation | None]:
+        """Claim again the blocks a previous owner of the data area handed out (a warm restart).
+
+        `blocks`: (offset, capacity, slab start page or -1 for a page run) each. Call once, on a
+        fresh allocator. A block out of bounds, of a shape this allocator does not make, claimed
+        twice, or overlapping another is refused (None; for a slab, every block in it); the rest
+        are allocated exactly where they were, and every page no kept block covers is free.
+        """
+        out: list[Allocation | None] = [None] * len(blocks)
+        npages = self.pages.npages
+        by_size = {c.size: c for c in self.classes}
+        runs: list[tuple[int, int, int]] = []  # (start page, pages, block index)
+        slabs: dict[int, tuple[SizeClass, dict[int, int]]] = {}  # start page -> (class, {slot: block index})
+        refused_slabs: set[int] = set()
+        twice: set[tuple[int, int]] = set()
+        for i, (off, cap, slab) in enumerate(blocks):
+            if slab < 0:
+                if off >= 0 and cap > 0 and not off % PAGE and not cap % PAGE and off + cap <= self.capacity:
+                    runs.append((off // PAGE, cap // PAGE, i))
+                continue
+            cls = by_size.get(cap)
+            rel = off - slab * PAGE
+            if (
+                cls is None
+                or slab + cls.slab_pages > npages
+                or rel < 0
+                or rel % cls.size
+                or rel >= cls.slots * cls.size
+            ):
+                continue
+            held = slabs.setdefault(slab, (cls, {}))
+            if held[0] is not cls:
+                refused_slabs.add(slab)
+            elif rel // cls.size in held[1]:
+                twice.add((slab, rel // cls.size))
+            else:
+                held[1][rel // cls.size] = i
+        for slab, slot in twice:
+            del slabs[slab][1][slot]
+        for slab in refused_slabs | {s for s, (_, members) in slabs.items() if not members}:
+            del slabs[slab]
+        # extents in page order; tag >= 0: a run's block index, < 0: ~(a slab's start page)
+        extents = sorted([*runs, *((s, c.slab_pages, ~s) for s, (c, _) in slabs.items())])
+        refused: set[int] = set()
+        end, furthest = 0, 0
+        for start, n, tag in extents:
+            if start < end:  # overlaps the extent before it that reaches furthest
+                refused.update((tag, furthest))
+            if start + n > end:
+                end, furthest = start + n, tag
+        free_runs, at = [], 0
+        for start, n, tag in extents:
+            if tag in refused:
+                continue
+            free_runs.append((at, start - at))
+            at = start + n
+            if tag >= 0:
+                out[tag] = Allocation(offset=start * PAGE, capacity=n * PAGE, npages=n)
+                self.allocated_bytes += n * PAGE
+                continue
+            cls, members = slabs[~tag]
+            slab_obj = Slab(start, n, cls, [s for s in range(cls.slots - 1, -1, -1) if s not in members], len(members))
+            if slab_obj.free:
+                cls.partial[start] = slab_obj
+            self.slab_bytes += n * PAGE
+            for slot, i in members.items():
+                out[i] = Allocation(offset=start * PAGE + slot * cls.size, capacity=cls.size, slab=slab_obj, slot=slot)
+                self.allocated_bytes += cls.size
+                self.small_bytes += cls.size
+        free_runs.append((at, npages - at))
+        self.pages = PageRuns(npages, free_runs)
+        return out
 
     def stats(self) -> dict[str, int]:
         return {

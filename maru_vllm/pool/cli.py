@@ -149,7 +149,28 @@ def register(subparsers: Any) -> None:
     serve.add_argument(
         "--token-file", help="file holding the shared-secret token clients must present (required for tcp)"
     )
-    serve.add_argument("--keep-region", action="store_true", help="leave the region file in place at exit")
+    serve.add_argument(
+        "--keep-region",
+        action="store_true",
+        help="leave the region file in place at exit (marked stopped cleanly: the next start recovers it)",
+    )
+    recover = serve.add_mutually_exclusive_group()
+    recover.add_argument(
+        "--recover",
+        dest="recover",
+        action="store_const",
+        const="require",
+        help="recover the objects of the region left at the path, or refuse to start (default: recover "
+        "when it is this pool's region of the same size and layout, else start an empty one)",
+    )
+    recover.add_argument(
+        "--no-recover",
+        dest="recover",
+        action="store_const",
+        const="never",
+        help="always start with an empty region (a region left at the path is replaced)",
+    )
+    serve.set_defaults(recover="auto")
     serve.add_argument(
         "--lease-seconds",
         type=_arg_type(_seconds, "seconds"),
@@ -294,6 +315,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             presence_buckets=args.presence_buckets,
             shared_snapshot_pages=args.shared_snapshot_pages,
             tier2=tier2,
+            recover=args.recover,
         )
         with asyncio.Runner(loop_factory=event_loop_factory(args.event_loop)) as runner:
             return runner.run(serve(cfg))
@@ -345,6 +367,17 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _start_line(st: dict[str, Any]) -> str:
+    """How this service started: on a new region, or recovering the one a previous service left."""
+    if st.get("last_stop") is None:
+        return "new region"
+    return (
+        f"recovered {st.get('recovered_objects', 0)} objects in {st.get('recovery_seconds') or 0:.2f} s"
+        f" ({st.get('recovery_dropped', 0)} dropped); the last service stopped "
+        + ("cleanly" if st.get("last_stop") == "clean" else "uncleanly")
+    )
+
+
 def format_status(st: dict[str, Any]) -> str:
     cap = st.get("capacity_bytes", 0) or 1
     lookups = st.get("hits", 0) + st.get("misses", 0)
@@ -366,6 +399,12 @@ def format_status(st: dict[str, Any]) -> str:
             if st.get("presence_slots")
             else "none (every lookup asks the service)",
         ),
+        (
+            "catalog",
+            f"{st.get('catalog_used', 0)} of {st.get('catalog_slots', 0)} slots"
+            f" ({st.get('catalog_full', 0)} objects found it full: not recoverable)",
+        ),
+        ("this start", _start_line(st)),
         ("reserved", f"{st.get('reserved', 0)} ({_human(st.get('reserved_bytes', 0))})"),
         ("pinned", st.get("pinned", 0)),
         ("sessions", st.get("sessions", 0)),

@@ -254,6 +254,13 @@ class PoolClient(PoolConnection):
                 if p is not None and len(p) > P.MAX_PARTS:
                     raise InvalidArgument(f"{len(p)} part keys for one object; at most {P.MAX_PARTS}")
         with self._request():
+            if not self._region_is_current():
+                # another service took the region over (a warm restart) before this session noticed
+                # its service was gone: these reservations are stale, and nothing may be written
+                for r in reservations:
+                    r.done = True
+                self._drop_connection()
+                return [False] * len(reservations)
             send: list[int] = []
             send_metas: list[Any] = []
             send_parts: list[list[bytes] | None] = []
@@ -458,19 +465,26 @@ class PoolClient(PoolConnection):
         return {"pool": first.pool, "incarnation": first.incarnation, "seq": first.seq, "objects": objects}
 
     def snapshot_pages(
-        self, namespace: str | None = None, page_size: int = P.MAX_SNAPSHOT_PAGE, recent: int = 0
+        self,
+        namespace: str | None = None,
+        page_size: int = P.MAX_SNAPSHOT_PAGE,
+        recent: int = 0,
+        prefixes: Sequence[str] | None = None,
     ) -> Iterator[M.SnapshotPage]:
         """The visible objects, one `messages.SnapshotPage` (a few MiB at most) at a time, in commit
         order. Apply the events after the FIRST page's `seq` on top of all pages to get the exact
         current set (why that is exact: `SnapshotPage`). Raises PoolUnavailable if the pool
         restarts (a new incarnation) between pages. `recent` > 0: only the `recent` most recently
-        used objects, as each page is served (a pool that predates it lists them all)."""
+        used objects, as each page is served (a pool that predates it lists them all); `prefixes`:
+        only namespaces starting with one of these, and `recent` counts only those."""
         ns = None if namespace is None else _ns(namespace)
         after = 0
         incarnation = None
         args: dict[str, Any] = {"ns": ns, "limit": page_size, "encoding": "msgpack"}
         if recent > 0:
             args["recent"] = recent
+        if prefixes is not None:
+            args["prefixes"] = [_ns(p) for p in prefixes]
         while True:
             data = self._call("snapshot", {**args, "after": after})
             try:

@@ -211,6 +211,17 @@ class PoolConnection:
         self._sock = None
         self._interrupted = False
 
+    def _region_is_current(self) -> bool:
+        """Whether the mapped region's header still names this session's incarnation (a service
+        that recovered the region after a restart writes its own there first)."""
+        region = self._region
+        if region is None:
+            return False
+        try:
+            return region.serves_incarnation()
+        except ValueError:  # unmapped
+            return False
+
     @property
     def marked_down(self) -> bool:
         """Whether this connection's breaker holds the pool for down (never, without one)."""

@@ -39,6 +39,8 @@ class SnapshotRequest(msgspec.Struct):
     namespace: str | None = None
     after: int = 0
     limit: int = 16384
+    recent: int = 0  # > 0: only the `recent` most recently used objects (of the namespaces asked for)
+    prefixes: list[str] | None = None  # only namespaces starting with one of these
 
 
 _request_decoder = msgspec.json.Decoder(SnapshotRequest)
@@ -61,7 +63,7 @@ class EventPublisher:
         self,
         url: str,
         pool: str,
-        snapshot: Callable[[str | None, int, int, int], M.SnapshotPage],
+        snapshot: Callable[[str | None, int, int, int, int, list[str] | None], M.SnapshotPage],
         *,
         max_queue: int = 200_000,
     ) -> None:
@@ -133,7 +135,14 @@ class EventPublisher:
             # leave room for the page envelope; a page stops once its objects pass the budget
             # (a page may pass its byte budget by one object, at most ~17 KiB of JSON)
             budget = max(max_payload // 2, max_payload - 64 * 1024)
-            page = self._snapshot(req.namespace, max(0, req.after), max(1, min(req.limit, 16384)), budget)
+            page = self._snapshot(
+                req.namespace,
+                max(0, req.after),
+                max(1, min(req.limit, 16384)),
+                budget,
+                max(0, req.recent),
+                req.prefixes[: M.MAX_SNAPSHOT_PREFIXES] if req.prefixes is not None else None,
+            )
             body = _json.encode(page)
             if len(body) > max_payload:
                 body = _json.encode(

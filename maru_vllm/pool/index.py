@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from maru_vllm.pool.allocator import Allocation, Allocator
+from maru_vllm.pool.catalog import NO_META, Catalog, Identity, encode_record, record_bytes
 from maru_vllm.pool.messages import EventType, ObjectInfo
 from maru_vllm.pool.objects import OBJ_HEADER_SIZE
 from maru_vllm.pool.presence import PresenceTable, write_units
@@ -56,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_OBJECTS = 2_000_000
 DEFAULT_METADATA_BUDGET = 1 << 30
+OID_STEP = 1 << 16  # the oid floor in the region header moves up in steps of this many oids
 
 
 EventSink = Callable[[EventType, Obj], None]
@@ -75,12 +77,20 @@ class PoolIndex:
         metadata_budget: int = DEFAULT_METADATA_BUDGET,
         meta_io: MetaIO | None = None,
         presence: PresenceTable | None = None,
+        catalog: Catalog | None = None,
+        on_oid_floor: Callable[[int], None] | None = None,
     ) -> None:
         """`meta_io`: keep metadata in region blocks through it (None: in this process's memory).
-        `presence`: keep that table equal to the visible keys and parts (`pool.presence`)."""
+        `presence`: keep that table equal to the visible keys and parts (`pool.presence`).
+        `catalog` (with `meta_io`): keep a record of every visible object in the region, so a
+        service started again on it can recover them (`catalog.py`). `on_oid_floor(n)`: called
+        before any oid >= the last floor it was given is handed out, with a new floor."""
         self.alloc = allocator
         self.meta_io = meta_io
         self.presence = presence
+        self.catalog = catalog if meta_io is not None else None
+        self.on_oid_floor = on_oid_floor
+        self._oid_floor = 0
         self.limits = limits or SessionLimits()
         self.data_offset = data_offset
         self.on_event = on_event
@@ -280,6 +290,9 @@ class PoolIndex:
                 self.counters["reserve_failures"] += 1
                 out.append(None)
                 continue
+            if self._next_oid >= self._oid_floor and self.on_oid_floor is not None:
+                self._oid_floor = self._next_oid + OID_STEP
+                self.on_oid_floor(self._oid_floor)
             obj = Obj(self._next_oid, ns, key, size, a, self.data_offset, sid)
             self._next_oid += 1
             self.live[obj.oid] = obj
@@ -331,13 +344,13 @@ class PoolIndex:
                 self._free(obj)
                 out.append(False)
                 continue
+            obj.cseq = self._next_cseq
             if not self._keep_meta(obj, meta):
                 self.counters["metadata_space_refusals"] += 1
                 self._free(obj)
                 out.append(False)
                 continue
             obj.committed = True
-            obj.cseq = self._next_cseq
             self._next_cseq += 1
             self.metadata_bytes += cost
             self.object_bytes += obj.size
@@ -370,15 +383,43 @@ class PoolIndex:
         return n
 
     def _keep_meta(self, obj: Obj, meta: bytes | None) -> bool:
-        """Store `meta` for `obj`: in a region block of its own (with `meta_io`), else as it is."""
-        if meta is None or self.meta_io is None:
+        """Store `meta` for `obj`: in a region block of its own (with `meta_io`), else as it is.
+        With a catalog every object gets that block, its record, and a catalog slot naming it."""
+        catalog = self.catalog
+        if self.meta_io is None or (meta is None and catalog is None):
             obj.meta = meta
             return True
-        block = self._alloc_evicting(META_HEADER + len(meta))
+        if catalog is None:
+            assert meta is not None
+            block = self._alloc_evicting(META_HEADER + len(meta))
+            if block is None:
+                return False
+            self.meta_io.write(self.data_offset + block.offset, meta)
+            obj.meta = block
+            return True
+        meta_len = NO_META if meta is None else len(meta)
+        block = self._alloc_evicting(record_bytes(obj.ns, obj.key, obj.parts, meta_len))
         if block is None:
             return False
-        self.meta_io.write(self.data_offset + block.offset, meta)
+        at = self.data_offset + block.offset
+        self.meta_io.write(at, meta or b"")
+        a = obj.alloc
+        data = encode_record(
+            obj.oid,
+            obj.cseq,
+            obj.size,
+            obj.ns,
+            obj.key,
+            obj.parts,
+            meta_len,
+            (a.offset, a.capacity, a.slab.start_page if a.slab is not None else -1),
+            (block.offset, block.capacity, block.slab.start_page if block.slab is not None else -1),
+        )
+        start = at + META_HEADER + max(meta_len, 0)
+        self.meta_io.view[start : start + len(data)] = data
         obj.meta = block
+        obj.meta_len = meta_len
+        obj.slot = catalog.add(block.offset, obj.oid)  # last: the record is complete
         return True
 
     def meta_of(self, obj: Obj) -> bytes | None:
@@ -386,6 +427,8 @@ class PoolIndex:
         meta = obj.meta
         if not isinstance(meta, Allocation):
             return meta
+        if obj.meta_len == NO_META:
+            return None
         assert self.meta_io is not None
         got = self.meta_io.read(self.data_offset + meta.offset, obj.meta_len)
         if got is None:
@@ -393,50 +436,115 @@ class PoolIndex:
             logger.warning("metadata of %s/%s in the region is damaged; served without it", obj.ns, obj.key.hex())
         return got
 
+    # -- recovery ---------------------------------------------------------------------------
+    def restore(self, found: Sequence[tuple[Identity, Allocation, Allocation, int]], oid_floor: int = 0) -> None:
+        """Make visible again the objects a previous service left in the region (a warm restart;
+        `recovery.py` verified them and claimed their blocks): (identity, payload block, record
+        block, catalog slot) each, of distinct keys, on a fresh index before any session opens.
+        They keep their oids and commit order; LRU order is commit order. New oids start above
+        every recovered one and `oid_floor`."""
+        top_oid, top_cseq = oid_floor, 0
+        parts, live, objects, lru, order = self.parts, self.live, self.objects, self.lru, self._order
+        data_offset = self.data_offset
+        meta_bytes = object_bytes = 0
+        for ident, payload, record, slot in sorted(found, key=lambda f: f[0].cseq):
+            oid, ns = ident.oid, ident.ns
+            obj = Obj(
+                oid,
+                ns,
+                ident.key,
+                ident.size,
+                payload,
+                data_offset,
+                0,
+                meta=record,
+                meta_len=ident.meta_len,
+                parts=ident.parts,
+                committed=True,
+                cseq=ident.cseq,
+                slot=slot,
+            )
+            live[oid] = obj
+            objects[(ns, obj.key)] = obj
+            lru[oid] = obj
+            order.append(obj)
+            for units, pkey in enumerate(obj.parts, 1):
+                parts.setdefault((ns, pkey), {})[oid] = (obj, units)
+            meta_bytes += obj.meta_cost
+            object_bytes += obj.size
+            if oid >= top_oid:
+                top_oid = oid + 1
+            top_cseq = obj.cseq
+        self.metadata_bytes += meta_bytes
+        self.object_bytes += object_bytes
+        self._next_oid = max(self._next_oid, top_oid)
+        self._next_cseq = max(self._next_cseq, top_cseq + 1)
+        if self.presence is not None:
+            fps = self.presence.fingerprints
+            tags = [fps.of_object(o.ns, o.key) for o in self.objects.values()]
+            named = [0] * len(tags)
+            for (ns, pkey), holders in parts.items():
+                tags.append(fps.of_part(ns, pkey))
+                named.append(write_units(holders[next(reversed(holders))][1]))
+            self.presence.put_many(tags, named)
+        # a smaller budget than the last service had: the least recently used go, as at a commit
+        self._evict_until(lambda: self.metadata_bytes <= self.metadata_budget)
+
     # -- views ------------------------------------------------------------------------------
     def snapshot(self, ns: str | None = None) -> list[ObjectInfo]:
         """Every visible object (tests and small pools; the service serves `snapshot_page`)."""
         return [o.info(self.meta_of(o)) for o in self.objects.values() if ns is None or o.ns == ns]
 
     def snapshot_page(
-        self, ns: str | None, after: int, limit: int, max_bytes: int, max_scan: int = 65536, recent: int = 0
+        self,
+        ns: str | None,
+        after: int,
+        limit: int,
+        max_bytes: int,
+        max_scan: int = 65536,
+        recent: int = 0,
+        prefixes: Sequence[str] | None = None,
     ) -> tuple[list[Obj], int | None]:
         """Visible objects committed after cursor `after`, in commit order: at most `limit` of
         them, stopping once their metadata passes `max_bytes` or `max_scan` entries were looked
-        at; with `recent` > 0 only those among the `recent` most recently used (`recently_used`,
-        taken anew for each page). Returns (objects, cursor of the next page or None when this
-        is the last)."""
+        at; of namespace `ns` and of namespaces starting with one of `prefixes` (None: any);
+        with `recent` > 0 only those among the `recent` most recently used of them
+        (`recently_used`, taken anew for each page). Returns (objects, cursor of the next page
+        or None when this is the last)."""
         self._compact_order()
         order = self._order
         i = bisect.bisect_right(order, after, key=lambda o: o.cseq)
         out: list[Obj] = []
         nbytes = 0
         end = min(len(order), i + max_scan)
-        wanted = self.recently_used(recent, ns) if recent > 0 else None
+        wanted = self.recently_used(recent, ns, prefixes) if recent > 0 else None
+        scope = _scope(ns, prefixes)
         while i < end and len(out) < limit and nbytes < max_bytes:
             o = order[i]
             i += 1
             if wanted is not None and o.oid not in wanted:
                 continue
-            if (ns is None or o.ns == ns) and self.objects.get((o.ns, o.key)) is o:
+            if scope(o.ns) and self.objects.get((o.ns, o.key)) is o:
                 out.append(o)
                 # its JSON size, roughly: key as hex, (binary) metadata as base64
                 nbytes += o.meta_len * 4 // 3 + 4 + 2 * len(o.key) + len(o.ns) + 64
         return out, (order[i - 1].cseq if i < len(order) else None)
 
-    def recently_used(self, n: int, ns: str | None = None) -> set[int]:
-        """Oids of the `n` most recently used committed objects (of `ns`): those pinned now,
-        then from the most recently used end of the LRU order. O(n) plus the pins."""
+    def recently_used(self, n: int, ns: str | None = None, prefixes: Sequence[str] | None = None) -> set[int]:
+        """Oids of the `n` most recently used committed objects (of `ns`, and of namespaces
+        starting with one of `prefixes`): those pinned now, then from the most recently used end
+        of the LRU order. O(n) plus the pins, plus the objects of other namespaces passed over."""
         out: set[int] = set()
+        scope = _scope(ns, prefixes)
         for s in self.sessions.values():
             for oid in s.pins:
                 o = self.live.get(oid)
-                if len(out) < n and o is not None and o.committed and not o.doomed and (ns is None or o.ns == ns):
+                if len(out) < n and o is not None and o.committed and not o.doomed and scope(o.ns):
                     out.add(oid)
         for oid, o in reversed(self.lru.items()):
             if len(out) >= n:
                 break
-            if ns is None or o.ns == ns:
+            if scope(o.ns):
                 out.add(oid)
         return out
 
@@ -513,6 +621,10 @@ class PoolIndex:
 
     def _hide(self, obj: Obj, event: EventType) -> None:
         """Make a committed object invisible; free it now if nobody pins it."""
+        if obj.slot >= 0:  # first: a restarted service must not bring it back
+            assert self.catalog is not None
+            self.catalog.drop(obj.slot)
+            obj.slot = -1
         self.lru.pop(obj.oid, None)
         if self.objects.get((obj.ns, obj.key)) is obj:
             del self.objects[(obj.ns, obj.key)]
@@ -554,6 +666,10 @@ class PoolIndex:
             self.lru[obj.oid] = obj  # a read counts as use: most recently used end
 
     def _free(self, obj: Obj) -> None:
+        if obj.slot >= 0:
+            assert self.catalog is not None
+            self.catalog.drop(obj.slot)
+            obj.slot = -1
         if self.live.pop(obj.oid, None) is not None:
             self.alloc.free(obj.alloc)
             if isinstance(obj.meta, Allocation):
@@ -585,3 +701,19 @@ class PoolIndex:
     def _emit(self, kind: EventType, obj: Obj) -> None:
         if self.on_event is not None:
             self.on_event(kind, obj)
+
+
+def _scope(ns: str | None, prefixes: Sequence[str] | None) -> Callable[[str], bool]:
+    """Whether a namespace is `ns` (None: any) and starts with one of `prefixes` (None: any)."""
+    if prefixes is None:
+        return (lambda _: True) if ns is None else ns.__eq__
+    starts = tuple(prefixes)
+    seen: dict[str, bool] = {}
+
+    def scope(name: str) -> bool:
+        ok = seen.get(name)
+        if ok is None:
+            ok = seen[name] = (ns is None or name == ns) and name.startswith(starts)
+        return ok
+
+    return scope

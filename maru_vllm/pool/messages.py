@@ -45,6 +45,7 @@ SNAPSHOT_PAGE_BYTES = 4 * 1024 * 1024  # a page stops growing past this many byt
 
 Key = Annotated[bytes, msgspec.Meta(max_length=MAX_KEY)]
 Namespace = Annotated[str, msgspec.Meta(max_length=MAX_NAMESPACE)]
+MAX_SNAPSHOT_PREFIXES = 64
 Size = Annotated[int, msgspec.Meta(ge=0, le=1 << 50)]
 Oid = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -101,6 +102,9 @@ class SnapshotArgs(msgspec.Struct):
     # > 0: list only the `recent` most recently used objects (of `ns`), as they stand when the
     # page is served (PoolIndex.snapshot_page); a pool that predates the field lists them all
     recent: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # only objects whose namespace starts with one of these (what a relay follows: its model's
+    # namespaces); `recent` counts only those. A pool that predates the field lists every namespace
+    prefixes: Annotated[list[Namespace], msgspec.Meta(max_length=MAX_SNAPSHOT_PREFIXES)] | None = None
 
 
 HexHash = Annotated[str, msgspec.Meta(min_length=2, max_length=256, pattern="^([0-9a-f]{2})+$")]

@@ -31,6 +31,10 @@ _GAUGES = {
     "sessions": "Connected client sessions",
     "event_queue": "Events waiting to be published to NATS",
     "connections": "Open client connections (including those still waiting for hello)",
+    "catalog_slots": "Catalog slots: visible objects a restarted service can recover, at most",
+    "recovered_objects": "Objects this service recovered from the region at its start (a warm restart)",
+    "recovery_dropped": "Objects in the region at its start that did not verify and were freed",
+    "recovery_seconds": "Seconds this service took to rebuild its index from the region at its start",
 }
 _COUNTERS = {
     "hits": "Lookups/acquires that found the key",
@@ -48,6 +52,7 @@ _COUNTERS = {
     "auth_failures": "Connections that presented a wrong token",
     "snapshot_pages_encoded": "Snapshot pages the service built and encoded",
     "snapshot_pages_shared": "Snapshot pages answered with the bytes encoded for an earlier reader (pool unchanged)",
+    "catalog_full": "Objects committed while the catalog was full (not recoverable after a restart)",
 }
 
 

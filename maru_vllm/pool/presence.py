@@ -42,6 +42,7 @@ import struct
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import xxhash
 
 MAGIC = b"MARUPRES"
@@ -113,7 +114,8 @@ def _tag(fp: int) -> int:
 class PresenceTable:
     """The service's side: creates the table in `view` at `offset` and keeps it equal to the index."""
 
-    def __init__(self, view: memoryview, offset: int, buckets: int) -> None:
+    def __init__(self, view: memoryview, offset: int, buckets: int, *, live: bool = True) -> None:
+        """`live` False: the table starts stopped (readers ask the service) until the first `beat`."""
         if buckets <= 0 or buckets & (buckets - 1):
             raise ValueError(f"presence table buckets must be a power of two, got {buckets}")
         self.offset = offset
@@ -122,7 +124,9 @@ class PresenceTable:
         view[offset : offset + table_bytes(buckets)] = bytes(table_bytes(buckets))
         self._header = view[offset : offset + HEADER_SIZE]
         self._slots = view[offset + HEADER_SIZE : offset + table_bytes(buckets)].cast("Q")
-        _HEADER.pack_into(self._header, 0, MAGIC, VERSION, SLOTS_PER_BUCKET, buckets, time.monotonic_ns())
+        _HEADER.pack_into(
+            self._header, 0, MAGIC, VERSION, SLOTS_PER_BUCKET, buckets, time.monotonic_ns() if live else 0
+        )
         # bucket -> {tag: units} of keys that found their bucket full
         self.spilled: dict[int, dict[int, int]] = {}
         self.entries = 0
@@ -195,6 +199,31 @@ class PresenceTable:
                 slots[base + j] = 0
                 self.hints -= 1
                 return
+
+    def put_many(self, tags: Sequence[int], units: Sequence[int]) -> None:
+        """`put` of every (tag, units) pair into a table that holds no entry yet (a recovered
+        pool's); where a tag comes twice, its last units count."""
+        if self.entries:
+            raise RuntimeError("put_many fills an empty presence table")
+        if not tags:
+            return
+        t = np.asarray(tags, dtype=np.uint64)
+        u = np.asarray(units, dtype=np.uint64) & np.uint64(UNITS_MASK)
+        last = len(t) - 1 - np.unique(t[::-1], return_index=True)[1]  # the last of each tag
+        t, u = t[last], u[last]
+        bucket = (t >> np.uint64(8)) & np.uint64(self.buckets - 1)
+        order = np.argsort(bucket, kind="stable")
+        t, u, bucket = t[order], u[order], bucket[order]
+        first = np.searchsorted(bucket, bucket, side="left")
+        rank = np.arange(len(bucket)) - first
+        fits = rank < SLOTS_PER_BUCKET
+        table = np.frombuffer(self._slots, dtype=np.uint64)
+        table[(bucket[fits] * np.uint64(SLOTS_PER_BUCKET) + rank[fits].astype(np.uint64)).astype(np.int64)] = (
+            t[fits] | u[fits]
+        )
+        for b, tag, n in zip(bucket[~fits].tolist(), t[~fits].tolist(), u[~fits].tolist()):
+            self.spilled.setdefault(b, {})[tag] = n
+        self.entries = len(t)
 
     def discard(self, tag: int) -> None:
         bucket = bucket_of(tag, self.buckets)

@@ -31,17 +31,18 @@ class Obj:
     # the committer's metadata (JSON or binary chunk metadata): its bytes, or the region block
     # holding them (PoolIndex.meta_of reads either)
     meta: bytes | Allocation | None = None
-    meta_len: int = 0
+    meta_len: int = 0  # catalog.NO_META (-1): committed without metadata, its record block in `meta`
     parts: tuple[bytes, ...] = ()  # parts[i] names the first i + 1 units (see module docstring)
     committed: bool = False
     pins: int = 0
     doomed: bool = False
     cseq: int = 0  # commit order, the snapshot cursor
+    slot: int = -1  # its catalog slot while visible (catalog.py), else -1
 
     @property
     def meta_cost(self) -> int:
         """Bytes this object counts against the metadata budget (key, metadata JSON, part keys)."""
-        return len(self.key) + self.meta_len + sum(map(len, self.parts))
+        return len(self.key) + max(self.meta_len, 0) + sum(map(len, self.parts))
 
     @property
     def header_offset(self) -> int:

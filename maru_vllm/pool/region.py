@@ -11,11 +11,17 @@ Backends:
   * ``file`` - a file on a DAX-enabled filesystem or a hugetlbfs mount; the size is rounded up
                to the filesystem block size (the huge page size on hugetlbfs).
 
-The service always creates a *new* file (unlink + O_EXCL create) rather than reusing an old
-one in place, so a client still mapping the previous incarnation keeps seeing the previous
+A new service either **recovers** the region left at its path (a warm restart: `recover`; the
+file, its region UUID and every byte stay, the header gets a new incarnation and says the
+service is running) or creates a *new* one. A new file is a new inode (unlink + O_EXCL
+create), so a client still mapping the previous incarnation keeps seeing the previous
 (immutable) contents instead of bytes being rewritten under it. It only ever replaces a file
 that starts with the region magic (a region left behind); anything else at the path is
 refused unless `force` (``--force``), so a mistyped --path cannot delete someone's file.
+
+A region is recovered only when it is this pool's, of the same size, layout (`layout.Layout`:
+presence table, catalog, heap) and catalog format, owned by this user and held by no running
+service; the header records whether its last service stopped cleanly (`PreviousRun`).
 """
 
 from __future__ import annotations
@@ -30,17 +36,19 @@ import stat
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
+from maru_vllm.pool.catalog import RECORD_FORMAT
 from maru_vllm.pool.errors import PoolError
+from maru_vllm.pool.layout import HEADER_SIZE, PAGE_SIZE, Layout, round_up
 
 logger = logging.getLogger(__name__)
 
 REGION_MAGIC = b"MARUPOOL"
 LAYOUT_VERSION = 1
-HEADER_SIZE = 4096  # the data area starts here; page aligned
-PAGE_SIZE = 4096
 SHM_DIR = Path("/dev/shm")
 DAX_SYSFS = Path("/sys/bus/dax/devices")
 DEFAULT_DAX_ALIGN = 2 * 1024 * 1024
@@ -49,6 +57,19 @@ MIN_REGION_SIZE = 1024 * 1024
 # magic, layout version, header size, region size, data offset, region uuid, incarnation,
 # created (ns since epoch), pool name
 _HEADER = struct.Struct("<8sIIQQ16s16sQ64s")
+# What a warm restart needs, at EXT_AT (clients do not read it): magic, catalog format, state,
+# presence buckets, catalog slots, heap offset, oid floor (no oid at or above it was handed out),
+# started and stopped (ns since epoch; stopped 0 while running)
+EXT_AT = 256
+_EXT = struct.Struct("<8sIIQQQQQQ")
+_EXT_MAGIC = b"MARUCATL"
+_STATE_AT = EXT_AT + 12
+_OID_FLOOR_AT = EXT_AT + 40
+_STOPPED_AT = EXT_AT + 56
+STATE_RUNNING = 1
+STATE_STOPPED = 2  # the last service stopped cleanly
+_INCARNATION_AT = 48  # the incarnation's 16 bytes in _HEADER
+Recover = Literal["never", "auto", "require"]
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 BACKENDS = ("shm", "dax", "file")
 
@@ -140,8 +161,15 @@ def dax_geometry(device: Path, sysfs: Path = DAX_SYSFS) -> tuple[int, int]:
     return size, align
 
 
-def round_up(value: int, align: int) -> int:
-    return (value + align - 1) // align * align
+@dataclass(frozen=True)
+class PreviousRun:
+    """What a recovered region's header said about the service that used it last."""
+
+    region_uuid: str
+    clean: bool  # it stopped cleanly (else it was killed, or crashed)
+    oid_floor: int  # no oid at or above it was handed out
+    started_ns: int
+    stopped_ns: int
 
 
 class Region:
@@ -153,6 +181,8 @@ class Region:
         self.info = info
         self.owner = owner
         self.view = memoryview(mm)
+        self.layout: Layout | None = None  # the service's side
+        self.previous: PreviousRun | None = None  # set when the region was recovered
 
     @property
     def size(self) -> int:
@@ -169,15 +199,24 @@ class Region:
         group: int | None = None,
         sysfs: Path = DAX_SYSFS,
         force: bool = False,
+        layout: Callable[[int], Layout] | None = None,
+        recover: Recover = "never",
     ) -> Region:
+        """The service's region: the one left at the path when `recover` allows and it is
+        recoverable (`previous` is then set), else a new one. `layout(size)` lays out a region of
+        the final size (default: no presence table, no catalog). `recover`: "never", "auto"
+        (recover when possible, else start a new region and log why), "require" (raise when the
+        region cannot be recovered)."""
         validate_pool_name(name)
         p = resolve_region_path(backend, name, path)
         mode = 0o660 if group is not None else 0o600
+        previous: PreviousRun | None = None
         if backend == "dax":
             dev_size, align = dax_geometry(p, sysfs)
             size = round_up(size, align)
             if size > dev_size:
                 raise RegionError(f"requested size {size} exceeds DAX device {p} size {dev_size}")
+            lay = layout(size) if layout is not None else Layout(size, 0, 0)
             try:
                 fd = os.open(p, os.O_RDWR)
             except OSError as exc:
@@ -193,41 +232,64 @@ class Region:
                 size = round_up(size, max(PAGE_SIZE, os.statvfs(p.parent).f_bsize))
             else:
                 size = round_up(size, PAGE_SIZE)
-            fd = _create_fresh(p, mode, force)
-            try:
-                os.ftruncate(fd, size)
-                _reserve_space(fd, size, p)
-            except (OSError, RegionError) as exc:
-                os.close(fd)
-                p.unlink(missing_ok=True)
-                if isinstance(exc, RegionError):
-                    raise
-                raise RegionError(f"cannot size region {p} to {size} bytes: {exc}") from exc
+            lay = layout(size) if layout is not None else Layout(size, 0, 0)
+            found = _reopen(p, name, lay, recover) if recover != "never" else None
+            if found is not None:
+                fd, previous = found
+            else:
+                fd = _create_fresh(p, mode, force)
+                try:
+                    os.ftruncate(fd, size)
+                    _reserve_space(fd, size, p)
+                except (OSError, RegionError) as exc:
+                    os.close(fd)
+                    p.unlink(missing_ok=True)
+                    if isinstance(exc, RegionError):
+                        raise
+                    raise RegionError(f"cannot size region {p} to {size} bytes: {exc}") from exc
         if group is not None and backend != "dax":
             os.fchown(fd, -1, group)
+            os.fchmod(fd, mode)
         try:
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             os.close(fd)
-            if backend != "dax":
+            if backend != "dax" and previous is None:
                 p.unlink(missing_ok=True)
             raise RegionError(f"cannot map region {p} ({size} bytes): {exc}") from exc
+        if backend == "dax" and recover != "never":  # a device-DAX node is only mapped, never read
+            try:
+                previous = _previous_run(bytes(mm[: EXT_AT + _EXT.size]), p, name, lay, recover)
+            except RegionError:
+                mm.close()
+                os.close(fd)
+                raise
         info = RegionInfo(
             path=str(p),
             size=size,
             data_offset=HEADER_SIZE,
-            region_uuid=uuid.uuid4().hex,
+            region_uuid=previous.region_uuid if previous is not None else uuid.uuid4().hex,
             incarnation=uuid.uuid4().hex,
             pool=name,
             backend=backend,
         )
         region = cls(fd, mm, info, owner=True)
-        region._write_header()
-        logger.info("created region %s (%s, %d bytes, incarnation %s)", p, backend, size, info.incarnation)
+        region.layout = lay
+        region.previous = previous
+        region._write_header(previous.oid_floor if previous is not None else 0)
+        logger.info(
+            "%s region %s (%s, %d bytes, incarnation %s)",
+            "recovered" if previous is not None else "created",
+            p,
+            backend,
+            size,
+            info.incarnation,
+        )
         return region
 
-    def _write_header(self) -> None:
+    def _write_header(self, oid_floor: int) -> None:
         i = self.info
+        lay = self.layout or Layout(i.size, 0, 0)
         packed = _HEADER.pack(
             b"\0" * 8,
             LAYOUT_VERSION,
@@ -239,8 +301,34 @@ class Region:
             time.time_ns(),
             i.pool.encode()[:64],
         )
+        self.mm[0:8] = bytes(8)  # no magic while the header changes: it never verifies half-written
         self.mm[: _HEADER.size] = packed
+        self.mm[EXT_AT : EXT_AT + _EXT.size] = _EXT.pack(
+            _EXT_MAGIC,
+            RECORD_FORMAT,
+            STATE_RUNNING,
+            lay.presence_buckets,
+            lay.catalog_slots,
+            lay.heap_offset,
+            oid_floor,
+            time.time_ns(),
+            0,
+        )
         self.mm[0:8] = REGION_MAGIC  # last, so a half-written header never verifies
+
+    def set_oid_floor(self, floor: int) -> None:
+        """Record that no oid at or above `floor` has been handed out (the service's)."""
+        struct.pack_into("<Q", self.mm, _OID_FLOOR_AT, floor)
+
+    def mark_stopped(self) -> None:
+        """Record a clean stop in the header (the service's, last thing before it unmaps)."""
+        struct.pack_into("<Q", self.mm, _STOPPED_AT, time.time_ns())
+        struct.pack_into("<I", self.mm, _STATE_AT, STATE_STOPPED)
+
+    def serves_incarnation(self) -> bool:
+        """Whether the header still names the incarnation this mapping was made for (a client:
+        False once another service took the region over)."""
+        return bytes(self.mm[_INCARNATION_AT : _INCARNATION_AT + 16]).hex() == self.info.incarnation
 
     @classmethod
     def attach(
@@ -283,7 +371,11 @@ class Region:
         return cls(fd, mm, info, owner=False)
 
     def close(self, *, unlink: bool = False) -> None:
-        """Unmap; exported memoryviews still alive keep the mapping (the GC closes it later)."""
+        """Unmap; exported memoryviews still alive keep the mapping (the GC closes it later).
+        The service's region that stays (not `unlink`, or a DAX device) is marked stopped cleanly."""
+        removed = unlink and self.owner and self.info.backend != "dax"
+        if self.owner and not removed:
+            self.mark_stopped()
         self.view.release()
         try:
             self.mm.close()
@@ -293,7 +385,7 @@ class Region:
             os.close(self._fd)
         except OSError:
             pass
-        if unlink and self.owner and self.info.backend != "dax":
+        if removed:
             try:
                 os.unlink(self.info.path)
             except FileNotFoundError:
@@ -317,6 +409,89 @@ def read_header(mm: mmap.mmap | memoryview, path: str = "?", backend: str = "shm
         pool=name.rstrip(b"\0").decode(errors="replace"),
         backend=backend,
     )
+
+
+def _recoverable(head: bytes, path: Path, name: str, lay: Layout) -> PreviousRun | str:
+    """What the header `head` of the region at `path` says of its last run, or why a service
+    laid out as `lay` must not recover it."""
+    if len(head) < EXT_AT + _EXT.size or head[:8] != REGION_MAGIC:
+        return "it is not a maru pool region (no MARUPOOL header)"
+    _magic, version, hsize, size, _data, ruuid, _inc, _created, pool = _HEADER.unpack_from(head, 0)
+    if version != LAYOUT_VERSION or hsize != HEADER_SIZE:
+        return f"its layout version is {version}; this pool service writes version {LAYOUT_VERSION}"
+    found = pool.rstrip(b"\0").decode(errors="replace")
+    if found != name:
+        return f"it belongs to pool {found!r}, not {name!r}"
+    if size != lay.size:
+        return f"it is {size} bytes and this start asks for {lay.size} (--size)"
+    ext, fmt, state, buckets, slots, heap, oid_floor, started, stopped = _EXT.unpack_from(head, EXT_AT)
+    if ext != _EXT_MAGIC:
+        return "it has no object catalog (it was made by an older pool service)"
+    if fmt != RECORD_FORMAT:
+        return f"its object catalog has format {fmt}; this pool service reads format {RECORD_FORMAT}"
+    if buckets != lay.presence_buckets:
+        return (
+            f"its presence table has {buckets} buckets and this start asks for {lay.presence_buckets}"
+            " (--presence-buckets)"
+        )
+    if slots != lay.catalog_slots or heap != lay.heap_offset:
+        return (
+            f"its catalog has {slots} slots (heap at {heap}) and this start asks for {lay.catalog_slots} "
+            f"(heap at {lay.heap_offset}; the catalog is sized from --size and --max-objects)"
+        )
+    return PreviousRun(ruuid.hex(), state == STATE_STOPPED, oid_floor, started, stopped)
+
+
+def _previous_run(head: bytes, p: Path, name: str, lay: Layout, recover: Recover) -> PreviousRun | None:
+    """The last run of the region whose header is `head` when it may be recovered; None (logged)
+    when not and `recover` is "auto"; RegionError when not and it is "require"."""
+    found = _recoverable(head, p, name, lay)
+    if isinstance(found, PreviousRun):
+        return found
+    if recover == "require":
+        raise RegionError(f"cannot recover region {p}: {found}")
+    logger.info("not recovering region %s: %s; starting an empty one", p, found)
+    return None
+
+
+def _reopen(p: Path, name: str, lay: Layout, recover: Recover) -> tuple[int, PreviousRun] | None:
+    """The region file left at `p`, open and locked, with its last run, when it may be recovered."""
+    try:
+        fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        if recover == "require":
+            raise RegionError(f"cannot recover region {p}: there is no region there") from None
+        return None
+    except OSError as exc:
+        raise RegionError(f"cannot open existing region {p}: {exc}") from exc
+    _lock(fd, p)  # raises (and closes fd) if another service holds it
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode) or os.pread(fd, len(REGION_MAGIC), 0) != REGION_MAGIC:
+        os.close(fd)  # not a region at all: creating a new one replaces it or says why not
+        if recover == "require":
+            raise RegionError(f"cannot recover region {p}: it is not a maru pool region (no MARUPOOL header)")
+        return None
+    if st.st_uid != os.geteuid():
+        why = f"it is owned by uid {st.st_uid}, not by this service's uid {os.geteuid()}"
+    elif st.st_size != lay.size:
+        why = f"the file is {st.st_size} bytes and this start asks for {lay.size} (--size)"
+    previous = None
+    if why is None:
+        try:
+            previous = _previous_run(os.pread(fd, EXT_AT + _EXT.size, 0), p, name, lay, recover)
+        except RegionError:
+            os.close(fd)
+            raise
+    elif recover == "require":
+        os.close(fd)
+        raise RegionError(f"cannot recover region {p}: {why}")
+    else:
+        logger.info("not recovering region %s: %s; starting an empty one", p, why)
+    if previous is None:
+        os.close(fd)  # _create_fresh replaces it (or refuses to)
+        return None
+    return fd, previous
 
 
 def _reserve_space(fd: int, size: int, p: Path) -> None:

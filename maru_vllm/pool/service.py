@@ -34,16 +34,19 @@ from maru_vllm.pool import protocol as P
 from maru_vllm.pool.address import Address, default_listen, parse_address
 from maru_vllm.pool.allocator import Allocator
 from maru_vllm.pool.auth import check_token
+from maru_vllm.pool.catalog import Catalog
 from maru_vllm.pool.connections import Conn, ConnectionSlots, peer_name
 from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.events import EventPublisher
 from maru_vllm.pool.index import DEFAULT_MAX_OBJECTS, DEFAULT_METADATA_BUDGET, PoolIndex
+from maru_vllm.pool.layout import Layout
 from maru_vllm.pool.logthrottle import AuthThrottle, ThrottledLog
 from maru_vllm.pool.metrics import PoolMetrics
 from maru_vllm.pool.objects import key_digest, validate
-from maru_vllm.pool.presence import BEAT_S, PresenceTable, default_buckets, table_bytes
+from maru_vllm.pool.presence import BEAT_S, PresenceTable, table_bytes
 from maru_vllm.pool.records import MetaIO, Obj, SessionLimits
-from maru_vllm.pool.region import PAGE_SIZE, Region, round_up
+from maru_vllm.pool.recovery import RecoveryReport, recover
+from maru_vllm.pool.region import Recover, Region
 from maru_vllm.pool.snapshot_pages import DEFAULT_MAX_PAGES, SharedPages
 from maru_vllm.pool.tier2 import Tier2, Tier2Settings, start_tier2
 
@@ -81,6 +84,9 @@ class ServiceConfig:
     shared_snapshot_pages: int = DEFAULT_MAX_PAGES
     # the cluster-wide second tier under this pool (`pool.tier2`); None: none
     tier2: Tier2Settings | None = None
+    # a region left at the path: recover its objects when it can be ("auto"), always ("require":
+    # refuse to start otherwise), or never (start an empty one); see region.py and recovery.py
+    recover: Recover = "auto"
 
 
 class PoolService:
@@ -98,6 +104,8 @@ class PoolService:
         self.region: Region | None = None
         self.index: PoolIndex | None = None
         self.presence: PresenceTable | None = None
+        self.catalog: Catalog | None = None
+        self.recovery: RecoveryReport | None = None  # what the warm restart found, if this start was one
         self.metrics = PoolMetrics(cfg.name, self._stats_from_any_thread)
         self.publisher: EventPublisher | None = None
         self.seq = 0
@@ -109,6 +117,7 @@ class PoolService:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.metrics_port: int | None = None
         self.tier2: Tier2 | None = None
+        self._serving = False  # start() completed
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> list[str]:
@@ -123,35 +132,22 @@ class PoolService:
         for a in self.addresses:
             if a.kind == "unix":
                 _refuse_live_socket(a.path)
+        cfg = self.cfg
         self.region = Region.create(
-            self.cfg.name,
-            self.cfg.size,
-            backend=self.cfg.backend,
-            path=self.cfg.path,
-            group=self.cfg.group,
-            force=self.cfg.force,
+            cfg.name,
+            cfg.size,
+            backend=cfg.backend,
+            path=cfg.path,
+            group=cfg.group,
+            force=cfg.force,
+            layout=lambda size: Layout.decide(size, cfg.max_objects, cfg.presence_buckets),
+            recover=cfg.recover,
         )
-        data_offset = self.region.info.data_offset
-        half = self.region.size // 2
-        limits = SessionLimits(
-            reserve_bytes=self.cfg.session_reserve_limit if self.cfg.session_reserve_limit is not None else half,
-            pin_bytes=self.cfg.session_pin_limit if self.cfg.session_pin_limit is not None else half,
-            pins_per_object=self.cfg.max_pins_per_object,
-        )
-        self.presence = self._make_presence(data_offset)
-        if self.presence is not None:  # the table comes first; objects live in the rest
-            data_offset += round_up(table_bytes(self.presence.buckets), PAGE_SIZE)
-        allocator = Allocator(self.region.size - data_offset)
-        self.index = PoolIndex(
-            allocator,
-            data_offset,
-            self._on_event,
-            limits,
-            max_objects=self.cfg.max_objects,
-            metadata_budget=self.cfg.metadata_budget,
-            meta_io=MetaIO(self.region.view),
-            presence=self.presence,
-        )
+        try:
+            self._build_index()
+        except BaseException:
+            await self.stop()
+            raise
         if self.cfg.nats:
             self.publisher = EventPublisher(self.cfg.nats, self.cfg.name, self._snapshot_page)
             self.publisher.start()
@@ -186,17 +182,48 @@ class PoolService:
         self._spawn(self._lease_sweeper())
         if self.presence is not None:
             self._spawn(self._presence_beat(self.presence))
+        self._serving = True
         return served
 
-    def _make_presence(self, at: int) -> PresenceTable | None:
-        """The presence table at region offset `at` (the start of the data area), or None."""
-        assert self.region is not None
-        buckets = self.cfg.presence_buckets
-        if buckets is None:
-            buckets = default_buckets(self.region.size - at, self.cfg.max_objects)
-        if buckets == 0:
-            return None
-        return PresenceTable(self.region.view, at, buckets)
+    def _build_index(self) -> None:
+        """The presence table, catalog, allocator and index over the region's layout; on a
+        recovered region, refilled from what it holds (recovery.py) before anyone can connect."""
+        assert self.region is not None and self.region.layout is not None
+        region, lay, cfg = self.region, self.region.layout, self.cfg
+        half = region.size // 2
+        limits = SessionLimits(
+            reserve_bytes=cfg.session_reserve_limit if cfg.session_reserve_limit is not None else half,
+            pin_bytes=cfg.session_pin_limit if cfg.session_pin_limit is not None else half,
+            pins_per_object=cfg.max_pins_per_object,
+        )
+        if lay.presence_buckets:  # readers ask the service until the table is filled and beats
+            self.presence = PresenceTable(region.view, lay.presence_offset, lay.presence_buckets, live=False)
+        if lay.catalog_slots:
+            self.catalog = Catalog(region.view, lay.catalog_offset, lay.catalog_slots)
+            if region.previous is None:
+                self.catalog.clear()
+        allocator = Allocator(lay.heap_bytes)
+        self.index = PoolIndex(
+            allocator,
+            lay.heap_offset,
+            self._on_event,
+            limits,
+            max_objects=cfg.max_objects,
+            metadata_budget=cfg.metadata_budget,
+            meta_io=MetaIO(region.view),
+            presence=self.presence,
+            catalog=self.catalog,
+            on_oid_floor=region.set_oid_floor,
+        )
+        previous = region.previous
+        if previous is not None and self.catalog is not None:
+            self.recovery = recover(
+                region.view, lay.heap_offset, lay.heap_bytes, self.catalog, allocator, self.index, previous.oid_floor
+            )
+            self.recovery.clean_stop = previous.clean
+            logger.info("pool %s: %s", cfg.name, self.recovery.line())
+        if self.presence is not None:
+            self.presence.beat()
 
     async def stop(self) -> None:
         if self.presence is not None:
@@ -218,7 +245,9 @@ class PoolService:
                 except FileNotFoundError:
                     pass
         if self.region is not None:
-            self.region.close(unlink=not self.cfg.keep_region)
+            # a recovered region whose service could not start (a port in use) keeps its objects
+            recovered_only = not self._serving and self.region.previous is not None
+            self.region.close(unlink=not (self.cfg.keep_region or recovered_only))
             self.region = None
 
     def _spawn(self, coro: Any) -> None:
@@ -507,16 +536,16 @@ class PoolService:
     def _op_snapshot(self, sid: int, args: P.SnapshotArgs) -> bytes:
         # pages of the most recently used also move with reads (no events): never shared
         shared = args.recent == 0 and self._shared_pages.max_pages > 0
-        key = (args.encoding, args.ns, args.after, args.limit)
+        key = (args.encoding, args.ns, args.after, args.limit, tuple(args.prefixes or ()))
         if shared and (page := self._shared_pages.get(key, self.seq)) is not None:
             return page
         if args.encoding == "msgpack":
             page = M.msgpack_encoder.encode(
-                self._packed_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES, args.recent)
+                self._packed_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES, args.recent, args.prefixes)
             )
         else:
             page = M.json_encoder.encode(
-                self._snapshot_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES, args.recent)
+                self._snapshot_page(args.ns, args.after, args.limit, P.SNAPSHOT_PAGE_BYTES, args.recent, args.prefixes)
             )
         self._pages_encoded += 1
         if shared:
@@ -559,9 +588,17 @@ class PoolService:
             )
         )
 
-    def _snapshot_page(self, ns: str | None, after: int, limit: int, max_bytes: int, recent: int = 0) -> M.SnapshotPage:
+    def _snapshot_page(
+        self,
+        ns: str | None,
+        after: int,
+        limit: int,
+        max_bytes: int,
+        recent: int = 0,
+        prefixes: list[str] | None = None,
+    ) -> M.SnapshotPage:
         assert self.index is not None and self.region is not None
-        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes, recent=recent)
+        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes, recent=recent, prefixes=prefixes)
         return M.SnapshotPage(
             self.cfg.name,
             self.region.info.incarnation,
@@ -572,10 +609,16 @@ class PoolService:
         )
 
     def _packed_page(
-        self, ns: str | None, after: int, limit: int, max_bytes: int, recent: int = 0
+        self,
+        ns: str | None,
+        after: int,
+        limit: int,
+        max_bytes: int,
+        recent: int = 0,
+        prefixes: list[str] | None = None,
     ) -> M.PackedSnapshotPage:
         assert self.index is not None and self.region is not None
-        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes, recent=recent)
+        objs, nxt = self.index.snapshot_page(ns, after, limit, max_bytes, recent=recent, prefixes=prefixes)
         return M.PackedSnapshotPage(
             self.cfg.name,
             self.region.info.incarnation,
@@ -628,6 +671,16 @@ class PoolService:
             presence_slots=self.presence.buckets * 8 if self.presence is not None else 0,
             snapshot_pages_shared=self._shared_pages.hits,
             snapshot_pages_encoded=self._pages_encoded,
+            catalog_slots=self.catalog.slots if self.catalog is not None else 0,
+            catalog_used=self.catalog.used if self.catalog is not None else 0,
+            catalog_full=self.catalog.full_refusals if self.catalog is not None else 0,
+        )
+        rec, previous = self.recovery, self.region.previous
+        st.update(
+            recovered_objects=rec.recovered if rec is not None else 0,
+            recovery_dropped=rec.dropped_total if rec is not None else 0,
+            recovery_seconds=round(rec.seconds, 3) if rec is not None else 0.0,
+            last_stop=None if previous is None else ("clean" if previous.clean else "unclean"),
         )
         pub = self.publisher
         st.update(

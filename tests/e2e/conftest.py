@@ -10,6 +10,7 @@ import pytest
 
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port, stack
 from maru_vllm.pool import PoolClient
+from tests.cleanup import stop_leaving_nothing
 from tests.waiting import wait_until
 
 CHUNK = 256  # the connector's default chunk (maru_kv_chunk_tokens)
@@ -82,7 +83,7 @@ def module_procs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     yield group
     if request.session.testsfailed:
         print("\n" + group.log_tails(80))
-    group.stop_all()
+    stop_leaving_nothing(group)
 
 
 @pytest.fixture(scope="module")

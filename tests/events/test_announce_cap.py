@@ -248,3 +248,60 @@ def test_a_capped_relay_takes_the_pools_recency_again_once_its_set_turned_over(p
         down.close()
         c.close()
         thread.stop([relay])
+
+
+def test_a_capped_snapshot_counts_only_the_namespaces_asked_for() -> None:
+    idx = PoolIndex(Allocator(4 << 20), 4096, lambda kind, obj: None)
+    sid = idx.open_session()
+    for ns in ("kv:m:1", "kv:other:1"):  # the other model's objects are the most recently used
+        for i in range(5):
+            (o,) = idx.reserve(sid, ns, [(b"k%d" % i, 10)])
+            idx.commit(sid, [o.oid], [b'{"a":1}'], lambda o: None)
+    objs, _ = idx.snapshot_page(None, 0, 100, 1 << 20, recent=3, prefixes=["kv:m:"])
+    assert [(o.ns, o.key) for o in objs] == [("kv:m:1", b"k2"), ("kv:m:1", b"k3"), ("kv:m:1", b"k4")]
+    objs, _ = idx.snapshot_page(None, 0, 100, 1 << 20, prefixes=["kv:other:", "kv:none:"])
+    assert {o.ns for o in objs} == {"kv:other:1"} and len(objs) == 5
+
+
+def test_a_capped_relay_over_nats_announces_its_models_most_recently_used_chunks(pool_service, nats) -> None:
+    """Without a pool address the relay's snapshots come over NATS: they too list only the N most
+    recently used objects, counted among the namespaces the relay follows (another model's
+    objects, used since, do not push this model's out)."""
+    from maru_vllm.events.nats_source import PoolSourceConfig
+    from maru_vllm.events.relay import KvEventRelay, RelayThread
+    from maru_vllm.launch import free_port
+    from tests.events.test_relay import Downstream
+    from tests.waiting import wait_until
+
+    with PoolClient.connect(pool_service.address) as c:
+        for p in range(5):
+            assert c.put(chunk_key(p, 0), b"x", namespace=NS, meta=chunk_meta(p, 0))
+        for p in range(5, 10):
+            assert c.put(chunk_key(p, 0), b"x", namespace="kv:other:1", meta=chunk_meta(p, 0))
+        assert c.lookup([chunk_key(1, 0)], namespace=NS) == [True]  # chunk 1: used again
+    thread = RelayThread("test-capped-relay-nats")
+
+    async def start() -> KvEventRelay:
+        r = KvEventRelay(
+            upstream=f"tcp://127.0.0.1:{free_port()}",
+            pool=PoolSourceConfig(nats[1], pool_service.pool_name),  # no address: snapshots over NATS
+            namespaces=NamespaceFilter(prefixes=("kv:m:",)),
+            block_size=BLOCK,
+            max_announced_chunks=3,
+            reannounce_after_s=(),
+        )
+        await r.start()
+        return r
+
+    relay = thread.call(start())
+    down = Downstream(relay.endpoint)
+    try:
+        wait_until(lambda: relay.source is not None and relay.source.synced, what="relay synced")
+        assert relay.source.config.snapshot_prefixes == ("kv:m:",)
+        want = _chunk_blocks(1) | _chunk_blocks(3) | _chunk_blocks(4)
+        wait_until(lambda: down.pump() is None and relay.view.blocks == want, what="the 3 most recent of this model")
+        stored = {h for _, batch, _ in down.got for e in batch.events for h in e.block_hashes}
+        assert stored == want
+    finally:
+        down.close()
+        thread.stop([relay])

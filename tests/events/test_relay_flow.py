@@ -4,6 +4,7 @@ order, and everything arrives - numbered without gaps - once the publisher reads
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import time
 
@@ -26,15 +27,24 @@ CHUNKS = 3000  # ~4 snapshot pages, ~16 MiB of KV event batches
 pytestmark = pytest.mark.timeout(240)
 
 
+def _raw_hashes(p: int) -> list[bytes]:
+    return [hashlib.blake2b(b"%d/%d" % (p, b), digest_size=32).digest() for b in range(16)]
+
+
 def _fill(address: str, chunks: int) -> int:
     """`chunks` one-chunk prompts with binary connector metadata (empty payloads)."""
+    return _fill_range(address, 0, chunks)
+
+
+def _fill_range(address: str, start: int, end: int) -> int:
+    """One-chunk prompts `start`..`end` - 1 (see `_fill`)."""
     g = GEOMETRY
     stored = 0
     with PoolClient.connect(address, heartbeat=False) as c:
-        for lo in range(0, chunks, 250):
+        for lo in range(start, end, 250):
             items = []
-            for p in range(lo, min(lo + 250, chunks)):
-                hashes = [hashlib.blake2b(b"%d/%d" % (p, b), digest_size=32).digest() for b in range(16)]
+            for p in range(lo, min(lo + 250, end)):
+                hashes = _raw_hashes(p)
                 tokens = [(p * 7 + t) % 150_000 for t in range(g.chunk_tokens)]
                 items.append((chunk_key(g.chunk_hash(hashes, 0), 0), g.chunk_meta(hashes, tokens, 0, None)))
             res = c.reserve([(k, 0) for k, _ in items], NS)
@@ -137,6 +147,86 @@ def test_batches_dropped_while_the_publisher_lags_are_announced_again_once_it_re
             interval=0,
         )
         assert relay.stats.full_announcements >= 1
+        assert pub.seqs == list(range(len(pub.seqs)))
+    finally:
+        pub.close()
+
+
+class CountingPublisher(SlowPublisher):
+    """SlowPublisher that also keeps, per block, the reference count Dynamo's publisher keeps: a
+    store adds one, a removal takes one away and reaches the router only at zero (a removal of a
+    block it does not count passes and leaves it at zero). The router credits a block while its
+    count is above zero."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(endpoint)
+        self.net: collections.Counter[int] = collections.Counter()
+
+    def read(self, timeout_s: float = 0.2) -> int:
+        n = 0
+        while self.sock.poll(int(timeout_s * 1000)):
+            _topic, seq, payload = self.sock.recv_multipart()
+            self.seqs.append(vf.decode_seq(seq))
+            for ev in vf.decode_batch(payload).events:
+                kind = type(ev).__name__
+                for h in ev.block_hashes if kind in ("BlockStored", "BlockRemoved") else ():
+                    self.net[h] = self.net[h] + 1 if kind == "BlockStored" else max(0, self.net[h] - 1)
+            n += 1
+        return n
+
+
+def _chunk_blocks(p: int) -> list[int]:
+    """The block hashes (as the relay announces them) of one-chunk prompt `p` of `_fill`."""
+    return [vf.external_hash(h) for h in _raw_hashes(p)]
+
+
+def test_removals_dropped_while_the_publisher_lags_are_withdrawn_again(
+    pool_service,
+    nats,
+    relay_factory,  # noqa: F811
+) -> None:
+    """The router never keeps credit for a removed chunk: removals the relay had to drop past its
+    backlog reach the publisher once it reads again, before the pool is announced again."""
+    # the first fit in the relay's backlog; the next overflow it and the socket buffers (a page of a
+    # resync fits in it: a resync waits for the pipe and never overflows it)
+    first, more = 200, 6000
+    assert _fill(pool_service.address, first) == first
+    relay = _relay(relay_factory, pool_service, nats, downstream_hwm=1, max_unsent_bytes=8 << 20, max_page_wait_s=30)
+    pub = CountingPublisher(relay.endpoint)
+    try:
+        wait_until(
+            lambda: pub.read() >= 0 and relay.source.synced and relay.unsent_bytes == 0 and pub.read() == 0,
+            120,
+            "the first resync read",
+            interval=0,
+        )
+        assert all(pub.net[h] == 1 for p in range(first) for h in _chunk_blocks(p))
+        # The publisher stops reading: new stores fill the backlog, then half the pool goes.
+        assert _fill_range(pool_service.address, first, first + more) == more
+        gone = list(range(0, first, 2))
+        with PoolClient.connect(pool_service.address, heartbeat=False) as c:
+            keys = [chunk_key(GEOMETRY.chunk_hash(_raw_hashes(p), 0), 0) for p in gone]
+            assert c.remove(keys, NS) == len(gone)
+        import sys
+
+        for _ in range(8):
+            time.sleep(1)
+            print(relay.stats, relay.unsent_bytes, len(relay.view), relay.source.stats, file=sys.stderr)
+        wait_until(lambda: relay.stats.removals_lost > 0, 60, "removal batches dropped while the publisher lags")
+        # Reading again: the lost removals arrive, then the pool's blocks again.
+        kept = [p for p in range(first + more) if p not in set(gone)]
+
+        def settled() -> bool:
+            pub.read()
+            return (
+                relay.unsent_bytes == 0
+                and relay.source.synced
+                and all(pub.net[h] == 0 for p in gone for h in _chunk_blocks(p))
+                and all(pub.net[h] >= 1 for p in kept for h in _chunk_blocks(p))
+            )
+
+        wait_until(settled, 180, "removed blocks withdrawn and the rest announced", interval=0)
+        assert relay.stats.removals_forgotten == 0
         assert pub.seqs == list(range(len(pub.seqs)))
     finally:
         pub.close()
