@@ -1,57 +1,54 @@
-"""The pool's metadata state machine: objects, LRU, pins, reservations and sessions.
+"""The pool's object table and the life cycle of its objects.
 
 Pure in-memory logic with no I/O, so it is unit-testable and the service stays a thin shell.
 Object life cycle::
 
     reserve -> RESERVED (owned by one session, invisible, never evictable)
-        commit  -> COMMITTED (visible; in the LRU while nobody pins it)
+        commit  -> COMMITTED (visible; evictable while nobody pins it)
         abort / session gone -> freed
-    COMMITTED -> evicted (LRU, unpinned only) or doomed (a reader found it corrupt: hidden at
-                 once, freed when the last pin goes)
+    COMMITTED -> evicted (least recently used, unpinned only) or doomed (a reader found it
+                 corrupt: hidden at once, freed when the last pin goes)
 
-Only unpinned committed objects are in the LRU, so eviction is O(1) per victim and pinned or
-in-flight objects can never be chosen.
+`PoolIndex` owns the object table (keys to objects, every live object by oid) and moves objects
+through that cycle; it delegates, one module each, to
 
-Quotas (`SessionLimits`) keep one session from starving the others: the bytes it holds in
-uncommitted reservations and the bytes of distinct objects it pins are capped, and so is the
-number of pins on one object. Past a limit a reservation is None (the writer skips the store)
-and an acquire is None (the reader misses and recomputes); both count in `quota_refusals`.
-
-Parts: a commit may name an object's leading parts (`parts[i]` is a key for its first i + 1
-units, e.g. KV blocks of a chunk), so a reader can find and use the start of an object whose
-whole key it does not share. The part index holds at most MAX_PARTS entries per committed
-object and drops them when the object is hidden (evicted, removed, found corrupt).
+* `sessions.SessionTable`: sessions, their reservations and pins, and their quotas. Past a
+  limit a reservation is None (the writer skips the store) and an acquire is None (the reader
+  misses and recomputes); both count in `quota_refusals`;
+* `order.EvictionOrder` (only unpinned committed objects, least recently used first, so
+  eviction is O(1) per victim and never chooses a pinned or in-flight object) and
+  `order.CommitOrder` (the cursor of paged snapshots: neither a snapshot nor `stats` ever walks
+  or copies the whole set at once);
+* `parts.PartIndex`: objects found by a key naming their leading parts (at most MAX_PARTS per
+  object, dropped when the object is hidden), and their presence-table entries;
+* `metastore.MetadataStore`: each committed object's metadata, in this process or in a region
+  block of its own beside the payloads (with the catalog record a warm restart recovers).
 
 Memory: the index's own memory is bounded, not only the region. Every live object counts
 against `max_objects` and every committed object's metadata (its stored bytes, its key and part
-keys) against `metadata_budget` bytes. Like region space, both are reclaimed by evicting LRU
-objects; when nothing evictable is left a reserve (object cap) or a commit (metadata budget, or
-no region space for the metadata) is refused, which the connector treats as a skipped store.
-Metadata is kept as the bytes it arrives as (JSON, or binary chunk metadata), and with a
-`MetaIO` (the service's region) not in the index's memory at all: each object's metadata is
-written into a region block of its own, beside the payloads (`[u32 length][u32 checksum][bytes]`),
-and read back from there for events and snapshots; a block whose checksum no longer matches
-reads as no metadata (the object is then not announced), never as other metadata. Snapshots are
-served in pages in commit order (`snapshot_page`), so neither a snapshot nor `stats` ever walks
-or copies the whole set at once.
+keys) against `metadata_budget` bytes. Like region space, both are reclaimed by evicting the
+least recently used objects; when nothing evictable is left a reserve (object cap) or a commit
+(metadata budget, or no region space for the metadata) is refused, which the connector treats as
+a skipped store.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from maru_vllm.pool.allocator import Allocation, Allocator
-from maru_vllm.pool.catalog import NO_META, Catalog, Identity, encode_record, record_bytes
+from maru_vllm.pool.catalog import Catalog, Identity
 from maru_vllm.pool.messages import EventType, ObjectInfo
+from maru_vllm.pool.metastore import MetadataStore
 from maru_vllm.pool.objects import OBJ_HEADER_SIZE
-from maru_vllm.pool.presence import PresenceTable, write_units
+from maru_vllm.pool.order import CommitOrder, EvictionOrder
+from maru_vllm.pool.parts import Holders, PartIndex
+from maru_vllm.pool.presence import PresenceTable
 from maru_vllm.pool.protocol import MAX_PARTS
-from maru_vllm.pool.records import META_HEADER, MetaIO, Obj, Session, SessionLimits
+from maru_vllm.pool.records import MetaIO, Obj, Session, SessionLimits
+from maru_vllm.pool.sessions import SessionTable
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +58,13 @@ OID_STEP = 1 << 16  # the oid floor in the region header moves up in steps of th
 
 
 EventSink = Callable[[EventType, Obj], None]
+
+#: what `stats` counts from the start (``removals`` appears with the first removal)
+COUNTERS = (
+    *("hits", "misses", "stores", "duplicate_commits", "evictions", "corrupt_reads"),
+    *("reserve_failures", "reserve_existing", "aborts", "sessions_expired", "quota_refusals"),
+    *("object_cap_refusals", "metadata_budget_refusals", "metadata_space_refusals", "metadata_unreadable"),
+)
 
 
 class PoolIndex:
@@ -86,9 +90,7 @@ class PoolIndex:
         service started again on it can recover them (`catalog.py`). `on_oid_floor(n)`: called
         before any oid >= the last floor it was given is handed out, with a new floor."""
         self.alloc = allocator
-        self.meta_io = meta_io
         self.presence = presence
-        self.catalog = catalog if meta_io is not None else None
         self.on_oid_floor = on_oid_floor
         self._oid_floor = 0
         self.limits = limits or SessionLimits()
@@ -98,50 +100,37 @@ class PoolIndex:
         self.metadata_budget = metadata_budget
         self.metadata_bytes = 0  # sum of meta_cost over committed (visible or doomed) objects
         self.object_bytes = 0  # payload bytes of visible objects
-        self._order: list[Obj] = []  # committed objects in commit order (with stale entries)
         self._next_cseq = 1
         self.objects: dict[tuple[str, bytes], Obj] = {}
         self.live: dict[int, Obj] = {}  # every allocated object by oid (reserved, committed, doomed)
-        self.lru: OrderedDict[int, Obj] = OrderedDict()
-        # (ns, part key) -> the committed objects naming it, oldest first: {oid: (obj, units)}
-        self.parts: dict[tuple[str, bytes], dict[int, tuple[Obj, int]]] = {}
-        self.sessions: dict[int, Session] = {}
         self._next_oid = 1
-        self._next_sid = 1
-        self.counters: dict[str, int] = dict.fromkeys(
-            (
-                "hits",
-                "misses",
-                "stores",
-                "duplicate_commits",
-                "evictions",
-                "corrupt_reads",
-                "reserve_failures",
-                "reserve_existing",
-                "aborts",
-                "sessions_expired",
-                "quota_refusals",
-                "object_cap_refusals",
-                "metadata_budget_refusals",
-                "metadata_space_refusals",
-                "metadata_unreadable",
-            ),
-            0,
-        )
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._sessions = SessionTable(self.limits, self.counters)
+        self._lru = EvictionOrder()
+        self._order = CommitOrder()
+        self._parts = PartIndex(presence)
+        self._meta = MetadataStore(meta_io, catalog, data_offset, self._alloc_evicting, self.counters)
+
+    @property
+    def sessions(self) -> dict[int, Session]:
+        """The open sessions by id (read-only use: open and close them through the index)."""
+        return self._sessions.by_sid
+
+    @property
+    def parts(self) -> dict[tuple[str, bytes], Holders]:
+        """(namespace, part key) -> the visible objects naming it (read-only use)."""
+        return self._parts.holders
 
     # -- sessions ---------------------------------------------------------------------------
     def open_session(self, client: str = "") -> int:
-        sid = self._next_sid
-        self._next_sid += 1
-        self.sessions[sid] = Session(sid, client, time.monotonic())
-        return sid
+        return self._sessions.open(client)
 
     def touch_session(self, sid: int) -> None:
-        self.sessions[sid].last_seen = time.monotonic()
+        self._sessions.touch(sid)
 
     def close_session(self, sid: int) -> tuple[int, int]:
         """Drop a session: free its reservations, drop its pins. Returns (reservations, pins)."""
-        s = self.sessions.pop(sid, None)
+        s = self._sessions.pop(sid)
         if s is None:
             return (0, 0)
         for obj in s.reservations.values():
@@ -155,8 +144,7 @@ class PoolIndex:
         return (len(s.reservations), npins)
 
     def expired_sessions(self, lease_s: float) -> list[int]:
-        deadline = time.monotonic() - lease_s
-        return [sid for sid, s in self.sessions.items() if s.last_seen < deadline]
+        return self._sessions.expired(lease_s)
 
     # -- reads ------------------------------------------------------------------------------
     def lookup(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
@@ -181,18 +169,11 @@ class PoolIndex:
         self.counters["misses"] += 1 if n < len(keys) else 0
         return n
 
-    def _part(self, ns: str, key: bytes) -> tuple[Obj, int] | None:
-        """The most recently committed object naming `key` as a part, and the units it names."""
-        holders = self.parts.get((ns, key))
-        if not holders:
-            return None
-        return holders[next(reversed(holders))]
-
     def lookup_parts(self, ns: str, keys: Sequence[bytes]) -> list[int]:
         """For each key, how many leading units of a committed object it names (0: none)."""
         out = []
         for k in keys:
-            found = self._part(ns, k)
+            found = self._parts.newest(ns, k)
             if found is None:
                 out.append(0)
                 continue
@@ -202,10 +183,10 @@ class PoolIndex:
 
     def acquire_parts(self, sid: int, ns: str, keys: Sequence[bytes]) -> list[tuple[Obj, int] | None]:
         """Pin, for each part key, an object it names; (object, units) or None."""
-        s = self.sessions[sid]
+        s = self._sessions[sid]
         out: list[tuple[Obj, int] | None] = []
         for k in keys:
-            found = self._part(ns, k)
+            found = self._parts.newest(ns, k)
             if found is not None and not self._pin(s, found[0]):
                 found = None
             out.append(found)
@@ -228,7 +209,7 @@ class PoolIndex:
         return len(victims)
 
     def acquire(self, sid: int, ns: str, keys: Sequence[bytes]) -> list[Obj | None]:
-        s = self.sessions[sid]
+        s = self._sessions[sid]
         out: list[Obj | None] = []
         for k in keys:
             obj = self.objects.get((ns, k))
@@ -240,7 +221,7 @@ class PoolIndex:
 
     def release(self, sid: int, oids: Sequence[int], bad: Sequence[int] = ()) -> int:
         """Drop one pin per oid; oids in `bad` failed validation and are removed. Returns count."""
-        s = self.sessions[sid]
+        s = self._sessions[sid]
         for oid in bad:
             obj = self.live.get(oid)
             if obj is not None and obj.committed and not obj.doomed and oid in s.pins:
@@ -251,16 +232,9 @@ class PoolIndex:
                 self._hide(obj, "removed")
         released = 0
         for oid in oids:
-            held = s.pins.get(oid, 0)
-            if held == 0:
-                continue
             obj = self.live.get(oid)
-            if held == 1:
-                del s.pins[oid]
-                if obj is not None:
-                    s.pinned_bytes -= obj.size
-            else:
-                s.pins[oid] = held - 1
+            if not self._sessions.unpin(s, oid, obj):
+                continue
             if obj is not None:
                 self._unpin(obj, 1)
             released += 1
@@ -268,16 +242,14 @@ class PoolIndex:
 
     # -- writes -----------------------------------------------------------------------------
     def reserve(self, sid: int, ns: str, items: Sequence[tuple[bytes, int]]) -> list[Obj | None]:
-        s = self.sessions[sid]
-        quota = self.limits.reserve_bytes
+        s = self._sessions[sid]
         out: list[Obj | None] = []
         for key, size in items:
             if (ns, key) in self.objects:
                 self.counters["reserve_existing"] += 1
                 out.append(None)
                 continue
-            if quota is not None and s.reserved_bytes + size > quota:
-                self.counters["quota_refusals"] += 1
+            if not self._sessions.may_reserve(s, size):
                 out.append(None)
                 continue
             if not self._evict_until(lambda: len(self.live) < self.max_objects):
@@ -296,8 +268,7 @@ class PoolIndex:
             obj = Obj(self._next_oid, ns, key, size, a, self.data_offset, sid)
             self._next_oid += 1
             self.live[obj.oid] = obj
-            s.reservations[obj.oid] = obj
-            s.reserved_bytes += size
+            self._sessions.reserved(s, obj)
             out.append(obj)
         return out
 
@@ -309,14 +280,13 @@ class PoolIndex:
         verify: Callable[[Obj], str | None],
         parts: Sequence[Sequence[bytes] | None] | None = None,
     ) -> list[bool]:
-        s = self.sessions[sid]
+        s = self._sessions[sid]
         out = []
         for i, (oid, meta) in enumerate(zip(oids, metas)):
-            obj = s.reservations.pop(oid, None)
+            obj = self._sessions.unreserve(s, oid)
             if obj is None:
                 out.append(False)  # not ours, already committed/aborted, or from an old session
                 continue
-            s.reserved_bytes -= obj.size
             if (obj.ns, obj.key) in self.objects:
                 self.counters["duplicate_commits"] += 1
                 self._free(obj)
@@ -345,7 +315,7 @@ class PoolIndex:
                 out.append(False)
                 continue
             obj.cseq = self._next_cseq
-            if not self._keep_meta(obj, meta):
+            if not self._meta.keep(obj, meta):
                 self.counters["metadata_space_refusals"] += 1
                 self._free(obj)
                 out.append(False)
@@ -354,87 +324,32 @@ class PoolIndex:
             self._next_cseq += 1
             self.metadata_bytes += cost
             self.object_bytes += obj.size
-            for units, pkey in enumerate(obj.parts, 1):
-                self.parts.setdefault((obj.ns, pkey), {})[oid] = (obj, units)
             self.objects[(obj.ns, obj.key)] = obj
-            if self.presence is not None:  # obj is now the newest holder of each of its parts
-                table = self.presence
-                table.put(table.fingerprints.of_object(obj.ns, obj.key))
-                for units, tag in enumerate(table.fingerprints.of_parts(obj.ns, obj.parts), 1):
-                    table.put(tag, write_units(units))
+            if self.presence is not None:
+                self.presence.put(self.presence.fingerprints.of_object(obj.ns, obj.key))
+            self._parts.add(obj)  # obj is now the newest holder of each of its parts
             self._order.append(obj)
             self._compact_order()
-            self.lru[oid] = obj
+            self._lru.add(obj)
             self.counters["stores"] += 1
             self._emit("stored", obj)
             out.append(True)
         return out
 
     def abort(self, sid: int, oids: Sequence[int]) -> int:
-        s = self.sessions[sid]
+        s = self._sessions[sid]
         n = 0
         for oid in oids:
-            obj = s.reservations.pop(oid, None)
+            obj = self._sessions.unreserve(s, oid)
             if obj is not None:
-                s.reserved_bytes -= obj.size
                 self._free(obj)
                 n += 1
         self.counters["aborts"] += n
         return n
 
-    def _keep_meta(self, obj: Obj, meta: bytes | None) -> bool:
-        """Store `meta` for `obj`: in a region block of its own (with `meta_io`), else as it is.
-        With a catalog every object gets that block, its record, and a catalog slot naming it."""
-        catalog = self.catalog
-        if self.meta_io is None or (meta is None and catalog is None):
-            obj.meta = meta
-            return True
-        if catalog is None:
-            assert meta is not None
-            block = self._alloc_evicting(META_HEADER + len(meta))
-            if block is None:
-                return False
-            self.meta_io.write(self.data_offset + block.offset, meta)
-            obj.meta = block
-            return True
-        meta_len = NO_META if meta is None else len(meta)
-        block = self._alloc_evicting(record_bytes(obj.ns, obj.key, obj.parts, meta_len))
-        if block is None:
-            return False
-        at = self.data_offset + block.offset
-        self.meta_io.write(at, meta or b"")
-        a = obj.alloc
-        data = encode_record(
-            obj.oid,
-            obj.cseq,
-            obj.size,
-            obj.ns,
-            obj.key,
-            obj.parts,
-            meta_len,
-            (a.offset, a.capacity, a.slab.start_page if a.slab is not None else -1),
-            (block.offset, block.capacity, block.slab.start_page if block.slab is not None else -1),
-        )
-        start = at + META_HEADER + max(meta_len, 0)
-        self.meta_io.view[start : start + len(data)] = data
-        obj.meta = block
-        obj.meta_len = meta_len
-        obj.slot = catalog.add(block.offset, obj.oid)  # last: the record is complete
-        return True
-
     def meta_of(self, obj: Obj) -> bytes | None:
         """The metadata `obj` was committed with (None: none, or its region block was damaged)."""
-        meta = obj.meta
-        if not isinstance(meta, Allocation):
-            return meta
-        if obj.meta_len == NO_META:
-            return None
-        assert self.meta_io is not None
-        got = self.meta_io.read(self.data_offset + meta.offset, obj.meta_len)
-        if got is None:
-            self.counters["metadata_unreadable"] += 1
-            logger.warning("metadata of %s/%s in the region is damaged; served without it", obj.ns, obj.key.hex())
-        return got
+        return self._meta.read(obj)
 
     # -- recovery ---------------------------------------------------------------------------
     def restore(self, found: Sequence[tuple[Identity, Allocation, Allocation, int]], oid_floor: int = 0) -> None:
@@ -444,7 +359,7 @@ class PoolIndex:
         They keep their oids and commit order; LRU order is commit order. New oids start above
         every recovered one and `oid_floor`."""
         top_oid, top_cseq = oid_floor, 0
-        parts, live, objects, lru, order = self.parts, self.live, self.objects, self.lru, self._order
+        live, objects = self.live, self.objects
         data_offset = self.data_offset
         meta_bytes = object_bytes = 0
         for ident, payload, record, slot in sorted(found, key=lambda f: f[0].cseq):
@@ -466,10 +381,9 @@ class PoolIndex:
             )
             live[oid] = obj
             objects[(ns, obj.key)] = obj
-            lru[oid] = obj
-            order.append(obj)
-            for units, pkey in enumerate(obj.parts, 1):
-                parts.setdefault((ns, pkey), {})[oid] = (obj, units)
+            self._lru.add(obj)
+            self._order.append(obj)
+            self._parts.add(obj, announce=False)
             meta_bytes += obj.meta_cost
             object_bytes += obj.size
             if oid >= top_oid:
@@ -483,10 +397,8 @@ class PoolIndex:
             fps = self.presence.fingerprints
             tags = [fps.of_object(o.ns, o.key) for o in self.objects.values()]
             named = [0] * len(tags)
-            for (ns, pkey), holders in parts.items():
-                tags.append(fps.of_part(ns, pkey))
-                named.append(write_units(holders[next(reversed(holders))][1]))
-            self.presence.put_many(tags, named)
+            part_tags, part_named = self._parts.presence_entries()
+            self.presence.put_many(tags + part_tags, named + part_named)
         # a smaller budget than the last service had: the least recently used go, as at a commit
         self._evict_until(lambda: self.metadata_bytes <= self.metadata_budget)
 
@@ -512,23 +424,16 @@ class PoolIndex:
         (`recently_used`, taken anew for each page). Returns (objects, cursor of the next page
         or None when this is the last)."""
         self._compact_order()
-        order = self._order
-        i = bisect.bisect_right(order, after, key=lambda o: o.cseq)
-        out: list[Obj] = []
-        nbytes = 0
-        end = min(len(order), i + max_scan)
         wanted = self.recently_used(recent, ns, prefixes) if recent > 0 else None
         scope = _scope(ns, prefixes)
-        while i < end and len(out) < limit and nbytes < max_bytes:
-            o = order[i]
-            i += 1
+        objects = self.objects
+
+        def keep(o: Obj) -> bool:
             if wanted is not None and o.oid not in wanted:
-                continue
-            if scope(o.ns) and self.objects.get((o.ns, o.key)) is o:
-                out.append(o)
-                # its JSON size, roughly: key as hex, (binary) metadata as base64
-                nbytes += o.meta_len * 4 // 3 + 4 + 2 * len(o.key) + len(o.ns) + 64
-        return out, (order[i - 1].cseq if i < len(order) else None)
+                return False
+            return scope(o.ns) and objects.get((o.ns, o.key)) is o
+
+        return self._order.page(after, limit, max_bytes, max_scan, keep)
 
     def recently_used(self, n: int, ns: str | None = None, prefixes: Sequence[str] | None = None) -> set[int]:
         """Oids of the `n` most recently used committed objects (of `ns`, and of namespaces
@@ -536,16 +441,15 @@ class PoolIndex:
         of the LRU order. O(n) plus the pins, plus the objects of other namespaces passed over."""
         out: set[int] = set()
         scope = _scope(ns, prefixes)
-        for s in self.sessions.values():
-            for oid in s.pins:
-                o = self.live.get(oid)
-                if len(out) < n and o is not None and o.committed and not o.doomed and scope(o.ns):
-                    out.add(oid)
-        for oid, o in reversed(self.lru.items()):
+        for oid in self._sessions.pinned_oids():
+            o = self.live.get(oid)
+            if len(out) < n and o is not None and o.committed and not o.doomed and scope(o.ns):
+                out.add(oid)
+        for o in self._lru.most_recent_first():
             if len(out) >= n:
                 break
             if scope(o.ns):
-                out.add(oid)
+                out.add(o.oid)
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -590,30 +494,31 @@ class PoolIndex:
         self.counters["misses"] += len(hits) - n
 
     def _touch(self, obj: Obj) -> None:
-        if obj.oid in self.lru:
-            self.lru.move_to_end(obj.oid)
+        self._lru.used(obj)
 
     def _evict_until(self, ok: Callable[[], bool]) -> bool:
         """Evict LRU objects until `ok()`; False when it still fails with nothing left to evict."""
         while not ok():
-            if not self.lru:
+            victim = self._lru.pop_victim()
+            if victim is None:
                 return False
-            _, victim = self.lru.popitem(last=False)
             self.counters["evictions"] += 1
             self._hide(victim, "removed")
         return True
 
     def _compact_order(self) -> None:
         """Drop stale entries of the commit-order list once they outnumber the visible objects."""
-        if len(self._order) > 2 * len(self.objects) + 1024:
-            self._order = [o for o in self._order if self.objects.get((o.ns, o.key)) is o]
+        objects = self.objects
+        self._order.compact(len(objects), lambda o: objects.get((o.ns, o.key)) is o)
 
     def _alloc_evicting(self, nbytes: int) -> Allocation | None:
         if nbytes > self.alloc.capacity:
             return None
         a = self.alloc.alloc(nbytes)
-        while a is None and self.lru:
-            _, victim = self.lru.popitem(last=False)
+        while a is None:
+            victim = self._lru.pop_victim()
+            if victim is None:
+                return None
             self.counters["evictions"] += 1
             self._hide(victim, "removed")
             a = self.alloc.alloc(nbytes)
@@ -621,17 +526,14 @@ class PoolIndex:
 
     def _hide(self, obj: Obj, event: EventType) -> None:
         """Make a committed object invisible; free it now if nobody pins it."""
-        if obj.slot >= 0:  # first: a restarted service must not bring it back
-            assert self.catalog is not None
-            self.catalog.drop(obj.slot)
-            obj.slot = -1
-        self.lru.pop(obj.oid, None)
+        self._meta.forget(obj)  # first: a restarted service must not bring it back
+        self._lru.discard(obj.oid)
         if self.objects.get((obj.ns, obj.key)) is obj:
             del self.objects[(obj.ns, obj.key)]
             self.object_bytes -= obj.size
             if self.presence is not None:
                 self.presence.discard(self.presence.fingerprints.of_object(obj.ns, obj.key))
-        self._drop_parts(obj)
+        self._parts.drop(obj)
         self._emit(event, obj)
         if obj.pins == 0:
             self._free(obj)
@@ -640,19 +542,10 @@ class PoolIndex:
 
     def _pin(self, s: Session, obj: Obj) -> bool:
         """Pin `obj` for session `s`; False (and a quota refusal counted) past the session's limits."""
-        lim = self.limits
-        first = obj.oid not in s.pins
-        if (lim.pins_per_object is not None and obj.pins >= lim.pins_per_object) or (
-            first and lim.pin_bytes is not None and s.pinned_bytes + obj.size > lim.pin_bytes
-        ):
-            self.counters["quota_refusals"] += 1
+        if not self._sessions.pin(s, obj):
             return False
-        if obj.pins == 0:
-            self.lru.pop(obj.oid, None)
-        obj.pins += 1
-        s.pins[obj.oid] = s.pins.get(obj.oid, 0) + 1
-        if first:
-            s.pinned_bytes += obj.size
+        if obj.pins == 1:  # its first pin: no longer evictable
+            self._lru.discard(obj.oid)
         return True
 
     def _unpin(self, obj: Obj, count: int) -> None:
@@ -663,13 +556,10 @@ class PoolIndex:
         if obj.doomed:
             self._free(obj)
         elif obj.committed:
-            self.lru[obj.oid] = obj  # a read counts as use: most recently used end
+            self._lru.add(obj)  # a read counts as use: most recently used end
 
     def _free(self, obj: Obj) -> None:
-        if obj.slot >= 0:
-            assert self.catalog is not None
-            self.catalog.drop(obj.slot)
-            obj.slot = -1
+        self._meta.forget(obj)
         if self.live.pop(obj.oid, None) is not None:
             self.alloc.free(obj.alloc)
             if isinstance(obj.meta, Allocation):
@@ -677,26 +567,6 @@ class PoolIndex:
                 obj.meta = None
             if obj.committed:
                 self.metadata_bytes -= obj.meta_cost
-
-    def _drop_parts(self, obj: Obj) -> None:
-        for pkey in obj.parts:
-            holders = self.parts.get((obj.ns, pkey))
-            if holders is not None:
-                holders.pop(obj.oid, None)
-                if not holders:
-                    del self.parts[(obj.ns, pkey)]
-                if self.presence is not None:
-                    self._sync_presence_part(obj.ns, pkey)
-
-    def _sync_presence_part(self, ns: str, pkey: bytes) -> None:
-        """The presence table's entry for a part key: the units its newest holder names, or none."""
-        assert self.presence is not None
-        tag = self.presence.fingerprints.of_part(ns, pkey)
-        found = self._part(ns, pkey)
-        if found is None:
-            self.presence.discard(tag)
-        else:
-            self.presence.put(tag, write_units(found[1]))
 
     def _emit(self, kind: EventType, obj: Obj) -> None:
         if self.on_event is not None:

@@ -75,7 +75,7 @@ def test_a_damaged_metadata_block_reads_as_no_metadata_in_one_warning(caplog: py
     obj = idx.objects[("ns", b"k")]
     assert isinstance(obj.meta, Allocation)
     region[DATA + obj.meta.offset + META_HEADER + 40] ^= 0xFF  # a stray write into the block
-    with caplog.at_level(logging.WARNING, logger="maru_vllm.pool.index"):
+    with caplog.at_level(logging.WARNING, logger="maru_vllm.pool.metastore"):
         (info,) = idx.snapshot()
     assert info.bmeta is None and bytes(info.meta) == b"null" and idx.counters["metadata_unreadable"] == 1
     assert [r.getMessage() for r in caplog.records] == ["metadata of ns/6b in the region is damaged; served without it"]
