@@ -12,7 +12,7 @@ loads those blocks (the pool's part index, `PoolClient.lookup_parts` / `acquire_
 The metadata committed with a chunk carries what a KV event needs per block - the block
 hashes, the parent block hash, each block's token ids, the block size, the LoRA name - so the
 pool's events can be turned into router events without re-deriving anything. Its shape and
-version are defined once, as `maru_vllm.pool.messages.ChunkMeta`, which the event relay decodes.
+version are defined once, as `maru_vllm.pool.chunk_codec.ChunkMeta`, which the event relay decodes.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
-from maru_vllm.pool.messages import CHUNK_META_VERSION as META_VERSION
-from maru_vllm.pool.messages import ChunkMeta
+from maru_vllm.pool.chunk_codec import CHUNK_META_VERSION as META_VERSION
+from maru_vllm.pool.chunk_codec import ChunkMeta
 
 
 def hash_bytes(block_hash: Any) -> bytes:

@@ -6,7 +6,7 @@ import dataclasses
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from maru_vllm.pool.messages import ChunkMeta
+from maru_vllm.pool.chunk_codec import ChunkMeta
 
 
 @dataclasses.dataclass

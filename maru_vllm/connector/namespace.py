@@ -23,7 +23,7 @@ import json
 from typing import Any
 
 from maru_vllm.connector.kv_groups import FULL, announced_group, kv_groups
-from maru_vllm.events.pool_view import model_namespace_prefix
+from maru_vllm.pool.chunk_codec import model_namespace_prefix
 
 NAMESPACE_VERSION = 1
 

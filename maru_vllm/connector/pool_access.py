@@ -25,8 +25,8 @@ from vllm.logger import init_logger
 
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.pool import PartPin, PoolClient, PoolError, ReadPin, Reservation
+from maru_vllm.pool.chunk_codec import ChunkMeta
 from maru_vllm.pool.connection import process_breaker
-from maru_vllm.pool.messages import ChunkMeta
 
 logger = init_logger(__name__)
 

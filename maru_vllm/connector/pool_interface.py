@@ -21,8 +21,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from maru_vllm.pool.chunk_codec import ChunkMeta
 from maru_vllm.pool.client import PartPin, ReadPin, Reservation
-from maru_vllm.pool.messages import ChunkMeta
 
 
 class ConnectorPool(ABC):

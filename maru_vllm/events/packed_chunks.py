@@ -24,7 +24,6 @@ import numpy as np
 
 from maru_vllm.events.types import BlocksStored
 from maru_vllm.pool import chunk_codec as C
-from maru_vllm.pool import messages as M
 
 _HEADER = np.dtype(
     [
@@ -43,7 +42,7 @@ _HEADER = np.dtype(
 )
 assert _HEADER.itemsize == C.HEADER_SIZE
 _MAGIC = int.from_bytes(C.MAGIC, "little")
-_VERSIONS = np.array(sorted(M.SUPPORTED_CHUNK_META_VERSIONS), dtype=np.uint16)
+_VERSIONS = np.array(sorted(C.SUPPORTED_CHUNK_META_VERSIONS), dtype=np.uint16)
 
 
 @dataclasses.dataclass

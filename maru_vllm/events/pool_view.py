@@ -61,21 +61,13 @@ from maru_vllm.events.types import (
     PoolObject,
     PoolSnapshot,
 )
+from maru_vllm.pool.chunk_codec import model_namespace_prefix
 from maru_vllm.pool.messages import BINARY_META_PREFIX
 
 logger = logging.getLogger(__name__)
 
 #: Stores held back within one resync until their parent block is announced (beyond: sent at once).
 MAX_DEFERRED = 65536
-
-
-def model_namespace_prefix(model: str) -> str:
-    """The namespace prefix MaruKVConnector uses for every engine of `model`.
-
-    The connector's namespace is this prefix, `kv:<model base name, 40 chars>:`, followed by the
-    digest of the KV layout (`maru_vllm.connector.namespace.KVIdentity.namespace`).
-    """
-    return f"kv:{model.rstrip('/').rsplit('/', 1)[-1][:40]}:"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,7 +51,7 @@ def external_of_hex(h: str, int_hashes: bool) -> ExternalHash:
 
 
 class _ChunkFacts(msgspec.Struct):
-    """What a relay reads of `messages.ChunkMeta` JSON (the pool's canonical encoding), token ids
+    """What a relay reads of `chunk_codec.ChunkMeta` JSON (the pool's canonical encoding), token ids
     left as raw JSON: parsing ~256 of them per chunk into Python ints was most of a resync."""
 
     v: int
@@ -113,7 +113,7 @@ class PoolChunk:
     @classmethod
     def from_meta(cls, meta: Any, int_hashes: bool = True) -> PoolChunk | None:
         """Parse chunk metadata (raw JSON as events/snapshots carry it, a `ChunkMeta`, or a dict);
-        None when `meta` is not (a supported version of) `messages.ChunkMeta`. `int_hashes`:
+        None when `meta` is not (a supported version of) `chunk_codec.ChunkMeta`. `int_hashes`:
         vLLM announces block hashes as ints (its default; see `ExternalHash`)."""
         return cls.many_from_meta([meta], int_hashes)[0]
 
@@ -132,7 +132,7 @@ class PoolChunk:
             elif isinstance(meta, (msgspec.Raw, bytes, bytearray, memoryview)):
                 try:
                     f = _facts_decoder.decode(meta)
-                    if f.v not in M.SUPPORTED_CHUNK_META_VERSIONS or f.block_size <= 0 or f.rank < 0:
+                    if f.v not in chunk_codec.SUPPORTED_CHUNK_META_VERSIONS or f.block_size <= 0 or f.rank < 0:
                         continue
                     hashes = tuple(external_of_hex(h, int_hashes) for h in f.block_hashes)
                     parent = external_of_hex(f.parent_block_hash, int_hashes) if f.parent_block_hash else None
@@ -194,14 +194,14 @@ class PoolChunk:
         return self.tokens[first * self.block_size : end * self.block_size]
 
     @staticmethod
-    def chunk_meta(meta: Any) -> M.ChunkMeta:
+    def chunk_meta(meta: Any) -> chunk_codec.ChunkMeta:
         """`meta` as a validated `ChunkMeta`; MessageError naming the problem when it is not one."""
-        if isinstance(meta, M.ChunkMeta):
+        if isinstance(meta, chunk_codec.ChunkMeta):
             return meta
         if isinstance(meta, (msgspec.Raw, bytes, bytearray, memoryview)):
-            return M.decode_chunk_meta(meta)
+            return chunk_codec.decode_chunk_meta(meta)
         try:
-            return msgspec.convert(meta, M.ChunkMeta)
+            return msgspec.convert(meta, chunk_codec.ChunkMeta)
         except msgspec.ValidationError as exc:
             raise M.MessageError(f"not MaruKVConnector chunk metadata: {exc}") from None
 

@@ -1,4 +1,12 @@
-"""The compact binary encoding of `messages.ChunkMeta`, the form the pool stores and serves.
+"""The chunk contract: what MaruKVConnector commits with each chunk, and its encodings.
+
+Every side that writes or reads a chunk's metadata uses this module, and only it: the connector
+builds a `ChunkMeta` per chunk under a namespace that starts with `model_namespace_prefix`; the
+pool stores it opaquely (it checks only the binary form's layout at commit); event relays decode
+it (`decode_chunk_meta`, either form) into router events. It depends on nothing of the pool but
+the wire's error type and binary-metadata prefix (`messages`).
+
+The compact binary encoding below is the form the pool stores and serves.
 
 A chunk's JSON metadata is ~2 KiB, most of it ~256 token ids as decimal text, and parsing that
 text back into ints was most of a relay's resync. The binary form is a fixed header followed by
@@ -37,16 +45,62 @@ commit JSON as before.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
 from maru_vllm.pool import messages as M
 
+#: `ChunkMeta.v` values this code writes and reads; bump when ChunkMeta changes incompatibly.
+CHUNK_META_VERSION = 1
+SUPPORTED_CHUNK_META_VERSIONS = frozenset({CHUNK_META_VERSION})
+
+HexHash = Annotated[str, msgspec.Meta(min_length=2, max_length=256, pattern="^([0-9a-f]{2})+$")]
+
+
+def model_namespace_prefix(model: str) -> str:
+    """The namespace prefix MaruKVConnector uses for every engine of `model`.
+
+    The connector's namespace is this prefix, `kv:<model base name, 40 chars>:`, followed by the
+    digest of the KV layout (`maru_vllm.connector.namespace.KVIdentity.namespace`).
+    """
+    return f"kv:{model.rstrip('/').rsplit('/', 1)[-1][:40]}:"
+
+
+class ChunkMeta(msgspec.Struct, omit_defaults=False):
+    """The per-block facts committed with one connector chunk (what a KV event needs per block).
+
+    `block_hashes` are vLLM BlockHash bytes as hex, in prompt order; `token_ids[i]` are the
+    `block_size` tokens of block i; `parent_block_hash` is the hash of the block before the first
+    one (None for the first chunk of a prompt); `rank` is the writer's rank in the TP x PP world.
+    """
+
+    v: int
+    chunk: int
+    block_size: Annotated[int, msgspec.Meta(gt=0)]
+    block_hashes: Annotated[list[HexHash], msgspec.Meta(min_length=1)]
+    parent_block_hash: HexHash | None
+    token_ids: list[list[int]]
+    lora_name: str | None = None
+    rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    def __post_init__(self) -> None:
+        if self.v not in SUPPORTED_CHUNK_META_VERSIONS:
+            raise ValueError(
+                f"chunk metadata version {self.v} is not supported (supported: {sorted(SUPPORTED_CHUNK_META_VERSIONS)})"
+            )
+        if len(self.token_ids) != len(self.block_hashes):
+            raise ValueError(f"{len(self.token_ids)} token blocks for {len(self.block_hashes)} block hashes")
+        if any(len(block) != self.block_size for block in self.token_ids):
+            raise ValueError(f"every token block must hold block_size={self.block_size} tokens")
+
+
+_chunk_decoder = msgspec.json.Decoder(ChunkMeta)
+
 FORMAT = 1
 MAGIC = M.BINARY_META_PREFIX + bytes([FORMAT])
-MAX_HASH_BYTES = 128  # as `messages.HexHash` (256 hex digits)
+MAX_HASH_BYTES = 128  # as `HexHash` (256 hex digits)
 MAX_LORA_BYTES = 1024
 FLAG_PARENT = 1
 FLAG_LORA = 2
@@ -59,7 +113,7 @@ def is_binary(data: bytes | bytearray | memoryview) -> bool:
     return bytes(data[:3]) == M.BINARY_META_PREFIX
 
 
-def encode(meta: M.ChunkMeta) -> bytes | None:
+def encode(meta: ChunkMeta) -> bytes | None:
     """The binary form of `meta`; None when it has no binary form (block hashes of different
     lengths, a token id outside uint32, an overlong LoRA name): store such a chunk as JSON."""
     try:
@@ -112,9 +166,9 @@ class Layout:
                 if magic[:3] == MAGIC[:3]
                 else "not binary chunk metadata (bad magic)"
             )
-        if v not in M.SUPPORTED_CHUNK_META_VERSIONS:
+        if v not in SUPPORTED_CHUNK_META_VERSIONS:
             raise M.MessageError(
-                f"chunk metadata version {v} is not supported (supported: {sorted(M.SUPPORTED_CHUNK_META_VERSIONS)})"
+                f"chunk metadata version {v} is not supported (supported: {sorted(SUPPORTED_CHUNK_META_VERSIONS)})"
             )
         if bs < 1 or nblocks < 1 or not 1 <= hash_len <= MAX_HASH_BYTES or flags & ~(FLAG_PARENT | FLAG_LORA):
             raise M.MessageError(
@@ -174,13 +228,13 @@ def problem(data: bytes | memoryview) -> str | None:
     return None
 
 
-def decode(data: bytes | memoryview) -> M.ChunkMeta:
+def decode(data: bytes | memoryview) -> ChunkMeta:
     """The `ChunkMeta` that `data` encodes; MessageError naming the problem when it is not one."""
     lay = Layout(data)
     bs = lay.block_size
     tokens = lay.token_array(data).tolist()
     parent = lay.parent_hash(data)
-    return M.ChunkMeta(
+    return ChunkMeta(
         v=lay.v,
         chunk=lay.chunk,
         block_size=bs,
@@ -195,3 +249,16 @@ def decode(data: bytes | memoryview) -> M.ChunkMeta:
 def to_builtins(data: bytes | memoryview) -> Any:
     """The JSON-shaped dict of binary chunk metadata (what a JSON-committed chunk reads back as)."""
     return msgspec.to_builtins(decode(data))
+
+
+def decode_chunk_meta(raw: msgspec.Raw | bytes | bytearray | memoryview) -> ChunkMeta:
+    """`ChunkMeta` from its JSON or its binary form; `messages.MessageError` when neither."""
+    if not isinstance(raw, msgspec.Raw) and bytes(raw[:3]) == M.BINARY_META_PREFIX:
+        try:
+            return decode(bytes(raw))
+        except M.MessageError as exc:
+            raise M.MessageError(f"not MaruKVConnector chunk metadata: {exc}") from None
+    try:
+        return _chunk_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise M.MessageError(f"not MaruKVConnector chunk metadata: {str(exc).splitlines()[0]}") from None

@@ -240,7 +240,7 @@ class PoolClient(PoolConnection):
         parts: Sequence[Sequence[bytes] | None] | None = None,
     ) -> list[bool]:
         """Publish written reservations. Each meta (a JSON-shaped dict or msgspec Struct, e.g.
-        `messages.ChunkMeta`, or None) is stored with the object and rides on events and
+        `chunk_codec.ChunkMeta`, or None) is stored with the object and rides on events and
         snapshots: a `ChunkMeta` in its binary form (`chunk_codec`) where the pool accepts it
         (its hello says so), everything else as JSON;
         `parts[i][j]` (optional) is a key naming the first j + 1 units of object i, for
@@ -282,7 +282,7 @@ class PoolClient(PoolConnection):
                 )
                 send.append(r.oid)
                 meta = metas[i] if metas is not None else None
-                if binary and isinstance(meta, M.ChunkMeta):
+                if binary and isinstance(meta, chunk_codec.ChunkMeta):
                     meta = chunk_codec.encode(meta) or meta  # None: no binary form, sent as JSON
                 send_metas.append(meta)
                 part_keys = parts[i] if parts is not None else None

@@ -10,14 +10,13 @@ message fails with one line naming the field (`MessageError`):
 * op results (`OP_RESULTS`): `HelloResult`, `Placement` rows of reserve/acquire, `SnapshotPage`;
 * pool events (`PoolEventMsg`) on NATS `maru.<pool>.events`;
 * snapshot pages (`SnapshotPage`), on the socket `snapshot` op and NATS `maru.<pool>.snapshot`;
-* MaruKVConnector chunk metadata (`ChunkMeta`), which the pool carries opaquely and the event
-  relay turns into router events.
 
 Object metadata is stored as the bytes it was committed as and served unchanged: JSON (a dict
-or a struct, e.g. `ChunkMeta` from a client of a pool that predates binary metadata) in
-`ObjectInfo.meta` / `PoolEventMsg.meta` as `msgspec.Raw`, or a `ChunkMeta` in its compact binary
-form (`chunk_codec`) in `.bmeta` (base64 in JSON, raw bytes in msgpack). A reader decodes
-either only when it cares (`decode_chunk_meta` takes both). A reader that predates `bmeta`
+or a struct, e.g. `chunk_codec.ChunkMeta` from a client of a pool that predates binary metadata)
+in `ObjectInfo.meta` / `PoolEventMsg.meta` as `msgspec.Raw`, or chunk metadata in its compact
+binary form (`chunk_codec`, which owns the chunk contract) in `.bmeta` (base64 in JSON, raw bytes
+in msgpack). A reader decodes either only when it cares (`chunk_codec.decode_chunk_meta` takes
+both). A reader that predates `bmeta`
 ignores it and sees an object without metadata, which it does not announce.
 """
 
@@ -27,11 +26,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-#: `ChunkMeta.v` values this code writes and reads; bump when ChunkMeta changes incompatibly.
-CHUNK_META_VERSION = 1
-SUPPORTED_CHUNK_META_VERSIONS = frozenset({CHUNK_META_VERSION})
-
 NULL = msgspec.Raw(b"null")
+#: How binary chunk metadata starts (`chunk_codec.MAGIC` without its format byte): JSON never does.
+BINARY_META_PREFIX = b"MKC"
 
 # -- limits and field types of requests -------------------------------------------------------
 MAX_KEY = 256
@@ -105,9 +102,6 @@ class SnapshotArgs(msgspec.Struct):
     # only objects whose namespace starts with one of these (what a relay follows: its model's
     # namespaces); `recent` counts only those. A pool that predates the field lists every namespace
     prefixes: Annotated[list[Namespace], msgspec.Meta(max_length=MAX_SNAPSHOT_PREFIXES)] | None = None
-
-
-HexHash = Annotated[str, msgspec.Meta(min_length=2, max_length=256, pattern="^([0-9a-f]{2})+$")]
 
 
 class MessageError(ValueError):
@@ -232,40 +226,10 @@ class PoolEventMsg(msgspec.Struct):
     bmeta: bytes | None = None  # binary chunk metadata (base64 in JSON); `meta` is then null
 
 
-# -- MaruKVConnector chunk metadata -----------------------------------------------------------
-class ChunkMeta(msgspec.Struct, omit_defaults=False):
-    """The per-block facts committed with one connector chunk (what a KV event needs per block).
-
-    `block_hashes` are vLLM BlockHash bytes as hex, in prompt order; `token_ids[i]` are the
-    `block_size` tokens of block i; `parent_block_hash` is the hash of the block before the first
-    one (None for the first chunk of a prompt); `rank` is the writer's rank in the TP x PP world.
-    """
-
-    v: int
-    chunk: int
-    block_size: Annotated[int, msgspec.Meta(gt=0)]
-    block_hashes: Annotated[list[HexHash], msgspec.Meta(min_length=1)]
-    parent_block_hash: HexHash | None
-    token_ids: list[list[int]]
-    lora_name: str | None = None
-    rank: Annotated[int, msgspec.Meta(ge=0)] = 0
-
-    def __post_init__(self) -> None:
-        if self.v not in SUPPORTED_CHUNK_META_VERSIONS:
-            raise ValueError(
-                f"chunk metadata version {self.v} is not supported (supported: {sorted(SUPPORTED_CHUNK_META_VERSIONS)})"
-            )
-        if len(self.token_ids) != len(self.block_hashes):
-            raise ValueError(f"{len(self.token_ids)} token blocks for {len(self.block_hashes)} block hashes")
-        if any(len(block) != self.block_size for block in self.token_ids):
-            raise ValueError(f"every token block must hold block_size={self.block_size} tokens")
-
-
 # -- encoders / decoders ----------------------------------------------------------------------
 json_encoder = msgspec.json.Encoder()
 _event_decoder = msgspec.json.Decoder(PoolEventMsg)
 _page_decoder = msgspec.json.Decoder(SnapshotPage)
-_chunk_decoder = msgspec.json.Decoder(ChunkMeta)
 _error_decoder = msgspec.json.Decoder(ErrorMsg)
 _packed_page_decoder = msgspec.msgpack.Decoder(PackedSnapshotPage)
 msgpack_encoder = msgspec.msgpack.Encoder()
@@ -340,25 +304,6 @@ def _unpack_page(data: bytes) -> SnapshotPage:
         for o in p.objects
     ]
     return SnapshotPage(p.pool, p.incarnation, p.seq, objects, p.next, p.total)
-
-
-#: How binary chunk metadata starts (`chunk_codec.MAGIC` without its format byte).
-BINARY_META_PREFIX = b"MKC"
-
-
-def decode_chunk_meta(raw: msgspec.Raw | bytes | bytearray | memoryview) -> ChunkMeta:
-    """`ChunkMeta` from its JSON or its binary form (`chunk_codec`); MessageError when neither."""
-    if not isinstance(raw, msgspec.Raw) and bytes(raw[:3]) == BINARY_META_PREFIX:
-        from maru_vllm.pool import chunk_codec
-
-        try:
-            return chunk_codec.decode(bytes(raw))
-        except MessageError as exc:
-            raise MessageError(f"not MaruKVConnector chunk metadata: {exc}") from None
-    try:
-        return _chunk_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MessageError(f"not MaruKVConnector chunk metadata: {_what(exc)}") from None
 
 
 def encode_meta_json(meta: Any) -> bytes:

@@ -17,7 +17,6 @@ from maru_vllm.events.packed_chunks import ChunkStores
 from maru_vllm.events.pool_view import NamespaceFilter, PoolView
 from maru_vllm.events.types import BlocksRemoved, PoolObject, PoolSnapshot
 from maru_vllm.pool import PoolClient, chunk_codec
-from maru_vllm.pool import messages as M
 from maru_vllm.pool.allocator import Allocator
 from maru_vllm.pool.index import PoolIndex
 from tests.events.helpers import BLOCK, chunk_key, chunk_meta, ext
@@ -30,7 +29,7 @@ def _obj(prefix: int, chunk: int = 0, binary: bool = False, rank: int = 0) -> Po
     meta = chunk_meta(prefix, chunk, rank=rank)
     stored: Any = msgspec.Raw(msgspec.json.encode(meta))
     if binary:
-        stored = chunk_codec.encode(msgspec.convert(meta, M.ChunkMeta))
+        stored = chunk_codec.encode(msgspec.convert(meta, chunk_codec.ChunkMeta))
     return PoolObject(NS, chunk_key(prefix, chunk, rank=rank).hex(), 100, stored)
 
 

@@ -26,7 +26,7 @@ def _obj(prefix: int, chunk: int, binary: bool, rank: int = 0, **kw: Any) -> Poo
     meta = chunk_meta(prefix, chunk, rank=rank, **kw)
     stored: Any = msgspec.json.encode(meta)
     if binary:
-        stored = chunk_codec.encode(msgspec.convert(meta, M.ChunkMeta))
+        stored = chunk_codec.encode(msgspec.convert(meta, chunk_codec.ChunkMeta))
         assert stored is not None
     else:
         stored = msgspec.Raw(stored)
@@ -103,7 +103,7 @@ def test_other_geometries_and_lora_chunks_take_the_per_chunk_path_with_the_same_
         return [view.resync(_snap(objs))]
 
     _both(scenario, ordered=False)  # columns first, then the rest: parents still before children
-    meta = msgspec.convert(chunk_meta(4, 1), M.ChunkMeta)
+    meta = msgspec.convert(chunk_meta(4, 1), chunk_codec.ChunkMeta)
     lora = chunk_codec.encode(msgspec.structs.replace(meta, lora_name="adapter-a"))
     assert lora is not None
     view = PoolView(NamespaceFilter.exactly(NS), BLOCK, int_hashes=True)
@@ -115,7 +115,7 @@ def test_other_geometries_and_lora_chunks_take_the_per_chunk_path_with_the_same_
 def test_column_events_decode_like_vllms_own_encoding_at_any_hash_value() -> None:
     """Full-width ints (uint64 hashes, uint32 tokens) decode to what vLLM's struct would send,
     including hash 0 and hashes above 2^63."""
-    meta = M.ChunkMeta(
+    meta = chunk_codec.ChunkMeta(
         v=1,
         chunk=1,
         block_size=2,
@@ -151,11 +151,11 @@ def test_column_events_decode_like_vllms_own_encoding_at_any_hash_value() -> Non
     ],
 )
 def test_damaged_or_unknown_binary_metadata_is_refused_in_one_line_and_never_announced(damage: Any, why: str) -> None:
-    good = chunk_codec.encode(msgspec.convert(chunk_meta(1, 1), M.ChunkMeta))
+    good = chunk_codec.encode(msgspec.convert(chunk_meta(1, 1), chunk_codec.ChunkMeta))
     assert good is not None
     bad = damage(good)
     with pytest.raises(M.MessageError, match="not MaruKVConnector chunk metadata: " + why):
-        M.decode_chunk_meta(bad)
+        chunk_codec.decode_chunk_meta(bad)
     assert chunk_codec.problem(bad) is not None and "\n" not in chunk_codec.problem(bad)
     view = PoolView(NamespaceFilter(), BLOCK, int_hashes=True)
     # in a page with a good chunk: the good one is announced, the bad one is not
@@ -165,10 +165,10 @@ def test_damaged_or_unknown_binary_metadata_is_refused_in_one_line_and_never_ann
 
 
 def test_binary_form_round_trips_and_odd_chunks_have_none() -> None:
-    meta = msgspec.convert(chunk_meta(3, 2, rank=5), M.ChunkMeta)
+    meta = msgspec.convert(chunk_meta(3, 2, rank=5), chunk_codec.ChunkMeta)
     data = chunk_codec.encode(meta)
     assert data is not None and chunk_codec.is_binary(data) and chunk_codec.decode(data) == meta
-    assert M.decode_chunk_meta(data) == meta
+    assert chunk_codec.decode_chunk_meta(data) == meta
     uneven = msgspec.structs.replace(meta, block_hashes=["00" * 16, "00" * 32])
     assert chunk_codec.encode(uneven) is None  # stored as JSON instead
     assert chunk_codec.encode(msgspec.structs.replace(meta, token_ids=[[2**32] * BLOCK] * 2)) is None

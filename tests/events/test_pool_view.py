@@ -7,9 +7,10 @@ import dataclasses
 import msgspec
 import pytest
 
-from maru_vllm.events.pool_view import NamespaceFilter, PoolView, model_namespace_prefix
+from maru_vllm.events.pool_view import NamespaceFilter, PoolView
 from maru_vllm.events.types import BlocksRemoved, BlocksStored, PoolChunk, PoolEvent, PoolObject, PoolSnapshot
 from maru_vllm.pool import messages as M
+from maru_vllm.pool.chunk_codec import model_namespace_prefix
 from tests.connector.identity import IDENTITY
 from tests.events.helpers import BLOCK, block_hash, chunk_meta, ext, obj
 

@@ -17,8 +17,8 @@ from pool_helpers import pool_cli
 from maru_vllm.pool import PoolClient, PoolUnavailable
 from maru_vllm.pool.allocator import PAGE, Allocator
 from maru_vllm.pool.catalog import Catalog
+from maru_vllm.pool.chunk_codec import ChunkMeta
 from maru_vllm.pool.index import PoolIndex
-from maru_vllm.pool.messages import ChunkMeta
 from maru_vllm.pool.records import MetaIO
 from tests.waiting import wait_until
 

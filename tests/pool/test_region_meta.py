@@ -9,8 +9,8 @@ import pytest
 
 from maru_vllm.pool import chunk_codec
 from maru_vllm.pool.allocator import Allocation, Allocator
+from maru_vllm.pool.chunk_codec import ChunkMeta
 from maru_vllm.pool.index import PoolIndex
-from maru_vllm.pool.messages import ChunkMeta
 from maru_vllm.pool.records import META_HEADER, MetaIO
 
 DATA = 4096

@@ -13,8 +13,9 @@ from maru_vllm.launch import stack
 from maru_vllm.pool import PoolClient, PoolProtocolError
 from maru_vllm.pool import protocol as P
 from maru_vllm.pool.allocator import Allocator
+from maru_vllm.pool.chunk_codec import ChunkMeta, decode_chunk_meta
 from maru_vllm.pool.index import PoolIndex
-from maru_vllm.pool.messages import ChunkMeta, decode_chunk_meta, decode_snapshot_page, encode_meta_json
+from maru_vllm.pool.messages import decode_snapshot_page, encode_meta_json
 
 BLOCK = 16
 
@@ -129,7 +130,7 @@ def test_malformed_messages_name_what_is_wrong() -> None:
     with pytest.raises(M.MessageError, match=r"malformed pool event: Invalid enum value 'gone' - at `\$.type`"):
         M.decode_event(b'{"type":"gone","seq":1,"incarnation":"i","pool":"p","namespace":"n","key":"00","size":1}')
     good = msgspec.to_builtins(_meta(1, blocks=2))
-    assert M.decode_chunk_meta(msgspec.json.encode(good)) == _meta(1, blocks=2)
+    assert decode_chunk_meta(msgspec.json.encode(good)) == _meta(1, blocks=2)
     for change, why in [
         ({"v": 7}, r"chunk metadata version 7 is not supported \(supported: \[1\]\)"),
         ({"token_ids": [[1, 2]] * 2}, "every token block must hold block_size=16 tokens"),
@@ -138,7 +139,7 @@ def test_malformed_messages_name_what_is_wrong() -> None:
         ({"block_size": 0}, r"Expected `int` >= 1 - at `\$.block_size`"),
     ]:
         with pytest.raises(M.MessageError, match="not MaruKVConnector chunk metadata: " + why):
-            M.decode_chunk_meta(msgspec.json.encode({**good, **change}))
+            decode_chunk_meta(msgspec.json.encode({**good, **change}))
 
 
 def test_index_object_cap_evicts_lru_and_refuses_only_when_everything_is_pinned() -> None:

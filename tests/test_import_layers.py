@@ -1,0 +1,71 @@
+"""The engine-side package's layers: the connector never reaches into the event relay, and no
+two modules of the pool import each other (read from the sources, imports inside functions too)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "maru_vllm"
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every maru_vllm module `path` imports (`from pkg import mod` counts as pkg.mod only)."""
+    out: set[str] = set()
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for n in ast.walk(block)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:  # annotations only: not a runtime dependency
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("maru_vllm"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("maru_vllm"):
+            for a in node.names:  # a submodule where the name is one, else the module itself
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if _exists(sub) else node.module)
+    return out
+
+
+def _exists(module: str) -> bool:
+    path = ROOT.parent.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _graph(package: str) -> dict[str, set[str]]:
+    folder = ROOT.joinpath(*package.split(".")[1:])
+    mods = {_module(p): _imports(p) for p in folder.rglob("*.py")}
+    return {m: {i for i in deps if i in mods and i != m} for m, deps in mods.items()}
+
+
+def test_the_connector_never_imports_the_event_relay() -> None:
+    offenders = {
+        m: sorted(i for i in deps if i.startswith("maru_vllm.events"))
+        for m, deps in ((_module(p), _imports(p)) for p in (ROOT / "connector").rglob("*.py"))
+    }
+    assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def test_no_two_pool_modules_import_each_other() -> None:
+    graph = _graph("maru_vllm.pool")
+    circles = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps if a in graph.get(b, set())})
+    assert circles == []
+
+
+def test_the_checks_see_imports() -> None:
+    """The two checks above would see the import they forbid (a check that sees nothing passes)."""
+    graph = _graph("maru_vllm.pool")
+    assert "maru_vllm.pool.messages" in graph["maru_vllm.pool.chunk_codec"]
+    assert any(i.startswith("maru_vllm.pool") for i in _imports(ROOT / "connector" / "chunks.py"))
