@@ -47,6 +47,9 @@ Usage: python benchmarks/bench_pool_scale.py [--chunks 100000 1000000] [--worker
 run under `runs`. 10^6 chunks need ~1 GiB for the pool service plus a 1.7 GiB region in /dev/shm
 (the chunks' metadata lives there), ~0.8-0.9 GiB of router per worker and ~1 GiB per worker
 stand-in (most of it vLLM's imports); W=8 at 10^6 needs ~20 GiB free.
+
+Size: one benchmark whose stages (fill, resync, relay restarts, router memory) share its
+stand-ins and measurements.
 """
 
 from __future__ import annotations

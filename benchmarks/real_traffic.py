@@ -32,6 +32,10 @@ Usage: python benchmarks/real_traffic.py [--trace ../shared/traces/mooncake_conv
        [--configs ...] [--workers 2] [--repeats 1] [--json FILE] [--detail-json FILE] [--plot FILE.png]
        [--whatif]
 Run it under the machine's slot limiter where others share the machine.
+
+Size: the benchmark's driver (configurations, one run, the sweep, its report and JSON); the
+load generator, probes, report and what-if live in traffic_load, traffic_probes,
+traffic_report and real_traffic_whatif.
 """
 
 from __future__ import annotations

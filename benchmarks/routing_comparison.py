@@ -75,6 +75,8 @@ events change nothing there; they pay off when requests are in flight.
 
 Usage: python benchmarks/routing_comparison.py [--window 3] [--sessions 7 --hot-sessions 4 ...]
                                                [--configs kv-gpu,kv-pool] [--routes] [--json]
+
+Size: one benchmark: its workload, the graph per configuration and the report.
 """
 
 from __future__ import annotations

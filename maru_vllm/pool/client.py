@@ -15,6 +15,9 @@ until it answers again (connection.py).
 
 Trust: see connection.py for who may serve a unix socket. With `checksum=True` every read must
 carry a valid checksum.
+
+Size: one method per pool operation (each with its failure value documented); the transport
+under them is connection.py.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ pool down for every connection of the process: they refuse requests without wait
 breaker's probe (`probe_service`) sees the service answer again.
 
 `PoolClient` (client.py) is the operations over it.
+
+Size: one transport state machine (hello, trust check, framing, deadlines, reconnects,
+heartbeat, breaker hand-off) whose states are only correct together; split by file they would
+share every field.
 """
 
 from __future__ import annotations

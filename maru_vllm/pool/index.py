@@ -30,6 +30,9 @@ keys) against `metadata_budget` bytes. Like region space, both are reclaimed by 
 least recently used objects; when nothing evictable is left a reserve (object cap) or a commit
 (metadata budget, or no region space for the metadata) is refused, which the connector treats as
 a skipped store.
+
+Size: the life cycle above is one state machine over the object table; its parts that stand
+alone are in the modules named above.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ refused unless `force` (``--force``), so a mistyped --path cannot delete someone
 A region is recovered only when it is this pool's, of the same size, layout (`layout.Layout`:
 presence table, catalog, heap) and catalog format, owned by this user and held by no running
 service; the header records whether its last service stopped cleanly (`PreviousRun`).
+
+Size: the region's backends (shm, DAX, file), its header and its recovery checks are one on-disk
+format; keeping them together keeps the header's fields and their checks side by side.
 """
 
 from __future__ import annotations

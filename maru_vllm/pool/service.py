@@ -11,6 +11,10 @@ are capped (`max_connections`, derived from the open-file limit by default); pee
 for hello may hold at most half the slots, and the oldest of them makes room for a newcomer, so
 idle sockets can never lock real clients out. Failed authentications are spaced out
 service-wide, and repeated errors reach the log a few lines at a time (`logthrottle`).
+
+Size: the service is one asyncio server whose op handlers, session expiry, heartbeats and
+startup (region, recovery, tier) share one loop and one state; the index, the snapshot pages,
+the tier and the metrics live in their own modules.
 """
 
 from __future__ import annotations

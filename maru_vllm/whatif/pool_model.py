@@ -27,6 +27,9 @@ last full block before its last token; the pool and host tiers are written throu
 prefill ends (every full prompt block; vLLM's offloading connectors and Maru store on prefill) and
 evict least recently used; loading a hit costs its bytes over the link's GB/s, shared evenly with
 the other loads in flight when their sum would exceed the aggregate GB/s.
+
+Size: the simulated engines, their step loop and the pool they share are one event-driven
+model whose callbacks call into each other every step.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ under a deadline, and the service's ops only queue work for it.
 
 Region safety: a thread touches the region only while it holds its job's lock and the job is
 not cancelled; `stop` cancels every job under its lock before the service unmaps the region.
+
+Size: the write-through queue, fetches and outage handling share the jobs' locks and the
+region-safety rule above; split apart, that rule would span files.
 """
 
 from __future__ import annotations
