@@ -49,6 +49,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 from lmcache_peer import start_lmcache_server  # noqa: E402
+from maru_dynamo.graphs import client  # noqa: E402
 from maru_vllm.calibration import Calibration, write_calibration  # noqa: E402
 from maru_vllm.launch import (  # noqa: E402
     ProcessGroup,
@@ -65,14 +66,8 @@ LOAD_PARTS = ("acquire", "copy", "release")
 
 def completion(url: str, model: str, prompt: list[int]) -> tuple[float, int]:
     """(seconds to a 1-token completion, prompt tokens served from a cache)."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body, {"content-type": "application/json"})
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=900) as resp:
-        out = json.loads(resp.read())
-    dt = time.perf_counter() - t0
-    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
-    return dt, int(details.get("cached_tokens") or 0)
+    dt, out = client.timed_completion(url, model, prompt)
+    return dt, client.cached_tokens(out)
 
 
 def metrics(url: str, prefix: str = "vllm:maru_connector_") -> dict[str, float]:

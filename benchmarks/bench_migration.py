@@ -48,6 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from maru_dynamo.graphs import client  # noqa: E402
 from maru_dynamo.graphs import run as graph_run  # noqa: E402
 from maru_dynamo.graphs.spec import load_graph, resolve_graph_path  # noqa: E402
 from maru_vllm.launch import ProcessGroup  # noqa: E402
@@ -68,19 +69,9 @@ def stream_tokens(url: str, model: str, prompt: list[int], max_tokens: int) -> I
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
-        "stream": True,
         "logprobs": 1,  # one entry per token: a chunk may carry several
     }
-    req = urllib.request.Request(
-        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode(errors="replace").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            yield time.monotonic(), ({"done": True} if data == "[DONE]" else json.loads(data))
+    yield from client.stream_events(url, body, timeout=600)
 
 
 def token_arrivals(events: Iterator[tuple[float, dict[str, Any]]]) -> Iterator[tuple[float, int]]:

@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from maru_dynamo.graphs import client  # noqa: E402
 from maru_vllm.connector.chunks import placeholder_meta  # noqa: E402
 from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata  # noqa: E402
 from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
@@ -242,18 +243,12 @@ def alternate(samples: dict[str, Callable[[], float]], repeats: int) -> dict[str
 
 # ---- 4. real engines --------------------------------------------------------------------------
 def engine_miss_tax(args: argparse.Namespace) -> dict[str, float]:
-    import urllib.request
 
     from maru_vllm.launch import stack
     from maru_vllm.models import ensure_model
 
     def ttft(url: str, model: str, prompt: list[int]) -> float:
-        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
-        req = urllib.request.Request(f"{url}/v1/completions", body, {"content-type": "application/json"})
-        t0 = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=900) as resp:
-            resp.read()
-        return time.perf_counter() - t0
+        return client.timed_completion(url, model, prompt)[0]
 
     model = str(ensure_model("bench"))
     work = Path(tempfile.mkdtemp(prefix="maru-bstore-eng-"))

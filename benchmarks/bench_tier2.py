@@ -30,13 +30,13 @@ import random
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from maru_dynamo.graphs import client  # noqa: E402
 from maru_vllm.launch import ProcessGroup, stack  # noqa: E402
 from maru_vllm.launch.mooncake import MooncakeMaster  # noqa: E402
 from maru_vllm.models import ensure_model  # noqa: E402
@@ -49,14 +49,8 @@ CHUNK = 256
 
 def completion(url: str, model: str, prompt: list[int]) -> tuple[float, int]:
     """(seconds to a 1-token completion, prompt tokens served from a cache)."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body, {"content-type": "application/json"})
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=900) as resp:
-        out = json.loads(resp.read())
-    dt = time.perf_counter() - t0
-    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
-    return dt, int(details.get("cached_tokens") or 0)
+    dt, out = client.timed_completion(url, model, prompt)
+    return dt, client.cached_tokens(out)
 
 
 def stats(address: str) -> dict[str, Any]:

@@ -63,6 +63,7 @@ for p in (REPO, REPO / "benchmarks"):
         sys.path.insert(0, str(p))
 
 from lmcache_peer import start_lmcache_server  # noqa: E402
+from maru_dynamo.graphs import client  # noqa: E402
 from maru_vllm.calibration import write_calibration  # noqa: E402
 from real_traffic_whatif import cache_config, calibration_from_runs, predict_rates  # noqa: E402
 from traffic_load import (  # noqa: E402
@@ -292,10 +293,7 @@ def _warm_up(url: str, model: str, metrics: Sequence[str], log: Callable[[str], 
     from maru_vllm.launch.engine_metrics import read_counters
 
     def one(i: int) -> None:
-        body = json.dumps({"model": model, "prompt": f"warm-up {i} " * 8, "max_tokens": 4, "stream": False})
-        req = urllib.request.Request(f"{url}/v1/completions", body.encode(), {"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            resp.read()
+        client.completion(url, model, f"warm-up {i} " * 8, max_tokens=4, timeout=120)
 
     for attempt in range(4):
         with concurrent.futures.ThreadPoolExecutor(len(metrics)) as ex:

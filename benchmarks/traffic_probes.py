@@ -26,18 +26,15 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
+from maru_dynamo.graphs import client
+
 PROBE_LONG = 1536  # the prompt prefill_tokens_per_s reads against the shortest
 
 
 def _complete(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[float, dict[str, Any]]:
-    """(seconds, response) of one non-streamed completion."""
-    req = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
-    )
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        out = json.loads(resp.read())
-    return time.perf_counter() - t0, out
+    """(seconds, response) of one non-streamed completion of `body` (its model, prompt and fields)."""
+    rest = {k: v for k, v in body.items() if k not in ("model", "prompt", "max_tokens")}
+    return client.timed_completion(url, body["model"], body["prompt"], body.get("max_tokens", 1), timeout, **rest)
 
 
 def _letters(rng: random.Random, n: int) -> str:
@@ -47,9 +44,7 @@ def _letters(rng: random.Random, n: int) -> str:
 
 def _usage(out: dict[str, Any]) -> tuple[int, int]:
     """(prompt tokens, cached prompt tokens) as the server counted them."""
-    usage = out.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
+    return client.prompt_tokens(out), client.cached_tokens(out)
 
 
 def prefill_tokens_per_s(points: Sequence[tuple[int, float]]) -> float:
@@ -72,18 +67,8 @@ DECODE_BATCH = 8
 
 def _stream(url: str, body: dict[str, Any], timeout: float = 300) -> list[float]:
     """Arrival times (seconds after sending) of a streamed completion's token events."""
-    payload = {**body, "stream": True}
-    req = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(payload).encode(), {"content-type": "application/json"}
-    )
-    t0 = time.perf_counter()
-    times: list[float] = []
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line != "data: [DONE]" and json.loads(line[5:]).get("choices"):
-                times.append(time.perf_counter() - t0)
-    return times
+    t0 = time.monotonic()
+    return [at - t0 for at, event in client.stream_events(url, body, timeout) if event.get("choices")]
 
 
 def _decode_step_ms(times: Sequence[float]) -> float:

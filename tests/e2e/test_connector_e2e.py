@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.graphs.client import cached_tokens, completion
 from maru_vllm.launch import ProcessGroup
 from maru_vllm.launch.engine_metrics import metric_total
 from maru_vllm.launch.stack import PoolProcess
@@ -34,7 +35,6 @@ from tests.e2e.conftest import (
     token_prompt,
     wait_engines,
 )
-from tests.e2e.openai_client import cached_tokens, completion
 
 pytestmark = [pytest.mark.e2e]
 

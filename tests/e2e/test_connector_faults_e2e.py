@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.graphs.client import cached_tokens, completion
 from maru_vllm.launch import ProcessGroup
 from maru_vllm.models import ensure_model
 from tests.e2e.conftest import (
@@ -30,7 +31,6 @@ from tests.e2e.conftest import (
     wait_engines,
 )
 from tests.e2e.faulty_connector import SCHEDULER_HOOKS, WORKER_HOOKS
-from tests.e2e.openai_client import cached_tokens, completion
 
 pytestmark = [pytest.mark.e2e]
 

@@ -35,12 +35,12 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.graphs.client import cached_tokens, completion
 from maru_vllm.launch import ManagedProcess, ProcessGroup, stack
 from maru_vllm.launch.engine_metrics import metric_total
 from maru_vllm.launch.ports import free_system_port
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import CHUNK, start_pool, stored_chunks, token_prompt
-from tests.e2e.openai_client import cached_tokens, completion
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.graphs.client import completion
 from maru_vllm.launch import stack
-from tests.e2e.openai_client import completion
 
 ROOT = Path(__file__).resolve().parents[2]
 

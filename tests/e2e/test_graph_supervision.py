@@ -30,10 +30,10 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.graphs.client import completion
 from maru_vllm.launch.engine_metrics import read_counters, running_requests
 from maru_vllm.launch.supervisor import session_members, shm_inodes_of, shm_paths_of
 from tests.e2e.conftest import token_prompt
-from tests.e2e.openai_client import completion
 from tests.e2e.streaming_load import Load
 from tests.e2e.test_graph_run import alive, cmdline, descendants
 from tests.waiting import wait_until

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.graphs.client import cached_tokens, completion
 from maru_vllm.launch import ProcessGroup
 from maru_vllm.models import ensure_model
 from maru_vllm.pool import PoolClient
@@ -31,7 +32,6 @@ from tests.e2e.conftest import (
     token_prompt,
     wait_engines,
 )
-from tests.e2e.openai_client import cached_tokens, completion
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e]

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.graphs.client import cached_tokens, completion
 from maru_vllm.launch import ManagedProcess, ProcessGroup, stack
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import maru_worker, start_pool, token_prompt
-from tests.e2e.openai_client import cached_tokens, completion
 from tests.e2e.router_probe_client import RouterProbe, selected_lines
 
 pytestmark = [pytest.mark.e2e]

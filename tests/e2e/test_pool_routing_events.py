@@ -26,11 +26,11 @@ from typing import Any
 
 import pytest
 
+from maru_dynamo.graphs.client import completion
 from maru_vllm.events.vllm_format import external_hash
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port, stack
 from maru_vllm.launch.argv import kv_events_args
 from maru_vllm.pool import PoolClient
-from tests.e2e.openai_client import completion
 from tests.e2e.router_probe_client import RouterProbe, selected_lines
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.graphs.client import cached_tokens, completion, post_json
 from maru_vllm.launch import ProcessGroup, free_port, stack
 from maru_vllm.models import ensure_model
 from maru_vllm.pool import PoolClient, PoolError
 from tests.e2e.conftest import CHUNK, maru_kv_config, start_pool, stored_chunks, token_prompt
-from tests.e2e.openai_client import cached_tokens, completion, post_json
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.graphs.client import completion, get_json, post_json
 from maru_vllm.launch import ProcessGroup, stack
-from tests.e2e.openai_client import completion, get_json, post_json
 
 pytestmark = [pytest.mark.e2e]
 

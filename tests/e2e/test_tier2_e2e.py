@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.graphs.client import cached_tokens, completion
 from maru_vllm.launch import ProcessGroup
 from maru_vllm.launch.mooncake import MooncakeMaster
 from maru_vllm.models import ensure_model
@@ -29,7 +30,6 @@ from tests.e2e.conftest import (
     token_prompt,
     wait_engines,
 )
-from tests.e2e.openai_client import cached_tokens, completion
 from tests.e2e.streaming_load import Load
 from tests.waiting import wait_until
 
