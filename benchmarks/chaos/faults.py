@@ -18,7 +18,9 @@ long it takes, from the injection, until
 * ``serves_s``      - a request pinned to that instance completes,
 * ``pool_back_s``   - the pool answers again (a new incarnation after a kill),
 * ``old_prompt_hit_s`` - the probe prompt stored before a ``pool-restart-warm`` kill is loaded from
-  the pool by the other worker (the recovered share of the pool's objects is in the notes),
+  the pool by the other worker, asked once (a miss there is a local hit the next time, so it is
+  never asked again: None unless that one answer came from the pool); the recovered share of
+  the pool's objects is in the notes,
 * ``nats_back_s``   - nats-server accepts connections again,
 * ``events_s``      - the pool reports its NATS link connected again,
 * ``pool_hit_s``    - the pool is hit again: a fresh prompt computed on one worker is loaded
@@ -43,6 +45,7 @@ from chaos.graph import NATS, POOL, GraphView, cached_tokens, wait_for
 
 KINDS = ("worker-kill", "pool-kill", "pool-restart-warm", "pool-stop", "nats-stop")
 DEFAULT_HOLD_S = 8.0
+RECONNECT_CAP_S = 2.0  # a pool client's longest pause between reconnects (maru_vllm/pool/connection.py)
 _ITEM = re.compile(r"^(?P<kind>[a-z-]+)@(?P<at>\d+(?:\.\d+)?)(?:\+(?P<hold>\d+(?:\.\d+)?))?$")
 
 
@@ -222,11 +225,30 @@ class FaultRunner:
             f"({after.get('recovery_dropped')} dropped; last stop {after.get('last_stop')})"
         )
 
-        def old_prompt_hit() -> bool:
-            out = self._ask(prompt, reader)
-            return out is not None and cached_tokens(out) >= 2 * self.chunk_tokens
+        if record.recovery["pool_back_s"] is None:
+            record.recovery["old_prompt_hit_s"] = None
+            return
+        # Asked once on the reader: a miss would put the prompt in the reader's own prefix cache,
+        # and every later answer would be a local hit. The reader's connections reconnect at
+        # most RECONNECT_CAP_S after the pool answers again (their backoff), so ask after that;
+        # only an ask that got no answer at all is repeated.
+        time.sleep(RECONNECT_CAP_S + 1.0)
+        cached: list[int] = []
 
-        record.recovery["old_prompt_hit_s"] = self._step(old_prompt_hit, start)
+        def old_prompt_answered() -> bool:
+            out = self._ask(prompt, reader)
+            if out is not None:
+                cached.append(cached_tokens(out))
+            return out is not None
+
+        answered = self._step(old_prompt_answered, start)
+        hit = answered is not None and cached[-1] >= 2 * self.chunk_tokens
+        record.recovery["old_prompt_hit_s"] = answered if hit else None
+        if answered is not None and not hit:
+            record.notes.append(
+                f"the prompt stored before the kill was not loaded from the pool: {cached[-1]} of "
+                f"{2 * self.chunk_tokens} prompt tokens cached"
+            )
 
     def _pool_stop(self, fault: Fault, record: FaultRecord, pid: int) -> None:
         start = time.monotonic()
