@@ -15,7 +15,8 @@ ran (requests completed, failed, truncated, the slowest one).
   graph's supervision starts it again on the same region, where it recovers what the region
   holds (a warm restart). Reported: the index rebuild (the new service's own recovery time), the
   time until the pool answers again and until every worker's relay resynced, the share of the
-  chunks committed before the kill that the new service serves again, probe prompts computed
+  chunks committed before the kill that the new service serves again (each one pinned and its
+  payload checked against its checksum by a reader that requires one), probe prompts computed
   on one worker before the kill that the other worker then loads from the pool (cached tokens,
   and the same greedy tokens as the first worker's local prefix-cache hit), corrupt reads (the
   pool's counter over both incarnations).
@@ -116,8 +117,12 @@ def case_pool_warm(b: Bench) -> dict[str, Any]:
     out["recovery_dropped"] = back.get("recovery_dropped")
     out["last_stop"] = back.get("last_stop")
     after, _ = _pool_keys(b.view.pool_address)
-    out["chunks_hit_again"] = len(before & after)
-    out["share_hit_again"] = round(len(before & after) / max(1, len(before)), 4)
+    out["chunks_listed_again"] = len(before & after)
+    read = _read_back(b.view.pool_address, before, after)
+    out["chunks_hit_again"] = read["verified"]
+    out["share_hit_again"] = round(read["verified"] / max(1, len(before)), 4)
+    out["read_back_invalid"] = read["invalid"]
+    out["read_back_s"] = read["seconds"]
     resynced = wait_for(lambda: _relay_syncs(b) > synced_before, b.args.recovery_timeout, 0.5)
     out["relays_resynced_s"] = None if resynced is None else round(time.monotonic() - kill, 2)
     out["probes"] = _ask_probes(b, probes)
@@ -194,6 +199,28 @@ def _pool_keys(address: str) -> tuple[set[tuple[str, str]], dict[str, Any]]:
     with PoolClient.connect(address, heartbeat=False, timeout=60) as c:
         keys = {(o.namespace, o.key) for page in c.snapshot_pages() for o in page.objects}
         return keys, c.stats()
+
+
+def _read_back(address: str, before: set[tuple[str, str]], after: set[tuple[str, str]]) -> dict[str, Any]:
+    """Every chunk committed before the kill, pinned on the restarted pool by a client that
+    requires and verifies each payload's checksum: `verified` were read back intact, `invalid`
+    were listed again but failed the reader's check (the pool counts those as corrupt reads)."""
+    from maru_vllm.pool import PoolClient
+
+    by_ns: dict[str, list[str]] = {}
+    for ns, key in before:
+        by_ns.setdefault(ns, []).append(key)
+    verified = invalid = 0
+    t = time.monotonic()
+    with PoolClient.connect(address, checksum=True, heartbeat=False, timeout=60) as c:
+        for ns, keys in by_ns.items():
+            for i in range(0, len(keys), 512):
+                batch = keys[i : i + 512]
+                pins = c.acquire([bytes.fromhex(k) for k in batch], ns)
+                verified += sum(p is not None for p in pins)
+                invalid += sum(p is None and (ns, k) in after for p, k in zip(pins, batch))
+                c.release(pins)
+    return {"verified": verified, "invalid": invalid, "seconds": round(time.monotonic() - t, 2)}
 
 
 def _relay_syncs(b: Bench) -> int:
@@ -343,7 +370,7 @@ def verdict(report: dict[str, Any]) -> bool:
         and drained.get("drained_s") is not None
         and not drained.get("unaccounted_bytes")
         and not (report.get("pool_counters") or {}).get("corrupt_reads")
-        and all("error" not in c for c in report["cases"].values())
+        and all("error" not in c and not c.get("read_back_invalid") for c in report["cases"].values())
     )
 
 
@@ -357,8 +384,10 @@ def format_report(report: dict[str, Any]) -> str:
             f"filled in {pw.get('fill_s')} s); SIGKILL -> the pool answers again in {pw.get('pool_back_s')} s",
             f"  index rebuilt in {pw.get('index_rebuild_s')} s (target <= 5 s): {pw.get('recovered_objects')} objects "
             f"recovered, {pw.get('recovery_dropped')} dropped; last stop {pw.get('last_stop')}",
-            f"  committed chunks served again: {pw.get('chunks_hit_again')} of {pw.get('chunks_before')} = "
-            f"{100 * (pw.get('share_hit_again') or 0):.2f}% (target >= 95%)",
+            f"  committed chunks read back intact (checksum verified): {pw.get('chunks_hit_again')} of "
+            f"{pw.get('chunks_before')} = {100 * (pw.get('share_hit_again') or 0):.2f}% (target >= 95%); "
+            f"listed again {pw.get('chunks_listed_again')}, listed but invalid {pw.get('read_back_invalid')} "
+            f"(read back in {pw.get('read_back_s')} s)",
             f"  every worker's relay resynced {pw.get('relays_resynced_s')} s after the kill",
             f"  probes: {pr.get('loaded_from_pool')}/{pr.get('sent')} loaded from the pool on the other worker, "
             f"{pr.get('same_tokens_as_local_hit')}/{pr.get('sent')} with the local hit's tokens",

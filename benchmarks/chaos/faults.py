@@ -18,7 +18,9 @@ long it takes, from the injection, until
 * ``serves_s``      - a request pinned to that instance completes,
 * ``pool_back_s``   - the pool answers again (a new incarnation after a kill),
 * ``old_prompt_hit_s`` - the probe prompt stored before a ``pool-restart-warm`` kill is loaded from
-  the pool by the other worker (the recovered share of the pool's objects is in the notes),
+  the pool by the other worker, asked once (a miss there is a local hit the next time, so it is
+  never asked again: None unless that one answer came from the pool); the recovered share of
+  the pool's objects is in the notes,
 * ``nats_back_s``   - nats-server accepts connections again,
 * ``events_s``      - the pool reports its NATS link connected again,
 * ``pool_hit_s``    - the pool is hit again: a fresh prompt computed on one worker is loaded
@@ -43,6 +45,7 @@ from chaos.graph import NATS, POOL, GraphView, cached_tokens, wait_for
 
 KINDS = ("worker-kill", "pool-kill", "pool-restart-warm", "pool-stop", "nats-stop")
 DEFAULT_HOLD_S = 8.0
+RECONNECT_CAP_S = 2.0  # a pool client's longest pause between reconnects (maru_vllm/pool/connection.py)
 _ITEM = re.compile(r"^(?P<kind>[a-z-]+)@(?P<at>\d+(?:\.\d+)?)(?:\+(?P<hold>\d+(?:\.\d+)?))?$")
 
 
@@ -202,31 +205,102 @@ class FaultRunner:
         writer, reader = instances[0], instances[-1]
         prompt = self.view.probe_prompt(2 * self.chunk_tokens + 1)
         self._ask(prompt, writer)
-        time.sleep(1.0)  # stores are write-behind: committed just after the answer
+        chunks: list[tuple[str, bytes]] = []
+        until = time.monotonic() + 5.0
+        while len(chunks) < 2 and time.monotonic() < until:  # stores are write-behind: just after the answer
+            time.sleep(0.2)
+            chunks = self._probe_chunks(prompt)
         stats = self.view.pool_stats() or {}
         incarnation, objects = stats.get("incarnation"), stats.get("objects")
         start = time.monotonic()
         record.pids = procs.signal_tree(self.view.pid(POOL) or pid, signal.SIGKILL)
         after: dict[str, Any] = {}
+        held: list[Any] = []  # (client, pins) on the probe's chunks in the new incarnation
 
         def back() -> bool:
             now = self.view.pool_stats(timeout=1.0)
             if now is None or now.get("incarnation") == incarnation:
                 return False
             after.update(now)
+            held.extend(self._pin(chunks))
             return True
 
-        record.recovery["pool_back_s"] = self._step(back, start)
-        record.notes.append(
-            f"recovered {after.get('recovered_objects')} of {objects} objects in {after.get('recovery_seconds')} s "
-            f"({after.get('recovery_dropped')} dropped; last stop {after.get('last_stop')})"
-        )
+        try:
+            record.recovery["pool_back_s"] = self._step(back, start)
+            pinned = sum(p is not None for p in held[1]) if held else 0
+            record.notes.append(
+                f"recovered {after.get('recovered_objects')} of {objects} objects in {after.get('recovery_seconds')} s "
+                f"({after.get('recovery_dropped')} dropped; last stop {after.get('last_stop')}); the probe's "
+                f"{len(chunks)} chunks committed before the kill, {pinned} found again"
+            )
+            if record.recovery["pool_back_s"] is None or len(chunks) < 2 or pinned < len(chunks):
+                record.recovery["old_prompt_hit_s"] = None
+                return
+            # The probe's chunks stay pinned until the reader asked (the load's stores evict a small
+            # pool within seconds). Asked once on the reader: a miss would put the prompt in the
+            # reader's own prefix cache, and every later answer would be a local hit. The reader's
+            # connections reconnect at most RECONNECT_CAP_S after the pool answers again (their
+            # backoff), so ask after that; only an ask that got no answer at all is repeated.
+            time.sleep(RECONNECT_CAP_S + 1.0)
+            cached: list[int] = []
 
-        def old_prompt_hit() -> bool:
-            out = self._ask(prompt, reader)
-            return out is not None and cached_tokens(out) >= 2 * self.chunk_tokens
+            def old_prompt_answered() -> bool:
+                out = self._ask(prompt, reader)
+                if out is not None:
+                    cached.append(cached_tokens(out))
+                return out is not None
 
-        record.recovery["old_prompt_hit_s"] = self._step(old_prompt_hit, start)
+            answered = self._step(old_prompt_answered, start)
+            hit = answered is not None and cached[-1] >= 2 * self.chunk_tokens
+            record.recovery["old_prompt_hit_s"] = answered if hit else None
+            if answered is not None and not hit:
+                record.notes.append(
+                    f"the prompt stored before the kill was not loaded from the pool: {cached[-1]} of "
+                    f"{2 * self.chunk_tokens} prompt tokens cached"
+                )
+        finally:
+            if held:
+                client, pins = held
+                try:
+                    client.release(pins)
+                finally:
+                    client.close()
+
+    def _probe_chunks(self, prompt: list[int]) -> list[tuple[str, bytes]]:
+        """(namespace, key) of the pool's chunks holding the whole chunks of `prompt`."""
+        from maru_vllm.pool import PoolClient, PoolError
+
+        try:
+            with PoolClient.connect(self.view.pool_address, heartbeat=False, timeout=5.0) as c:
+                objs = c.snapshot()
+        except (PoolError, OSError):
+            return []
+        found: dict[int, tuple[str, bytes]] = {}
+        for o in objs:
+            meta = o.get("meta") or {}
+            i = meta.get("chunk") if isinstance(meta, dict) else None
+            if i is None or not isinstance(meta.get("token_ids"), list):
+                continue
+            if [t for block in meta["token_ids"] for t in block] == prompt[
+                i * self.chunk_tokens : (i + 1) * self.chunk_tokens
+            ]:
+                found[i] = (o["namespace"], bytes.fromhex(o["key"]))
+        return [found[i] for i in sorted(found)]
+
+    def _pin(self, chunks: list[tuple[str, bytes]]) -> list[Any]:
+        """[client, pins]: `chunks` pinned (verified) on the pool, so that nothing evicts them."""
+        from maru_vllm.pool import PoolClient, PoolError
+
+        try:
+            client = PoolClient.connect(self.view.pool_address, checksum=True, timeout=5.0)
+        except (PoolError, OSError):
+            return []
+        try:
+            pins = [pin for ns, key in chunks for pin in client.acquire([key], ns)]
+        except (PoolError, OSError):
+            client.close()
+            return []
+        return [client, pins]
 
     def _pool_stop(self, fault: Fault, record: FaultRecord, pid: int) -> None:
         start = time.monotonic()

@@ -207,11 +207,6 @@ def test_removals_dropped_while_the_publisher_lags_are_withdrawn_again(
         with PoolClient.connect(pool_service.address, heartbeat=False) as c:
             keys = [chunk_key(GEOMETRY.chunk_hash(_raw_hashes(p), 0), 0) for p in gone]
             assert c.remove(keys, NS) == len(gone)
-        import sys
-
-        for _ in range(8):
-            time.sleep(1)
-            print(relay.stats, relay.unsent_bytes, len(relay.view), relay.source.stats, file=sys.stderr)
         wait_until(lambda: relay.stats.removals_lost > 0, 60, "removal batches dropped while the publisher lags")
         # Reading again: the lost removals arrive, then the pool's blocks again.
         kept = [p for p in range(first + more) if p not in set(gone)]

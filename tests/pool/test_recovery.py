@@ -20,6 +20,7 @@ from maru_vllm.pool.catalog import Catalog
 from maru_vllm.pool.chunk_codec import ChunkMeta
 from maru_vllm.pool.index import PoolIndex
 from maru_vllm.pool.records import MetaIO
+from maru_vllm.pool.region import EXT_AT
 from tests.waiting import wait_until
 
 NS = "kv:restart"
@@ -173,6 +174,14 @@ def test_recover_refuses_a_region_it_cannot_recover_in_one_line(pool_factory, so
     assert "asks for 16777216 (--size)" in refused("--size", "16M")
     assert "--max-objects" in refused("--size", "8M", "--max-objects", "100")
     assert "--presence-buckets" in refused("--size", "8M", "--presence-buckets", "64")
+    # a region of another layout version or catalog format (another release's): refused, and kept
+    for at, field, says in ((8, "layout version", "layout version is 99"), (EXT_AT + 8, "format", "format 99")):
+        with open(p.region_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+            was = bytes(mm[at : at + 4])
+            mm[at : at + 4] = (99).to_bytes(4, "little")
+        assert says in refused("--size", "8M"), field
+        with open(p.region_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+            mm[at : at + 4] = was
     os.truncate(p.region_path, 4096)  # not a region any more: too short to hold one
     assert "--size" in refused("--size", "8M")
     p.region_path.unlink()
