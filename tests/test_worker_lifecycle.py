@@ -161,5 +161,5 @@ def test_the_hook_refuses_a_signal_handler_of_another_shape(dynamo_main: Any) ->
         pass
 
     dynamo_main.install_signal_handlers = other
-    with pytest.raises(RuntimeError, match="install_signal_handlers is not what ai-dynamo 1.6.1 has"):
+    with pytest.raises(RuntimeError, match=r"install_signal_handlers is not what ai-dynamo 1\.6\.1 has"):
         install_worker_lifecycle(WorkerLifecycle(grace_s=1))
