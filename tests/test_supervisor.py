@@ -283,9 +283,9 @@ def test_a_planned_restart_drains_counts_no_crash_and_tells_on_death(tmp_path: P
     try:
         worker = group.start(fake("worker:fake-drainer", FAKE_DRAINER, tmp_path))
         worker.wait_for_log("ready")
-        sup = Supervisor(
-            group, policy=RestartPolicy(first_delay_s=5), out=lines.append, on_death=deaths.append
-        ).start(interval_s=0.02)  # polls all through the stop: the stop must not look like a death
+        sup = Supervisor(group, policy=RestartPolicy(first_delay_s=5), out=lines.append, on_death=deaths.append).start(
+            interval_s=0.02
+        )  # polls all through the stop: the stop must not look like a death
         first = worker.pid
         assert sup.restart("worker:fake-drainer", grace_s=10) == 0
         assert worker.pid != first and worker.alive()
