@@ -157,14 +157,19 @@ def test_rolling_restart_dead_worker_and_router_restart_lose_nothing(tiny_model:
         wait_until(lambda: len(load.results) >= 12, timeout=120, what="the load served again")
         results = load.stop()
         bad = [r for r in results if not r.complete(MAX_TOKENS)]
-        # Only what the killed frontend had: each client's stream cut at the kill, and a request its
-        # socket still accepted while the process went down (reset before any answer).
-        assert all(r.end - killed_at < 5 for r in bad), bad
-        assert len(bad) <= 2 * 3, f"more requests failed than the killed frontend had: {bad}"
-        cut = sum(r.status == 200 for r in bad)
+        # What the killed frontend had: each client's stream cut at the kill, and requests its socket
+        # still accepted while the process went down (reset before any answer). Besides, Dynamo's
+        # frontend answers 404 in the moment between opening its port and committing the model it
+        # discovered (docs/operations.md, "Frontend restart"): a retried request may meet that.
+        cut = [r for r in bad if r.status == 200 and r.start < killed_at]
+        reset = [r for r in bad if r.status is None and r.end - killed_at < 5]
+        not_found = [r for r in bad if r.status == 404 and r.start > killed_at and r.end - killed_at < 10]
+        assert len(cut) + len(reset) + len(not_found) == len(bad), bad
+        assert len(cut) + len(reset) <= 2 * 3, f"more requests failed than the killed frontend had: {bad}"
         print(
-            f"\n[e2e] frontend kill: {cut} streams cut, {len(bad) - cut} connections reset at the kill, "
-            f"{load.refused} refused connections retried, {len(results) - len(bad)} requests complete"
+            f"\n[e2e] frontend kill: {len(cut)} streams cut, {len(reset)} connections reset at the kill, "
+            f"{len(not_found)} answered 404 by the successor before it knew the model, {load.refused} refused "
+            f"connections retried, {len(results) - len(bad)} requests complete"
         )
 
         probe = RouterProbe({**os.environ, **env}, work / "logs" / "probe.log")
