@@ -86,3 +86,21 @@ def test_only_the_dead_instances_files_go(tmp_path: Path) -> None:
 def test_a_directory_without_entries_is_nothing_to_do(tmp_path: Path) -> None:
     assert remove_instance(tmp_path / "nowhere", A) == []
     assert remove_instance(tmp_path, A) == []
+
+
+def test_the_graph_takes_a_dead_worker_out_by_the_instance_it_recorded(tmp_path: Path) -> None:
+    from maru_dynamo.graphs.run import DISCOVERY_DIR, build_plan, instance_file, out_of_discovery
+    from maru_dynamo.graphs.spec import load_graph, resolve_graph_path
+    from maru_vllm.launch.lifecycle import write_instance_file
+
+    plan = build_plan(load_graph(resolve_graph_path("agg")), model="/models/fake", work_dir=tmp_path)
+    worker = plan.workers[0]
+    assert worker.env["MARU_WORKER_INSTANCE_FILE"] == str(instance_file(tmp_path, worker.name))
+    files = layout(tmp_path / DISCOVERY_DIR)
+    lines: list[str] = []
+    assert out_of_discovery(plan, worker.name, lines.append) == []  # it never registered: nothing
+    write_instance_file(instance_file(tmp_path, worker.name), A)
+    assert sorted(out_of_discovery(plan, worker.name, lines.append)) == sorted(files[A])
+    assert lines == [f"[graph] {worker.name}: instance {A:x} taken out of discovery (5 entries)"]
+    assert all(p.exists() for p in files[B])
+    assert not instance_file(tmp_path, worker.name).exists()  # the next start records its own
