@@ -15,8 +15,10 @@ graph's order) restarts one process at a time, each back before the next is touc
   (`maru_vllm.launch.lifecycle`: at most its grace period), hands what is left to the
   frontend's request migration, commits its queued pool stores and exits; it is started again
   with the same command, and it is back once the frontend lists its new instance - which a
-  Maru worker registers only after its warm-up (ready means warm). The worker's stop is given
-  its grace period plus `SHUTDOWN_MARGIN_S` before SIGKILL;
+  Maru worker registers only after its warm-up (ready means warm; a plain `dynamo.vllm`
+  worker, `engine: vllm`, records no instance id: it is back once the frontend lists an instance
+  it did not list before the stop). The worker's stop is given its grace period plus
+  `SHUTDOWN_MARGIN_S` before SIGKILL;
 * the frontend is sent SIGTERM (Dynamo's frontend stops its HTTP service and lets the streams
   it serves finish), started again, and is back once it lists the model and every worker.
 
@@ -43,7 +45,7 @@ from typing import Any, Literal
 import msgspec
 
 from maru_dynamo.graphs.run import Plan, frontend_instances, instance_file, worker_lifecycle_grace
-from maru_vllm.launch.lifecycle import read_instance_file
+from maru_vllm.launch.lifecycle import INSTANCE_FILE_ENV, read_instance_file
 from maru_vllm.launch.process import ProcessGroup
 from maru_vllm.launch.supervisor import Supervisor
 
@@ -149,20 +151,26 @@ class RollingRestart:
     def restart_worker(self, name: str) -> RestartStep:
         planned = next(p for p in self.plan.workers if p.name == name)
         grace = worker_lifecycle_grace(planned.env)
+        records = INSTANCE_FILE_ENV in planned.env  # a Maru worker; a plain dynamo.vllm one does not
         path = instance_file(self.plan.work_dir, name)
         old = read_instance_file(path)
-        self.say(f"{name}: stopping (it drains for up to {grace:g} s, then migrates what is left)")
+        listed_before = frontend_instances(self.plan.url)
+        how = f"it drains for up to {grace:g} s, then migrates what is left" if records else "Dynamo's own stop"
+        self.say(f"{name}: stopping ({how})")
         code, stop_s = self._stop_and_start(name, grace + SHUTDOWN_MARGIN_S)
         self.say(f"{name}: stopped in {stop_s:.1f} s (exit code {code}); waiting until it is back and warm")
         t0 = time.monotonic()
         found: list[int] = []
 
         def back() -> bool:
-            new = read_instance_file(path)
-            if new is None or new == old or new not in frontend_instances(self.plan.url):
-                return False
-            found.append(new)
-            return True
+            listed = frontend_instances(self.plan.url)
+            if records:
+                new = read_instance_file(path)
+                fresh = [new] if new is not None and new != old and new in listed else []
+            else:  # the instance the frontend lists that it did not list before the stop
+                fresh = sorted(listed - listed_before)
+            found[:] = fresh[:1]
+            return bool(found)
 
         self._wait(name, back)
         step = RestartStep(name, code, stop_s, time.monotonic() - t0, found[0])

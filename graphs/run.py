@@ -203,11 +203,10 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
                 )
             # Each worker's metrics and health on a port of its own (the worker's env may set it).
             name = f"worker:{worker.name}-{replica}"
-            system = {
-                "DYN_SYSTEM_PORT": str(free_system_port()),
-                INSTANCE_FILE_ENV: str(instance_file(work_dir, name)),
-                **worker.env,
-            }
+            system = {"DYN_SYSTEM_PORT": str(free_system_port())}
+            if worker.engine != "vllm":  # a Maru worker records its instance id (supervision)
+                system[INSTANCE_FILE_ENV] = str(instance_file(work_dir, name))
+            system.update(worker.env)
             env = env_for(cpu_thread=stack.cpu_thread_for(engine), **system)
             metrics = f"http://{stack.LOOPBACK}:{env['DYN_SYSTEM_PORT']}/metrics"
             add(

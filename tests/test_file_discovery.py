@@ -7,10 +7,14 @@ whose files go is checked in tests/e2e/test_restarts_e2e.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+from maru_dynamo.graphs.run import DISCOVERY_DIR, build_plan, instance_file, out_of_discovery
+from maru_dynamo.graphs.spec import load_graph, resolve_graph_path
 from maru_vllm.launch.file_discovery import instance_files, remove_instance
+from maru_vllm.launch.lifecycle import INSTANCE_FILE_ENV, write_instance_file
 
 A, B = 0xB8D6CF7A15567DD, 0xFEB0A5DF44C28A3
 A_EVENTS, B_EVENTS = 8687204339085041, 132727821476014  # their KV-event publishers
@@ -89,13 +93,9 @@ def test_a_directory_without_entries_is_nothing_to_do(tmp_path: Path) -> None:
 
 
 def test_the_graph_takes_a_dead_worker_out_by_the_instance_it_recorded(tmp_path: Path) -> None:
-    from maru_dynamo.graphs.run import DISCOVERY_DIR, build_plan, instance_file, out_of_discovery
-    from maru_dynamo.graphs.spec import load_graph, resolve_graph_path
-    from maru_vllm.launch.lifecycle import write_instance_file
-
     plan = build_plan(load_graph(resolve_graph_path("agg")), model="/models/fake", work_dir=tmp_path)
     worker = plan.workers[0]
-    assert worker.env["MARU_WORKER_INSTANCE_FILE"] == str(instance_file(tmp_path, worker.name))
+    assert worker.env[INSTANCE_FILE_ENV] == str(instance_file(tmp_path, worker.name))
     files = layout(tmp_path / DISCOVERY_DIR)
     lines: list[str] = []
     assert out_of_discovery(plan, worker.name, lines.append) == []  # it never registered: nothing
@@ -104,3 +104,11 @@ def test_the_graph_takes_a_dead_worker_out_by_the_instance_it_recorded(tmp_path:
     assert lines == [f"[graph] {worker.name}: instance {A:x} taken out of discovery (5 entries)"]
     assert all(p.exists() for p in files[B])
     assert not instance_file(tmp_path, worker.name).exists()  # the next start records its own
+
+
+def test_only_maru_workers_are_told_where_to_record_their_instance(tmp_path: Path) -> None:
+    spec = load_graph(resolve_graph_path("agg"))
+    plain = dataclasses.replace(spec.workers[0], name="plain", replicas=1, engine="vllm")
+    plan = build_plan(dataclasses.replace(spec, workers=(*spec.workers, plain)), model="/m", work_dir=tmp_path)
+    recording = {p.name: INSTANCE_FILE_ENV in p.env for p in plan.workers}
+    assert recording == {"worker:worker-0": True, "worker:worker-1": True, "worker:plain-0": False}
