@@ -28,7 +28,9 @@ drained, and the /dev/shm files of the graph's processes left after the graph st
   it serves again, and how long until its KV router credits the pool again - until a prompt
   that only the pool holds (computed before on a worker that was restarted since) is routed
   with its blocks credited at the host tier; then a planned restart of it (`graph restart
-  frontend`, SIGTERM) under the same load, and what that lost.
+  frontend`, SIGTERM) under the same load, and what that lost (counted apart: requests the
+  draining frontend answered 503 and its successor 404; the verdict allows those, never a
+  cut stream or another failure).
 """
 
 from __future__ import annotations
@@ -400,8 +402,10 @@ def case_frontend(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
             "planned_stop_s": round(step.stop_s, 2),
             "planned_back_s": round(step.back_s, 2),
             "planned_exit_code": step.exit_code,
+            # the stopping frontend answers 503 (not ready) while it drains; its successor 404 at first
+            "planned_not_ready": sum(r.status == 503 for r in planned_bad),
             "planned_lost_not_found": sum(r.status == 404 for r in planned_bad),
-            "planned_lost_otherwise": sum(r.status != 404 for r in planned_bad),
+            "planned_lost_otherwise": sum(r.status not in (404, 503) for r in planned_bad),
             "planned_refused_and_retried": load.refused - refused_before,
             "refused_and_retried": load.refused,
             "serving_again_s": None if serving is None else round(serving, 2),
@@ -503,6 +507,7 @@ def format_cases(results: dict[str, dict[str, Any]]) -> str:
             lines.append(
                 f"  planned restart (SIGTERM): stopped in {out['planned_stop_s']} s (exit code "
                 f"{out['planned_exit_code']}), serving again {out['planned_back_s']} s later; lost: "
+                f"{out['planned_not_ready']} answered 503 (not ready) while it drained, "
                 f"{out['planned_lost_not_found']} answered 404 before it knew the model, otherwise "
                 f"{out['planned_lost_otherwise']}; {out['planned_refused_and_retried']} refused connections retried"
             )
