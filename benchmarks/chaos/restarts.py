@@ -31,6 +31,9 @@ drained, and the /dev/shm files of the graph's processes left after the graph st
   frontend`, SIGTERM) under the same load, and what that lost (counted apart: requests the
   draining frontend answered 503 and its successor 404; the verdict allows those, never a
   cut stream or another failure).
+
+Size: the four cases share one harness (a graph of their own under load, its leak checks) and
+one report format; apart, each case would import the harness back and the report would need all.
 """
 
 from __future__ import annotations

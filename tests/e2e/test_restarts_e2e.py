@@ -33,11 +33,11 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.graphs import control
+from maru_dynamo.graphs.client import cached_tokens, completion
 from maru_dynamo.graphs.run import frontend_instances
 from maru_vllm.launch.file_discovery import instance_files
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import token_prompt
-from tests.e2e.openai_client import cached_tokens, completion
 from tests.e2e.router_probe_client import RouterProbe
 from tests.e2e.streaming_load import Load
 from tests.e2e.test_graph_run import alive, cmdline, descendants
