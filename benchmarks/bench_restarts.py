@@ -25,7 +25,18 @@ At the end, once the load drained: requests sent / completed / failed / truncate
 run, and the pool's pins and reservations (none may be left). Loopback only; bounded by
 `--max-duration`; stops every process it started. `--json FILE` writes the figures.
 
-Usage: python benchmarks/bench_restarts.py [--cases pool-warm] [--chunks 100000] [--json out.json]
+The cases of worker and frontend restarts each run a graph of their own after that (what they
+measure needs a graph of their own: a worker that migrates at once, kills without the graph's
+help), with what each lost and leaked (`benchmarks/chaos/restarts.py`):
+
+* ``rolling``  - `graph restart --all` under load: each worker's stop and return, migrations;
+* ``drain``    - a draining worker's stop against one that migrates at once;
+* ``dead``     - workers SIGKILLed: seconds until the frontend no longer routes to them;
+* ``frontend`` - the frontend SIGKILLed, then restarted as planned: requests lost, seconds until
+  it serves and until its router credits the pool again.
+
+Usage: python benchmarks/bench_restarts.py [--cases pool-warm,rolling,drain,dead,frontend]
+       [--chunks 100000] [--json out.json]
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from chaos import procs  # noqa: E402 - benchmarks/ is not a package
+from chaos import procs, restarts  # noqa: E402 - benchmarks/ is not a package
 from chaos.graph import POOL, GraphView, cached_tokens, wait_for  # noqa: E402
 from chaos.load import LoadConfig, LoadGenerator, RequestResult, summarize  # noqa: E402
 from chaos.samplers import Sampler  # noqa: E402
@@ -130,7 +141,8 @@ def case_pool_warm(b: Bench) -> dict[str, Any]:
     return out
 
 
-CASES: dict[str, Callable[[Bench], dict[str, Any]]] = {"pool-warm": case_pool_warm}
+CASES: dict[str, Callable[[Bench], dict[str, Any]]] = {"pool-warm": case_pool_warm}  # on the shared graph
+ALL_CASES = (*CASES, *restarts.CASES)  # restarts.CASES: each on a graph of its own
 
 
 # -- pool-warm's parts ---------------------------------------------------------------------------
@@ -269,7 +281,7 @@ def _round(value: float | None) -> float | None:
 # -- the run ---------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    ap.add_argument("--cases", default=",".join(ALL_CASES), help=f"comma-separated, of: {', '.join(ALL_CASES)}")
     ap.add_argument("--graph", default="agg", help="graph file or bundled graph name (default: agg)")
     ap.add_argument("--model", help="model (default: the graph's)")
     ap.add_argument("--pool-size", default="2G", help="pool size (default 2G: --chunks filler chunks fit)")
@@ -283,11 +295,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--recovery-timeout", type=float, default=180.0)
     ap.add_argument("--drain-timeout", type=float, default=60.0)
     ap.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    restarts.add_arguments(ap)
     args = ap.parse_args(argv)
     args.case_list = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in args.case_list if c not in CASES]
+    unknown = [c for c in args.case_list if c not in ALL_CASES]
     if unknown or not args.case_list:
-        ap.error(f"--cases {args.cases!r}: use a comma-separated list of {', '.join(CASES)}")
+        ap.error(f"--cases {args.cases!r}: use a comma-separated list of {', '.join(ALL_CASES)}")
+    for name in ("concurrency", "max_tokens", "samples", "credit_probes"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: use a number >= 1")
     return args
 
 
@@ -393,6 +409,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"{pr.get('same_tokens_as_local_hit')}/{pr.get('sent')} with the local hit's tokens",
         ]
     for name, c in report["cases"].items():
+        if name not in CASES:
+            continue  # a case on a graph of its own: restarts.format_cases
         ld = c.get("load") or {}
         lines.append(
             f"{name}: requests during the case: {ld.get('sent')} ({ld.get('completed')} completed, {ld.get('failed')} "
@@ -414,8 +432,18 @@ def format_report(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = run(args)
-    print(format_report(report), flush=True)
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    shared = [c for c in args.case_list if c in CASES]
+    report: dict[str, Any] = (
+        run(argparse.Namespace(**{**vars(args), "case_list": shared}), log) if shared else {"cases": {}}
+    )
+    own = {c: restarts.run_case(c, args, log) for c in args.case_list if c in restarts.CASES}
+    report["cases"].update(own)
+    report["ok"] = report.get("ok", True) and all(r.get("ok") for r in own.values())
+    if shared:
+        print(format_report(report), flush=True)
+    if own:
+        print(restarts.format_cases(own), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
     return 0 if report["ok"] else 1

@@ -4,8 +4,8 @@
 Starts `graphs/agg.yaml` (nats-server, the pool, two Maru workers, Dynamo's frontend with the KV
 router) through the graph runner (`graphs/run.py`: build_plan, start_graph, stop_graph) with its
 default supervision, sends bounded streaming load (chaos/load.py), injects the faults of
-`--faults` (chaos/faults.py: worker SIGKILL, pool SIGKILL, pool SIGSTOP/SIGCONT, nats-server
-stopped), with a pool smaller than the working set (`--pool-size`: it evicts throughout), and
+`--faults` (chaos/faults.py: worker SIGKILL, worker SIGTERM, pool SIGKILL, pool SIGSTOP/SIGCONT,
+nats-server stopped), with a pool smaller than the working set (`--pool-size`: it evicts throughout), and
 reports:
 
 * requests sent / completed / failed / truncated (every request asks for `--max-tokens` tokens
@@ -44,7 +44,7 @@ from chaos.graph import GraphView, wait_for  # noqa: E402
 from chaos.load import LoadConfig, LoadGenerator, summarize  # noqa: E402
 from chaos.samplers import SHM_PREFIXES, Sampler, shm_left, shm_listing  # noqa: E402
 
-DEFAULT_FAULTS = "worker-kill@20,pool-restart-warm@60,pool-stop@90+8,nats-stop@115"
+DEFAULT_FAULTS = "worker-kill@20,worker-term@45,pool-restart-warm@70,pool-stop@100+8,nats-stop@125"
 DEFAULT_POOL_SIZE = "16M"  # the tiny model's 40 x 768-token working set needs several times that
 
 

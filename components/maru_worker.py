@@ -4,8 +4,9 @@ A `dynamo.vllm` worker on the Maru pool: it fills in MaruKVConnector's `--kv-tra
 and a `--kv-events-config` (free port) unless given, makes the KV events it publishes carry
 the pool's blocks (`maru_vllm.events.install_pool_event_relay`), registers MaruKVConnector as
 a cache-mediated PD connector (`maru_vllm.dynamo_pd`), makes the worker serve warm-up requests
-before it registers with Dynamo (`maru_vllm.launch.warmup`: registered means warm), and runs
-`dynamo.vllm` in this process with every other argument unchanged.
+before it registers with Dynamo (`maru_vllm.launch.warmup`: registered means warm), makes a
+stopping worker drain before it migrates (`maru_vllm.launch.lifecycle`), and runs `dynamo.vllm`
+in this process with every other argument unchanged.
 
 Options of its own (all others go to dynamo.vllm):
   --maru-pool-address ADDR   pool service address (unix:///path.sock or tcp://host:port)
@@ -25,6 +26,12 @@ Options of its own (all others go to dynamo.vllm):
                              serving the warm-up requests (`maru_vllm.launch.warmup`): the first
                              requests then pay for what vLLM compiles lazily
 
+On SIGTERM (a rolling restart, a Kubernetes pod stop) the worker leaves discovery at once, lets
+its running requests finish for up to DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS (Dynamo's variable;
+0 to 30, default 20 here; it ends as soon as nothing runs), hands what is left to the frontend's
+request migration, commits its queued pool stores and exits 0. MARU_WORKER_INSTANCE_FILE=PATH:
+it writes its Dynamo instance id there as it registers (the local graph runner's supervision).
+
 PYTHONHASHSEED must be unset (then 0 is used) or "0", the graph's value. On a CPU install with
 no KV cache size given it sets VLLM_CPU_KVCACHE_SPACE itself (`maru_vllm.launch.cpu_kv`).
 """
@@ -37,6 +44,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from maru_vllm.events.types import DEFAULT_MEDIUM, POOL_MEDIUMS
 from maru_vllm.launch.argv import flag_value, has_flag, kv_events_args
@@ -156,6 +164,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"maru_worker: {exc}")
     os.environ["PYTHONHASHSEED"] = GRAPH_HASH_SEED
     ours, rest = build(argv)
+    from maru_vllm.launch.lifecycle import INSTANCE_FILE_ENV, WorkerLifecycle, grace_seconds
+
+    try:
+        lifecycle = WorkerLifecycle(grace_seconds(), instance_file=_path_or_none(os.environ.get(INSTANCE_FILE_ENV)))
+    except ValueError as exc:
+        sys.exit(f"maru_worker: {exc}")
     from maru_vllm.launch.cpu_kv import NotEnoughMemory, apply_default_kv_space
 
     try:
@@ -185,7 +199,17 @@ def main(argv: list[str] | None = None) -> None:
 
         # Shorter than one pool chunk: warm-up prompts are never stored in the pool.
         install_warmup_before_registration(WarmupOptions(max_prompt_tokens=ours.maru_chunk_tokens - 1))
+    from maru_vllm.launch.lifecycle import install_worker_lifecycle
+
+    try:
+        install_worker_lifecycle(lifecycle)  # after the warm-up hook: it wraps whatever is there
+    except RuntimeError as exc:
+        sys.exit(f"maru_worker: {exc}")
     run_module_as_main("dynamo.vllm", rest)
+
+
+def _path_or_none(text: str | None) -> Path | None:
+    return Path(text) if text else None
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -29,6 +30,22 @@ def register(subparsers: Any) -> None:
     run.add_argument("--dry-run", action="store_true", help="print each process's command and env; start nothing")
     run.add_argument("--keep-logs", action="store_true", help="keep the work dir with the logs after a clean stop")
     run.set_defaults(func=cmd_run)
+
+    restart = gsub.add_parser(
+        "restart",
+        help="restart processes of a running `graph run` one at a time, each back (workers: warm) before the next",
+    )
+    restart.add_argument(
+        "targets", nargs="*", metavar="TARGET", help="a worker (worker-0, as `graph status` names it) or frontend"
+    )
+    restart.add_argument("--all", action="store_true", help="every worker, in the graph's order")
+    restart.add_argument("--work-dir", type=Path, help="the graph's work dir (default: the one running graph)")
+    restart.set_defaults(func=cmd_restart)
+
+    status = gsub.add_parser("status", help="the processes of a running `graph run` and the instances it routes to")
+    status.add_argument("--work-dir", type=Path, help="the graph's work dir (default: the one running graph)")
+    status.add_argument("--json", action="store_true", help="print the status as one JSON object")
+    status.set_defaults(func=cmd_status)
 
     render = gsub.add_parser("render", help="print the Kubernetes manifests (Helm chart deploy/k8s, real Helm engine)")
     render.add_argument("graph", help="graph file (graphs/agg.yaml) or bundled graph name (agg, disagg)")
@@ -76,6 +93,37 @@ def cmd_run(args: argparse.Namespace) -> int:
         work_dir.rmdir()
         return 0
     return runner.run_plan(plan, keep_logs=args.keep_logs, out=lambda line: print(line, flush=True))
+
+
+def _control(args: argparse.Namespace, command: str, request: Any) -> Any:
+    from maru_dynamo.graphs import control
+
+    try:
+        work_dir = control.find_work_dir(args.work_dir)
+        return control.send(work_dir, request, on_progress=lambda line: print(line, flush=True))
+    except control.ControlError as exc:
+        sys.exit(f"maru-dynamo graph {command}: error: {exc}")
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    from maru_dynamo.graphs.control import ControlRequest
+
+    if args.all == bool(args.targets):
+        sys.exit("maru-dynamo graph restart: error: name the targets (worker-0 ..., frontend) or give --all")
+    done = _control(args, "restart", ControlRequest("restart", targets=list(args.targets), all_workers=args.all))
+    if not done.ok:
+        sys.exit(f"maru-dynamo graph restart: error: {done.error}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from maru_dynamo.graphs.control import ControlRequest, format_status
+
+    done = _control(args, "status", ControlRequest("status"))
+    if not done.ok or done.status is None:
+        sys.exit(f"maru-dynamo graph status: error: {done.error}")
+    print(json.dumps(done.status, sort_keys=True) if args.json else format_status(done.status))
+    return 0
 
 
 def _values_file(path: str) -> dict[str, Any]:

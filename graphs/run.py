@@ -11,6 +11,12 @@ pool, nats-server or the last worker stops the graph. Everything binds to 127.0.
 uses file discovery in a private temporary directory and the NATS event plane; every process
 shares PYTHONHASHSEED=0 (pool keys and the router's block hashes match across processes only
 then), and each vLLM engine is pinned to one core, round-robin over the machine's cores.
+
+A worker that dies is taken out of Dynamo's discovery at once (each worker records its instance
+id in `<work dir>/instances/`; `maru_vllm.launch.file_discovery`), so the frontend stops routing
+to it before its registration would expire. While the graph serves, `<work dir>/control.sock`
+takes status and rolling-restart requests (`maru_dynamo.graphs.control`: `maru-dynamo graph
+restart`, `graph status`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from types import FrameType
 from maru_dynamo.graphs.spec import GraphSpec
 from maru_vllm.launch import ManagedProcess, ProcessFailed, ProcessGroup, free_port, free_ports, mooncake, stack
 from maru_vllm.launch.argv import has_flag
+from maru_vllm.launch.file_discovery import remove_instance
+from maru_vllm.launch.lifecycle import INSTANCE_FILE_ENV, MAX_GRACE_S, grace_seconds, read_instance_file
 from maru_vllm.launch.ports import free_system_port
 from maru_vllm.launch.supervisor import RestartPolicy, Supervisor
 from maru_vllm.routing import pool_tier_weight
@@ -46,6 +54,21 @@ STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 600.0
 # What each vLLM engine gets locally unless the graph's args say otherwise (as in stack.py).
 LOCAL_WORKER_DEFAULTS: tuple[tuple[str, str | None], ...] = (("--max-model-len", "4096"), ("--enforce-eager", None))
+DISCOVERY_DIR = "discovery"  # Dynamo's file discovery, in the work dir
+INSTANCES_DIR = "instances"  # each worker's Dynamo instance id (MARU_WORKER_INSTANCE_FILE)
+
+
+def instance_file(work_dir: Path, name: str) -> Path:
+    """Where worker `name` of the graph in `work_dir` records its Dynamo instance id."""
+    return work_dir / INSTANCES_DIR / f"{name.replace(':', '-')}.json"
+
+
+def worker_lifecycle_grace(env: Mapping[str, str]) -> float:
+    """How long a worker started with `env` drains when stopped (the longest when `env` is bad)."""
+    try:
+        return grace_seconds(env)
+    except ValueError:
+        return MAX_GRACE_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +140,7 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
     if nats_url is None:
         nats_proc, nats_url = stack.nats_server(logs)
         add("nats-server", nats_proc.argv, dict(os.environ), stack.NATS_READY_PATTERN)
-    stack_env = stack.StackEnv(discovery_dir=work_dir / "discovery", nats_url=nats_url)
+    stack_env = stack.StackEnv(discovery_dir=work_dir / DISCOVERY_DIR, nats_url=nats_url)
 
     def env_for(cpu_thread: int | None = None, **extra: str) -> dict[str, str]:
         return stack_env.build(cpu_thread=cpu_thread, **extra)
@@ -179,11 +202,15 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
                     ],
                 )
             # Each worker's metrics and health on a port of its own (the worker's env may set it).
-            system = {"DYN_SYSTEM_PORT": str(free_system_port()), **worker.env}
+            name = f"worker:{worker.name}-{replica}"
+            system = {"DYN_SYSTEM_PORT": str(free_system_port())}
+            if worker.engine != "vllm":  # a Maru worker records its instance id (supervision)
+                system[INSTANCE_FILE_ENV] = str(instance_file(work_dir, name))
+            system.update(worker.env)
             env = env_for(cpu_thread=stack.cpu_thread_for(engine), **system)
             metrics = f"http://{stack.LOOPBACK}:{env['DYN_SYSTEM_PORT']}/metrics"
             add(
-                f"worker:{worker.name}-{replica}",
+                name,
                 argv,
                 env,
                 cpus=stack.worker_cpus(engine, engines),
@@ -244,17 +271,25 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
-def _worker_instances(url: str) -> int:
-    """Worker instances the frontend knows (its /health lists each one's generate endpoint)."""
+def frontend_instances(url: str) -> set[int]:
+    """Instance ids of the workers the frontend routes to (its /health lists each one's generate
+    endpoint); empty when it does not answer."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
             health = json.loads(resp.read())
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
-        return 0
+        return set()
     instances = health.get("instances") if isinstance(health, dict) else None
-    return len(
-        {i.get("instance_id") for i in instances or [] if isinstance(i, dict) and i.get("endpoint") == "generate"}
-    )
+    return {
+        int(i["instance_id"])
+        for i in instances or []
+        if isinstance(i, dict) and i.get("endpoint") == "generate" and isinstance(i.get("instance_id"), int)
+    }
+
+
+def _worker_instances(url: str) -> int:
+    """How many worker instances the frontend knows."""
+    return len(frontend_instances(url))
 
 
 def _wait_ready(group: ProcessGroup, plan: Plan, timeout: float, tick: Callable[[], None] | None = None) -> None:
@@ -351,10 +386,36 @@ def supervise(
     """A supervisor for a started graph: restarts its dead processes, never removes the pool's region.
 
     Pass it to `start_graph`, call its `poll()` from a loop or `start()` it in a thread, and pass
-    it to `stop_graph`; `restarts(name)`, `given_up()` and `serving(name)` say how it went.
+    it to `stop_graph`; `restarts(name)`, `given_up()` and `serving(name)` say how it went. A
+    worker found dead is taken out of discovery at once (`out_of_discovery`).
     """
     protect = list(plan.pool_regions) or ([plan.pool_region] if plan.pool_region is not None else [])
-    return Supervisor(group, policy=policy, protect=protect, out=out, on_give_up=on_give_up)
+
+    def on_death(name: str) -> None:
+        out_of_discovery(plan, name, out)
+
+    return Supervisor(
+        group,
+        policy=policy,
+        protect=protect,
+        out=out,
+        on_give_up=on_give_up,
+        on_death=on_death,
+    )
+
+
+def out_of_discovery(plan: Plan, name: str, out: Callable[[str], None] = print) -> list[Path]:
+    """Remove dead worker `name`'s entries from the graph's file discovery (what its own clean
+    shutdown would have removed); the frontend stops routing to it as soon as it sees them go."""
+    path = instance_file(plan.work_dir, name)
+    instance = read_instance_file(path)
+    if instance is None:
+        return []
+    removed = remove_instance(plan.work_dir / DISCOVERY_DIR, instance)
+    path.unlink(missing_ok=True)
+    if removed:
+        out(f"[graph] {name}: instance {instance:x} taken out of discovery ({len(removed)} entries)")
+    return removed
 
 
 def essential_lost(plan: Plan, given_up: Mapping[str, str]) -> str | None:
@@ -374,12 +435,17 @@ def run_plan(plan: Plan, *, keep_logs: bool = False, out: Callable[[str], None] 
     logs = plan.work_dir / "logs"
     code = 0
     supervisor: Supervisor | None = None
+    control = None
     try:
         out(f"[graph] {plan.spec.name}: model {plan.model}; logs in {logs}")
         supervisor = supervise(plan, group, out=out)
         start_graph(plan, group, supervisor=supervisor)
+        from maru_dynamo.graphs.control import ControlServer
+
+        control = ControlServer(plan, group, supervisor, out=out).start()
         out(f"[graph] ready: {plan.url} ({len(plan.workers)} workers); Ctrl-C stops the graph")
         out(f"[graph] try: {curl_example(plan)}")
+        out(f"[graph] control: {control.path} (maru-dynamo graph status | graph restart WORKER|--all)")
         while True:
             supervisor.poll()
             if (why := essential_lost(plan, supervisor.given_up())) is not None:
@@ -399,6 +465,8 @@ def run_plan(plan: Plan, *, keep_logs: bool = False, out: Callable[[str], None] 
     finally:
         for s in previous:  # a second Ctrl-C must not cut the stop short
             signal.signal(s, signal.SIG_IGN)
+        if control is not None:
+            control.stop()
         stop_graph(group, supervisor=supervisor)
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -143,8 +143,9 @@ def test_judge_needs_status_done_length_and_count() -> None:
 
 
 def test_schedule_is_parsed_in_time_order() -> None:
-    assert parse_schedule("pool-stop@80+5, worker-kill@20,nats-stop@100,pool-restart-warm@60") == [
+    assert parse_schedule("pool-stop@80+5, worker-kill@20,nats-stop@100,pool-restart-warm@60,worker-term@40") == [
         Fault("worker-kill", 20.0),
+        Fault("worker-term", 40.0),
         Fault("pool-restart-warm", 60.0),
         Fault("pool-stop", 80.0, 5.0),
         Fault("nats-stop", 100.0),
@@ -157,8 +158,8 @@ def test_schedule_is_parsed_in_time_order() -> None:
     [
         (
             "reboot@5",
-            "fault 'reboot@5': unknown kind 'reboot'; use one of worker-kill, pool-kill, pool-restart-warm, pool-stop, "
-            "nats-stop",
+            "fault 'reboot@5': unknown kind 'reboot'; use one of worker-kill, worker-term, pool-kill, "
+            "pool-restart-warm, pool-stop, nats-stop",
         ),
         ("pool-kill", "fault 'pool-kill': use KIND@SECONDS or pool-stop@SECONDS+HOLD"),
         ("pool-kill@5+3", "fault 'pool-kill@5+3': only pool-stop takes +HOLD seconds"),

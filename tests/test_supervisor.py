@@ -261,3 +261,50 @@ def test_the_test_helpers_leave_no_pool_region_behind(tmp_path: Path) -> None:
     assert pool.region_path.exists()
     stop_leaving_nothing(group)
     assert not pool.region_path.exists()
+
+
+# A fake worker that drains on SIGTERM: half a second, then exit 0 (a graceful stop).
+FAKE_DRAINER = """
+import signal, sys, time
+def stop(signum, frame):
+    print("draining", flush=True)
+    time.sleep(0.5)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_planned_restart_drains_counts_no_crash_and_tells_on_death(tmp_path: Path) -> None:
+    lines: list[str] = []
+    deaths: list[str] = []
+    group = ProcessGroup()
+    try:
+        worker = group.start(fake("worker:fake-drainer", FAKE_DRAINER, tmp_path))
+        worker.wait_for_log("ready")
+        sup = Supervisor(group, policy=RestartPolicy(first_delay_s=5), out=lines.append, on_death=deaths.append).start(
+            interval_s=0.02
+        )  # polls all through the stop: the stop must not look like a death
+        first = worker.pid
+        assert sup.restart("worker:fake-drainer", grace_s=10) == 0
+        assert worker.pid != first and worker.alive()
+        worker.wait_for_log("ready")
+        assert "draining" in worker.log_text()
+        assert deaths == ["worker:fake-drainer"]
+        assert lines == [
+            "[graph] worker:fake-drainer stopped with code 0; starting it again",
+            f"[graph] worker:fake-drainer restarted (pid {worker.pid}, restart 1)",
+        ]
+        # A crash afterwards is the first of its row (the planned stop was no crash): the first delay.
+        os.kill(worker.pid, signal.SIGKILL)
+        wait_until(lambda: len(lines) == 3, timeout=20)
+        assert lines[2] == "[graph] worker:fake-drainer exited with code -9; restarting it in 5 s"
+        assert deaths == ["worker:fake-drainer", "worker:fake-drainer"]
+        with pytest.raises(RuntimeError, match="is not serving now"):
+            sup.restart("worker:fake-drainer", grace_s=1)  # waiting for its restart
+        with pytest.raises(KeyError):
+            sup.restart("worker:nobody", grace_s=1)
+        sup.stop()
+    finally:
+        group.stop_all(grace_s=1)

@@ -3,7 +3,10 @@
 Kinds (the failures a deployment sees):
 
 * ``worker-kill`` - SIGKILL a Maru worker's whole process tree (API server, engine core and
-  its helpers); successive kills alternate over the workers;
+  its helpers);
+* ``worker-term`` - SIGTERM a Maru worker (what Kubernetes sends a pod it stops): it drains,
+  migrates what is left, exits 0, and the graph starts it again; successive worker faults
+  (kill or term) alternate over the workers;
 * ``pool-kill``   - SIGKILL the pool service;
 * ``pool-restart-warm`` - SIGKILL the pool service right after a probe prompt was stored in it:
   the service the graph starts again recovers the region, and the prompt is loaded from the pool
@@ -14,6 +17,8 @@ Kinds (the failures a deployment sees):
 Nothing here restarts anything: healing is the graph's supervision, and what is measured is how
 long it takes, from the injection, until
 
+* ``out_of_routing_s`` - the frontend no longer lists the worker's old instance (worker faults),
+* ``stopped_s``     - a SIGTERMed worker exited with code 0 (None for another code: see notes),
 * ``worker_back_s`` - the frontend lists a new instance of the killed worker,
 * ``serves_s``      - a request pinned to that instance completes,
 * ``pool_back_s``   - the pool answers again (a new incarnation after a kill),
@@ -43,7 +48,7 @@ from typing import Any
 from chaos import procs
 from chaos.graph import NATS, POOL, GraphView, cached_tokens, wait_for
 
-KINDS = ("worker-kill", "pool-kill", "pool-restart-warm", "pool-stop", "nats-stop")
+KINDS = ("worker-kill", "worker-term", "pool-kill", "pool-restart-warm", "pool-stop", "nats-stop")
 DEFAULT_HOLD_S = 8.0
 RECONNECT_CAP_S = 2.0  # a pool client's longest pause between reconnects (maru_vllm/pool/connection.py)
 _ITEM = re.compile(r"^(?P<kind>[a-z-]+)@(?P<at>\d+(?:\.\d+)?)(?:\+(?P<hold>\d+(?:\.\d+)?))?$")
@@ -149,7 +154,7 @@ class FaultRunner:
     # -- one fault -------------------------------------------------------------------------------
     def inject(self, fault: Fault) -> FaultRecord:
         view = self.view
-        if fault.kind == "worker-kill":
+        if fault.kind in ("worker-kill", "worker-term"):
             target = view.worker_names[self._kills % len(view.worker_names)]
             self._kills += 1
         else:
@@ -168,8 +173,33 @@ class FaultRunner:
 
     def _worker_kill(self, fault: Fault, record: FaultRecord, pid: int) -> None:
         before = set(self.view.instances())
+        old = self.view.instance_of(record.target)
         start = time.monotonic()
         record.pids = procs.signal_tree(pid, signal.SIGKILL)
+        record.recovery["out_of_routing_s"] = self._step(
+            lambda: old is not None and old not in self.view.instances(), start, poll_s=0.05
+        )
+        self._worker_back(record, before, start)
+
+    def _worker_term(self, fault: Fault, record: FaultRecord, pid: int) -> None:
+        before = set(self.view.instances())
+        old = self.view.instance_of(record.target)
+        process = self.view.process(record.target)
+        popen = process.proc if process is not None else None
+        start = time.monotonic()
+        record.pids = [pid]
+        os.kill(pid, signal.SIGTERM)  # the leader only, as the kubelet and `graph restart` do
+        record.recovery["out_of_routing_s"] = self._step(
+            lambda: old is not None and old not in self.view.instances(), start, poll_s=0.05
+        )
+        stopped = self._step(lambda: popen is None or popen.poll() is not None, start, poll_s=0.05)
+        code = popen.returncode if popen is not None else None
+        record.notes.append(f"exit code {code}")
+        record.recovery["stopped_s"] = stopped if code == 0 else None
+        self._worker_back(record, before, start)
+
+    def _worker_back(self, record: FaultRecord, before: set[int], start: float) -> None:
+        """The steps after a worker fault: a new instance listed, serving, hit from the pool."""
         new: list[int] = []
 
         def registered() -> bool:

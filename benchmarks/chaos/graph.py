@@ -15,8 +15,9 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from maru_dynamo.graphs.run import Plan
+from maru_dynamo.graphs.run import Plan, instance_file
 from maru_vllm.launch import ManagedProcess, ProcessGroup
+from maru_vllm.launch.lifecycle import read_instance_file
 from maru_vllm.pool import PoolClient, PoolError
 
 POOL, NATS, FRONTEND = "pool", "nats-server", "frontend"
@@ -46,6 +47,10 @@ class GraphView:
 
     def names(self) -> list[str]:
         return list(dict.fromkeys(p.name for p in self.group.processes))
+
+    def instance_of(self, name: str) -> int | None:
+        """The Dynamo instance id worker `name` registered last (it records it as it registers)."""
+        return read_instance_file(instance_file(self.plan.work_dir, name))
 
     # -- frontend --------------------------------------------------------------------------------
     def instances(self) -> list[int]:

@@ -9,6 +9,10 @@ Every request asks for exactly `max_tokens` tokens with ``ignore_eos`` (greedy),
   read timeout in the middle of the stream (a response shorter than asked);
 * failed - no 200: an error status, or no answer at all within the request timeout.
 
+A request whose connection is refused (nothing listens: the frontend is restarting) reached
+nothing; with `retry_refused_s` it is sent again after 0.1 s for up to that long, and
+`LoadGenerator.refused` counts those retries.
+
 Prompts come from a seeded working set: each request is one of `prefixes` shared prefixes
 followed by a few tokens of its own, so prefixes repeat (pool and prefix-cache hits) while no
 two requests are identical. The generator is closed-loop (`concurrency` requests in flight) and
@@ -47,6 +51,7 @@ class LoadConfig:
     prefixes: int = 40
     request_timeout_s: float = 120.0
     seed: int = 0
+    retry_refused_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -60,6 +65,8 @@ class RequestResult:
     finish_reason: str | None
     error: str | None = None
     first_token_s: float | None = None
+    max_gap_s: float = 0.0  # the longest wait between two chunks of the stream (a stall)
+    refused: bool = False  # the connection was refused: the request reached nothing
 
 
 def token_ids(rng: random.Random, length: int) -> list[int]:
@@ -137,6 +144,9 @@ async def stream_completion(
     done = False
     error: str | None = None
     first: float | None = None
+    last: float | None = None
+    max_gap = 0.0
+    refused = False
     try:
         async with client.stream("POST", f"{cfg.url}/v1/completions", json=body) as resp:
             status = resp.status_code
@@ -156,13 +166,17 @@ async def stream_completion(
                     for choice in event.get("choices") or []:
                         if choice.get("text"):
                             chunks += 1
-                            first = first if first is not None else time.monotonic() - start
+                            now = time.monotonic()
+                            first = first if first is not None else now - start
+                            max_gap = max(max_gap, now - last) if last is not None else max_gap
+                            last = now
                         if choice.get("finish_reason"):
                             finish = choice["finish_reason"]
                     if event.get("usage"):
                         usage_tokens = int(event["usage"].get("completion_tokens") or 0)
     except (httpx.HTTPError, OSError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"[:200]
+        refused = isinstance(exc, httpx.ConnectError) and status is None
     tokens = usage_tokens if usage_tokens is not None else chunks
     return RequestResult(
         index,
@@ -174,6 +188,8 @@ async def stream_completion(
         finish,
         error,
         first,
+        max_gap,
+        refused,
     )
 
 
@@ -195,6 +211,7 @@ class LoadGenerator:
         self.prompts = Prompts(cfg)
         self.results: list[RequestResult] = []
         self.sent = 0
+        self.refused = 0  # connections refused and sent again (retry_refused_s)
         self.started = 0.0
         self._stopping = False
 
@@ -221,7 +238,13 @@ class LoadGenerator:
                 while more():
                     index = self.sent
                     self.sent += 1
-                    result = await stream_completion(client, cfg, index, self.prompts.prompt(index))
+                    prompt = self.prompts.prompt(index)
+                    retry_until = time.monotonic() + cfg.retry_refused_s
+                    result = await stream_completion(client, cfg, index, prompt)
+                    while result.refused and time.monotonic() < retry_until and not self._stopping:
+                        self.refused += 1
+                        await asyncio.sleep(0.1)
+                        result = await stream_completion(client, cfg, index, prompt)
                     self.results.append(result)
 
             lanes = asyncio.gather(*(lane() for _ in range(cfg.concurrency)))

@@ -8,7 +8,8 @@ A `Supervisor` watches the processes of a `ProcessGroup` (each started in its ow
    process holds now (`ShmSegments`; killed vLLM engines leave their shared-memory queues and
    named semaphores behind), never a path it was told to protect (the pool's region) nor
    anybody else's, and the vLLM file stores (`vllm_dist_*`) its log names,
-3. starts it again after the delay its `RestartPolicy` gives, or gives up on it with one line
+3. tells `on_death(name)` (the graph runner takes a dead worker out of Dynamo's discovery),
+4. starts it again after the delay its `RestartPolicy` gives, or gives up on it with one line
    that says why and where its log is.
 
 The rest of the group keeps running meanwhile. `poll()` does one round and may be called from a
@@ -16,6 +17,9 @@ caller's own loop (the graph runner does, so that Ctrl-C lands in its main threa
 runs the rounds in a thread until `stop()`. Reports go to `out`, one line per event. A stop of
 the group that ends in SIGKILL leaves segments too: `stop()`, stop the group, then
 `release_stopped()`.
+
+`restart(name)` is a planned restart (a rolling upgrade): a graceful stop, the same clean-up,
+and a start at once; it counts as no crash.
 """
 
 from __future__ import annotations
@@ -131,6 +135,7 @@ class _Watched:
     restart_at: float | None = None  # dead, waiting for its restart
     given_up: str | None = None  # the reason, once given up on
     restarts: int = 0
+    planned: bool = False  # stopped on purpose by `restart`: not a death
 
 
 class Supervisor:
@@ -138,7 +143,8 @@ class Supervisor:
 
     `protect`: /dev/shm paths never removed (the pool's region). `scan_interval_s`: how often the
     live trees' /dev/shm files are looked at. `on_give_up(name)` runs after the give-up line
-    (the graph runner stops the graph when an essential process is given up on).
+    (the graph runner stops the graph when an essential process is given up on). `on_death(name)`
+    runs once a process is found dead (or stopped by `restart`), before it is started again.
     """
 
     def __init__(
@@ -152,6 +158,7 @@ class Supervisor:
         scan_interval_s: float = 2.0,
         shm_dir: Path = SHM_DIR,
         on_give_up: Callable[[str], None] | None = None,
+        on_death: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.group = group
@@ -162,6 +169,7 @@ class Supervisor:
         self.scan_interval_s = scan_interval_s
         self.shm_dir = shm_dir
         self.on_give_up = on_give_up
+        self.on_death = on_death
         self.clock = clock
         self._watched: dict[str, _Watched] = {}
         self._lock = threading.RLock()
@@ -226,7 +234,7 @@ class Supervisor:
                 if proc.proc is None:  # added to the group, not started (yet): not ours to start
                     continue
                 w = self._watch(proc, now)
-                if w.given_up is not None:
+                if w.given_up is not None or w.planned:
                     continue
                 if w.restart_at is None:
                     if proc.alive():
@@ -259,10 +267,7 @@ class Supervisor:
         proc.kill()  # the rest of its session: engine cores, tokenizer workers
         if not wait_session_gone(proc.pid):
             logger.error("%s: processes of session %d survive SIGKILL", proc.name, proc.pid)
-        removed = w.segments.release(self.protect, since_ns=proc.started_ns) + remove_dist_stores(proc.output())
-        self.removed_segments += removed
-        if removed:
-            logger.info("%s: removed what its dead tree left: %s", proc.name, ", ".join(map(str, removed)))
+        self._clean_up(w)
         decision = w.history.exited(now, now - w.started_at)
         if decision.delay_s is None:
             w.given_up = decision.reason
@@ -272,6 +277,53 @@ class Supervisor:
             return
         w.restart_at = now + decision.delay_s
         self._say(f"{proc.name} exited with code {code}; restarting it in {decision.delay_s:.0f} s")
+
+    def _clean_up(self, w: _Watched) -> None:
+        """After `w`'s tree is gone: what it left in /dev/shm, then `on_death`."""
+        proc = w.proc
+        removed = w.segments.release(self.protect, since_ns=proc.started_ns) + remove_dist_stores(proc.output())
+        self.removed_segments += removed
+        if removed:
+            logger.info("%s: removed what its dead tree left: %s", proc.name, ", ".join(map(str, removed)))
+        if self.on_death is not None:
+            try:
+                self.on_death(proc.name)
+            except Exception:  # supervision goes on whatever the hook does
+                logger.exception("%s: on_death failed", proc.name)
+
+    def restart(self, name: str, grace_s: float) -> int | None:
+        """A planned restart of `name`: SIGTERM, up to `grace_s` for it to exit (then SIGKILL, as
+        `ManagedProcess.stop`), the clean-up of a death, and a start at once. No crash is counted
+        and its restart delay does not apply. Returns the exit code of the stop.
+
+        Raises KeyError for a name the group does not have and RuntimeError when it is not
+        serving now (dead, waiting for a restart, given up on, being restarted) or the
+        supervision is stopping.
+        """
+        with self._lock:
+            procs = [p for p in self.group if p.name == name]
+            if not procs:
+                raise KeyError(name)
+            w = self._watch(procs[-1], self.clock())
+            if self._stopping.is_set() or w.planned or w.restart_at is not None or w.given_up is not None:
+                raise RuntimeError(f"{name} is not serving now; it cannot be restarted")
+            if not w.proc.alive():
+                raise RuntimeError(f"{name} is not running; the supervisor restarts it by itself")
+            w.planned = True
+            w.segments.scan(w.proc.pid)  # what its tree holds now, to clean up after the stop
+        try:
+            code = w.proc.stop(grace_s)  # outside the lock: deaths of others are handled meanwhile
+            with self._lock:
+                if not wait_session_gone(w.proc.pid):
+                    logger.error("%s: processes of session %d survive its stop", name, w.proc.pid)
+                self._clean_up(w)
+                if self._stopping.is_set():
+                    return code
+                self._say(f"{name} stopped with code {code}; starting it again")
+                self._restart(w, self.clock())
+                return code
+        finally:
+            w.planned = False
 
     def _restart(self, w: _Watched, now: float) -> None:
         w.restart_at = None

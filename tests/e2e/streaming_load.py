@@ -4,7 +4,9 @@ Each request asks for exactly `max_tokens` tokens (``ignore_eos``, greedy, one l
 is judged by what the client received: complete means HTTP 200, `max_tokens` tokens in the
 stream's chunks (counted by their logprobs: one chunk may carry several tokens), finish_reason
 ``length`` and the final ``[DONE]``; anything else (a cut stream that still ended with 200, an
-error event, an error status) is kept with what arrived.
+error event, an error status) is kept with what arrived. A request the server refused to connect
+to (nothing listens: a frontend restarting) reached nothing; `Load` can send it again
+(`retry_refused_s`) and counts those refusals apart.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class StreamResult:
     error: str | None
     start: float
     end: float
+    refused: bool = False  # the connection was refused: the request reached nothing
 
     def complete(self, want: int) -> bool:
         return (
@@ -57,6 +60,7 @@ def stream_completion(url: str, model: str, prompt: list[int], max_tokens: int, 
     start = time.monotonic()
     status: int | None = None
     tokens, chunks, usage, finish, done, error = 0, 0, None, None, False, None
+    refused = False
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status = resp.status
@@ -82,16 +86,29 @@ def stream_completion(url: str, model: str, prompt: list[int], max_tokens: int, 
         status, error = exc.code, exc.read().decode(errors="replace")[:300]
     except (OSError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"[:300]
-    return StreamResult(status, tokens, chunks, usage, finish, done, error, start, time.monotonic())
+        refused = isinstance(getattr(exc, "reason", exc), ConnectionRefusedError)
+    return StreamResult(status, tokens, chunks, usage, finish, done, error, start, time.monotonic(), refused)
 
 
 class Load:
-    """`threads` clients, each sending `prompt_for(i)` requests back to back until `stop()`."""
+    """`threads` clients, each sending `prompt_for(i)` requests back to back until `stop()`.
+
+    `retry_refused_s` > 0: a request whose connection is refused is sent again after 0.1 s, for
+    up to that long (a client retrying while its frontend restarts); `refused` counts the retries.
+    """
 
     def __init__(
-        self, url: str, model: str, prompt_for: Callable[[int], list[int]], max_tokens: int, threads: int = 3
+        self,
+        url: str,
+        model: str,
+        prompt_for: Callable[[int], list[int]],
+        max_tokens: int,
+        threads: int = 3,
+        retry_refused_s: float = 0.0,
     ) -> None:
         self.url, self.model, self.prompt_for, self.max_tokens = url, model, prompt_for, max_tokens
+        self.retry_refused_s = retry_refused_s
+        self.refused = 0
         self.results: list[StreamResult] = []
         self._lock = threading.Lock()
         self._next = 0
@@ -102,7 +119,14 @@ class Load:
         while not self._stop.is_set():
             with self._lock:
                 index, self._next = self._next, self._next + 1
-            result = stream_completion(self.url, self.model, self.prompt_for(index), self.max_tokens)
+            prompt = self.prompt_for(index)
+            deadline = time.monotonic() + self.retry_refused_s
+            result = stream_completion(self.url, self.model, prompt, self.max_tokens)
+            while result.refused and time.monotonic() < deadline:
+                with self._lock:
+                    self.refused += 1
+                time.sleep(0.1)
+                result = stream_completion(self.url, self.model, prompt, self.max_tokens)
             with self._lock:
                 self.results.append(result)
 

@@ -3,15 +3,16 @@
 graphs/agg.yaml (nats-server, the pool, two Maru workers, Dynamo's frontend with the KV router)
 runs under `maru-dynamo graph run`'s own supervision with a 16 MiB pool - a fraction of the
 load's working set, so the pool evicts throughout - and serves ~2.5 min of streaming load while
-a worker's whole process tree is SIGKILLed, the pool is SIGKILLed (it restarts warm: a prompt
-stored just before the kill is loaded from the pool after it), the pool is SIGSTOPped for 8 s,
-and nats-server is stopped, once each. Every request asks for 32 tokens with ignore_eos.
+a worker's whole process tree is SIGKILLed, a worker is sent SIGTERM (it drains and exits 0),
+the pool is SIGKILLed (it restarts warm: a prompt stored just before the kill is loaded from the
+pool after it), the pool is SIGSTOPped for 8 s, and nats-server is stopped, once each. Every
+request asks for 32 tokens with ignore_eos.
 
 The soak's verdict is what a user would notice: every request completed in full (none failed,
 none shorter than asked), every failure healed by itself (the worker serves again, the pool is
 hit again), and nothing leaked (no pins or reservations once the load drained, no /dev/shm file
 of the graph's left, no process left). Recovery times and RSS slopes are reported, not gated,
-except for a gross leak. One test, ~4 min and ~6 GB on this machine.
+except for a gross leak. One test, ~5 min and ~6 GB on this machine.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "chaos_soak.py"
-FAULTS = ("worker-kill", "pool-restart-warm", "pool-stop", "nats-stop")
+FAULTS = ("worker-kill", "worker-term", "pool-restart-warm", "pool-stop", "nats-stop")
 # ~2.5 min of load, longer only while a fault is still due or healing (at most 6 min).
 ARGS = ("--duration", "150", "--max-duration", "360", "--pool-size", "16M")
 GROSS_LEAK_MIB_PER_MIN = 256.0  # far above any steady process here; a runaway allocation only

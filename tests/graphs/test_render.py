@@ -195,6 +195,27 @@ def test_pool_daemonset_and_workers_share_the_region_socket_and_user(rendered: d
         assert config["NATS_SERVER"] == "nats://dynamo-platform-nats:4222"  # the Dynamo platform chart's
 
 
+def test_worker_pods_have_time_to_drain_and_a_restart_id_restarts_in_sequence(rendered: dict[str, Any]) -> None:
+    for graph in ("agg", "disagg"):
+        dgd = rendered[graph]["DynamoGraphDeployment"]
+        assert "restart" not in dgd["spec"]
+        for comp in components(dgd).values():
+            grace = comp["podTemplate"]["spec"].get("terminationGracePeriodSeconds")
+            assert grace == (None if comp["type"] == "frontend" else 60), comp["name"]
+        # Dynamo's own variable, read by every worker's signal handler (envFrom the ConfigMap)
+        assert rendered[graph]["ConfigMap"]["data"]["DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"] == "20"
+    docs = by_kind(render_values({"image": IMAGE, "restartId": "2026-12-03", "workerShutdown": {"drainSeconds": 5.5}}))
+    validate_dgd(docs["DynamoGraphDeployment"])
+    assert docs["DynamoGraphDeployment"]["spec"]["restart"] == {"id": "2026-12-03", "strategy": {"type": "Sequential"}}
+    assert docs["ConfigMap"]["data"]["DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"] == "5.5"
+    short = {"image": IMAGE, "workerShutdown": {"drainSeconds": 20, "terminationGracePeriodSeconds": 40}}
+    with pytest.raises(helm.ChartError) as err:
+        helm.template(short, release="r", namespace="ns")
+    assert "workerShutdown.terminationGracePeriodSeconds: 40 is too short for drainSeconds 20" in str(err.value)
+    with pytest.raises(helm.ChartError, match="drainSeconds"):
+        helm.template({"image": IMAGE, "workerShutdown": {"drainSeconds": 31}}, release="r", namespace="ns")
+
+
 def test_workers_are_scheduled_next_to_a_pool_pod(rendered: dict[str, Any]) -> None:
     pool_labels = rendered["agg"]["DaemonSet"]["spec"]["template"]["metadata"]["labels"]
     worker = components(rendered["agg"]["DynamoGraphDeployment"])["worker"]["podTemplate"]["spec"]

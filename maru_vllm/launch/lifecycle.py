@@ -1,0 +1,204 @@
+"""A `dynamo.vllm` worker's planned stop, and its identity for whoever supervises it.
+
+**Stopping: drain, then migrate what is left.** `dynamo.vllm` (ai-dynamo 1.6.1) installs
+Dynamo's own SIGTERM/SIGINT handler, `dynamo.common.utils.graceful_shutdown.
+install_signal_handlers`: it unregisters the worker's endpoints from discovery (no router picks
+the worker any more), sleeps a fixed grace period (`DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS`,
+5 s), awaits an optional drain callback (at most 30 s, Dynamo's drain timeout), then sets the
+worker's shutdown event - every request still running ends with `EngineShutdown`, which the
+frontend migrates to another worker (request migration) - and shuts the runtime and the engine
+down.
+
+`install_worker_lifecycle` keeps that handler and gives it a drain callback in place of the fixed
+sleep: once unregistered, the worker waits until no request runs on its engine, for at most the
+grace period (`DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS`, 20 s by default here, 0 to 30). A
+request that finishes within it finishes where it is, with no migration and no recompute; only
+what is left is migrated. The engine's shutdown then closes MaruKVConnector, whose store writer
+commits the stores still queued (`StoreWriter.close`), and the process exits 0.
+
+**Identity.** With `MARU_WORKER_INSTANCE_FILE` set (the local graph runner sets it per worker),
+the worker writes its Dynamo instance id there as it registers. A supervisor that sees the
+process die takes that instance out of discovery at once (`maru_vllm.launch.file_discovery`)
+instead of leaving it routable until its registration expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+GRACE_ENV = "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"  # Dynamo's own variable
+INSTANCE_FILE_ENV = "MARU_WORKER_INSTANCE_FILE"
+DEFAULT_GRACE_S = 20.0
+# Dynamo 1.6.1 awaits a drain callback for at most this long (`_DEFAULT_DRAIN_TIMEOUT_SECS`).
+MAX_GRACE_S = 30.0
+POLL_S = 0.1
+
+_SIGNAL_PARAMS = ("loop", "runtime", "endpoints", "shutdown_event", "grace_period_s", "drain_callback")
+_REGISTER_PARAMS = ("model_input", "model_type", "generate_endpoint", "config", "engine_client", "vllm_config")
+
+
+def grace_seconds(environ: Mapping[str, str] | None = None) -> float:
+    """The drain's grace period from `DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS` (default 20 s).
+
+    Raises ValueError with one line naming the value and what is allowed.
+    """
+    env = os.environ if environ is None else environ
+    text = env.get(GRACE_ENV, "").strip()
+    if not text:
+        return DEFAULT_GRACE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= MAX_GRACE_S:
+        raise ValueError(
+            f"{GRACE_ENV}={text!r}: use seconds from 0 to {MAX_GRACE_S:g} (how long a stopping worker lets its "
+            f"running requests finish before the rest are migrated; Dynamo waits at most {MAX_GRACE_S:g} s)"
+        )
+    return value
+
+
+@dataclasses.dataclass
+class DrainReport:
+    running_at_stop: int
+    left: int  # still running when the grace period ended: migrated
+    seconds: float
+
+
+class WorkerLifecycle:
+    """What `install_worker_lifecycle` hooks in: the engines to drain, the instance to announce."""
+
+    def __init__(self, grace_s: float, instance_file: Path | None = None, poll_s: float = POLL_S) -> None:
+        self.grace_s = grace_s
+        self.instance_file = instance_file
+        self.poll_s = poll_s
+        self.engines: list[Any] = []  # vLLM AsyncLLM clients of the worker
+        self.report: DrainReport | None = None
+
+    def running(self) -> int:
+        """Requests the worker's engines have not finished (vLLM's own count)."""
+        total = 0
+        for engine in self.engines:
+            try:
+                total += int(engine.get_num_unfinished_requests())
+            except Exception as exc:  # an engine that is gone runs nothing
+                logger.debug("maru_worker: cannot count an engine's requests: %s", exc)
+        return total
+
+    async def drain(self) -> None:
+        """Wait until nothing runs, at most `grace_s` (Dynamo awaits this after unregistering)."""
+        start = time.monotonic()
+        at_stop = left = self.running()
+        logger.info(
+            "maru_worker: stopping: out of discovery; %d request(s) running, letting them finish (grace %.0f s)",
+            at_stop,
+            self.grace_s,
+        )
+        while left > 0 and time.monotonic() - start < self.grace_s:
+            await asyncio.sleep(self.poll_s)
+            left = self.running()
+        took = time.monotonic() - start
+        self.report = DrainReport(at_stop, left, took)
+        if left:
+            logger.warning(
+                "maru_worker: grace period over after %.1f s with %d request(s) running: they are migrated",
+                took,
+                left,
+            )
+        else:
+            logger.info("maru_worker: drained in %.1f s (%d request(s) finished here)", took, at_stop)
+
+    def registered(self, engine_client: Any, generate_endpoint: Any) -> None:
+        """The worker is about to register `generate_endpoint`, served by `engine_client`."""
+        if all(e is not engine_client for e in self.engines):
+            self.engines.append(engine_client)
+        if self.instance_file is None:
+            return
+        try:
+            instance = int(generate_endpoint.connection_id())
+            write_instance_file(self.instance_file, instance)
+        except (OSError, AttributeError, TypeError, ValueError) as exc:  # supervision only loses a shortcut
+            logger.warning("maru_worker: cannot record the instance id in %s: %s", self.instance_file, exc)
+
+
+def write_instance_file(path: Path, instance_id: int) -> None:
+    """{"instance_id": N, "pid": P}, written whole (a reader never sees half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"instance_id": instance_id, "pid": os.getpid()}))
+    tmp.replace(path)
+
+
+def read_instance_file(path: Path) -> int | None:
+    """The instance id a worker recorded, or None when there is none (yet)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    value = data.get("instance_id") if isinstance(data, dict) else None
+    return value if isinstance(value, int) else None
+
+
+def _check_params(func: Callable[..., Any], want: tuple[str, ...], what: str) -> inspect.Signature:
+    sig = inspect.signature(func)
+    if tuple(sig.parameters)[: len(want)] != want:
+        raise RuntimeError(
+            f"{what} is not what ai-dynamo 1.6.1 has (parameters {list(sig.parameters)}); "
+            "the worker's graceful drain cannot hook in"
+        )
+    return sig
+
+
+def install_worker_lifecycle(lifecycle: WorkerLifecycle) -> WorkerLifecycle:
+    """Hook `lifecycle` into the `dynamo.vllm` worker started next in this process.
+
+    Replaces two attributes of `dynamo.vllm.main` (no installed file is edited): the
+    `install_signal_handlers` it calls (Dynamo's handler, given `lifecycle.drain` as its drain
+    callback and no fixed sleep) and `register_vllm_model` (wrapped, so the engine and the
+    instance id are known once the worker registers). Raises RuntimeError when either is not
+    what ai-dynamo 1.6.1 has.
+    """
+    import dynamo.vllm.main as dm
+
+    install_signals = getattr(dm.install_signal_handlers, "_maru_original", dm.install_signal_handlers)
+    signal_sig = _check_params(install_signals, _SIGNAL_PARAMS, "dynamo.vllm.main.install_signal_handlers")
+    register = getattr(dm.register_vllm_model, "_maru_inner", dm.register_vllm_model)
+    register_sig = _check_params(register, _REGISTER_PARAMS, "dynamo.vllm.main.register_vllm_model")
+
+    def install_signal_handlers(*args: Any, **kwargs: Any) -> Any:
+        bound = signal_sig.bind(*args, **kwargs)
+        theirs: Callable[[], Awaitable[None]] | None = bound.arguments.get("drain_callback")
+
+        async def drain() -> None:
+            await lifecycle.drain()
+            if theirs is not None:
+                await theirs()
+
+        bound.arguments["grace_period_s"] = 0.0
+        bound.arguments["drain_callback"] = drain
+        return install_signals(*bound.args, **bound.kwargs)
+
+    async def register_vllm_model(*args: Any, **kwargs: Any) -> Any:
+        bound = register_sig.bind(*args, **kwargs)
+        lifecycle.registered(bound.arguments["engine_client"], bound.arguments["generate_endpoint"])
+        return await register(*args, **kwargs)
+
+    # Marked, not `__wrapped__`: the warm-up hook unwraps `__wrapped__` when it installs itself.
+    install_signal_handlers._maru_original = install_signals  # type: ignore[attr-defined]
+    install_signal_handlers.__signature__ = signal_sig  # type: ignore[attr-defined]
+    register_vllm_model._maru_inner = register  # type: ignore[attr-defined]
+    register_vllm_model.__signature__ = register_sig  # type: ignore[attr-defined]
+    dm.install_signal_handlers = install_signal_handlers
+    dm.register_vllm_model = register_vllm_model
+    return lifecycle
