@@ -65,6 +65,7 @@ for p in (REPO, REPO / "benchmarks"):
 from lmcache_peer import start_lmcache_server  # noqa: E402
 from maru_dynamo.graphs import client  # noqa: E402
 from maru_vllm.calibration import write_calibration  # noqa: E402
+from maru_vllm.launch import ProcessFailed  # noqa: E402
 from real_traffic_whatif import cache_config, calibration_from_runs, predict_rates  # noqa: E402
 from traffic_load import (  # noqa: E402
     AIPERF_BIN,
@@ -695,6 +696,47 @@ def _validate(args: argparse.Namespace) -> tuple[list[Config], list[float], dict
     return configs, rates, {rate: build_traffic(args, rate) for rate in rates}
 
 
+def sweep(
+    args: argparse.Namespace,
+    configs: Sequence[Config],
+    rates: Sequence[float],
+    files: dict[float, Path],
+    traffics: dict[float, Traffic],
+    *,
+    bed: Testbed,
+    work: Path,
+    log: Callable[[str], None],
+    rate_unit: str,
+) -> tuple[list[Run], bool]:
+    """Every configuration at every rate, `args.repeats` times, rotated: (the runs done, whether
+    all were). A run whose graph or load fails is tried once more on a fresh graph; a second
+    failure ends the sweep, and what ran so far is still reported (a sweep takes hours here)."""
+    runs: list[Run] = []
+    for rep in range(args.repeats):
+        for i, rate in enumerate(rates):
+            for cfg in order_for(rep + i, configs):
+                for attempt in (1, 2):
+                    t0 = time.monotonic()
+                    try:
+                        run = run_config(
+                            cfg, files[rate], traffics[rate], bed=bed, work_dir=work, log=log, repeat=rep, rate=rate
+                        )
+                        break
+                    except (ProcessFailed, TrafficError, RuntimeError, OSError) as exc:
+                        what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                        log(f"[{cfg.name}] {rate_unit} {rate:g}, repeat {rep + 1}, attempt {attempt} failed: {what}")
+                        if attempt == 2:
+                            log(f"[traffic] sweep stopped; reporting the {len(runs)} run(s) done")
+                            return runs, False
+                runs.append(run)
+                log(
+                    f"[{cfg.name}] {rate_unit} {rate:g}, repeat {rep + 1}: done in {time.monotonic() - t0:.0f}s, "
+                    f"{run.load.completed} completed, {run.load.failed} failed, "
+                    f"TTFT p90 {run.load.ttft(90):.0f} ms, prefill {run.prefill_tokens}"
+                )
+    return runs, True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -723,23 +765,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[Run] = []
     ok = False
     try:
-        for rep in range(args.repeats):
-            for i, rate in enumerate(rates):
-                for cfg in order_for(rep + i, configs):
-                    t0 = time.monotonic()
-                    run = run_config(
-                        cfg, files[rate], traffics[rate], bed=bed, work_dir=work, log=log, repeat=rep, rate=rate
-                    )
-                    runs.append(run)
-                    log(
-                        f"[{cfg.name}] {rate_unit} {rate:g}, repeat {rep + 1}: done in {time.monotonic() - t0:.0f}s, "
-                        f"{run.load.completed} completed, {run.load.failed} failed, "
-                        f"TTFT p90 {run.load.ttft(90):.0f} ms, prefill {run.prefill_tokens}"
-                    )
-        ok = True
+        runs, ok = sweep(args, configs, rates, files, traffics, bed=bed, work=work, log=log, rate_unit=rate_unit)
     finally:
         if args.keep_logs or not ok:
             log(f"[traffic] work dir kept: {work}")
+    if not runs:
+        return 1
     summaries = summarise(runs, [c.name for c in configs])
     ratios = measured_ratios(runs, traffic, bed)
     good = goodput(summaries, args.slo_ttft_ms)
@@ -752,7 +783,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(ratios.lines()))
     print(format_goodput(good, rate_unit))
     predicted: dict[tuple[str, float], dict[str, float]] = {}
-    rc = 0
+    rc = 0 if ok else 1
     if args.whatif:
         try:
             text, predicted = whatif_report(runs, summaries, files, traffic, bed=bed, work=work)
@@ -769,6 +800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "unique_prompt_tokens": ratios.unique_prompt_tokens,
         "recompute_to_load": ratios.recompute_to_load,
         "goodput": good,
+        "complete": ok,
         "results": [
             {**s.as_json(), **({"whatif": predicted[(s.config, s.rate)]} if (s.config, s.rate) in predicted else {})}
             for s in summaries

@@ -354,3 +354,52 @@ def test_predict_replays_the_whatif_on_a_recorded_run(tmp_path: Path, capsys: py
         assert set(r["whatif"]) == {"prefill_tokens", "ttft_p50_ms", "ttft_p90_ms"}, r
     by = {(r["config"], r["rate"]): r["whatif"]["prefill_tokens"] for r in rewritten}
     assert by[("maru-pool", 2.0)] <= by[("plain-kv", 2.0)]
+
+
+def _fake_sweep(monkeypatch: pytest.MonkeyPatch, failures: dict[int, int]) -> tuple[list[object], bool, list[str]]:
+    """A sweep of 2 configs x 2 rates x 2 repeats whose n-th run fails `failures[n]` times."""
+    calls: dict[int, int] = {}
+    order: list[tuple[str, float]] = []
+
+    def run_config(cfg: real_traffic.Config, *a: object, rate: float, **kw: object) -> object:
+        n = len(order)
+        calls[n] = calls.get(n, 0) + 1
+        if calls[n] <= failures.get(n, 0):
+            raise real_traffic.ProcessFailed(f"worker of {cfg.name} died")
+        order.append((cfg.name, rate))
+
+        class Load:
+            completed, failed = 10, 0
+
+            def ttft(self, q: int) -> float:
+                return 1.0
+
+        return type("Run", (), {"load": Load(), "prefill_tokens": 5})()
+
+    monkeypatch.setattr(real_traffic, "run_config", run_config)
+    logs: list[str] = []
+    args = type("Args", (), {"repeats": 2})()
+    runs, ok = real_traffic.sweep(
+        args,  # type: ignore[arg-type]
+        list(real_traffic.CONFIGS[:2]),
+        [1.0, 2.0],
+        {1.0: Path("a"), 2.0: Path("b")},
+        {1.0: None, 2.0: None},  # type: ignore[dict-item]
+        bed=None,  # type: ignore[arg-type]
+        work=Path("w"),
+        log=logs.append,
+        rate_unit="req/s",
+    )
+    return runs, ok, logs
+
+
+def test_a_run_that_fails_once_is_run_again_and_the_sweep_completes(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs, ok, logs = _fake_sweep(monkeypatch, {3: 1})
+    assert ok and len(runs) == 8
+    assert sum("attempt 1 failed: worker of" in line for line in logs) == 1
+
+
+def test_a_run_that_fails_twice_ends_the_sweep_with_what_ran_so_far(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs, ok, logs = _fake_sweep(monkeypatch, {5: 2})
+    assert not ok and len(runs) == 5
+    assert logs[-1] == "[traffic] sweep stopped; reporting the 5 run(s) done"
