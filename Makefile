@@ -26,7 +26,7 @@ test: lint aiperf
 
 demo:
 	@test -x $(PY) || { echo "no $(VENV): run 'make setup' first"; exit 2; }
-	$(PY) -m maru_vllm.cli demo
+	$(PY) -m maru_dynamo.components.main demo
 
 bench:
 	@test -x $(PY) || { echo "no $(VENV): run 'make setup' first"; exit 2; }

@@ -50,13 +50,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from lmcache_peer import start_lmcache_server  # noqa: E402
 from maru_dynamo.graphs import client  # noqa: E402
-from maru_vllm.calibration import Calibration, write_calibration  # noqa: E402
+from maru_vllm.fixtures.calibration import Calibration, write_calibration  # noqa: E402
+from maru_vllm.fixtures.models import SPECS, ensure_model  # noqa: E402
 from maru_vllm.launch import (  # noqa: E402
     ProcessGroup,
     free_port,
     stack,
 )
-from maru_vllm.models import SPECS, ensure_model  # noqa: E402
 from profile_load import checksum_algorithms, print_profile, profile_load  # noqa: E402
 
 CORE_A, CORE_B = 0, 1  # cold engines and both servers on one core, hit engines on the other

@@ -19,9 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from maru_vllm.cli import StrictArgumentParser
+from maru_vllm.fixtures.models import SHAPES, ensure_model
 from maru_vllm.launch import ProcessGroup, free_port, stack
-from maru_vllm.models import SHAPES, ensure_model
+from maru_vllm.launch.argv import StrictArgumentParser
 
 CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 

@@ -43,8 +43,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_connector import completion, metrics, wait_stored  # noqa: E402
+from maru_vllm.fixtures.models import ensure_model  # noqa: E402
 from maru_vllm.launch import ProcessGroup, free_port, stack  # noqa: E402
-from maru_vllm.models import ensure_model  # noqa: E402
 
 CORE_ENGINE, CORE_POOL = 0, 1
 BATCH = 4

@@ -244,8 +244,8 @@ def alternate(samples: dict[str, Callable[[], float]], repeats: int) -> dict[str
 # ---- 4. real engines --------------------------------------------------------------------------
 def engine_miss_tax(args: argparse.Namespace) -> dict[str, float]:
 
+    from maru_vllm.fixtures.models import ensure_model
     from maru_vllm.launch import stack
-    from maru_vllm.models import ensure_model
 
     def ttft(url: str, model: str, prompt: list[int]) -> float:
         return client.timed_completion(url, model, prompt)[0]

@@ -37,9 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from maru_dynamo.graphs import client  # noqa: E402
+from maru_vllm.fixtures.models import ensure_model  # noqa: E402
 from maru_vllm.launch import ProcessGroup, stack  # noqa: E402
 from maru_vllm.launch.mooncake import MooncakeMaster  # noqa: E402
-from maru_vllm.models import ensure_model  # noqa: E402
 from maru_vllm.pool import PoolClient  # noqa: E402
 
 CORES = {"A": 0, "B": 1}

@@ -30,8 +30,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_connector import Engines, metrics, wait_stored  # noqa: E402
+from maru_vllm.fixtures.models import ensure_model  # noqa: E402
 from maru_vllm.launch import ProcessGroup  # noqa: E402
-from maru_vllm.models import ensure_model  # noqa: E402
 
 TRACER = REPO / "benchmarks" / "hooktrace"
 # (report name, traced label) of the parts shown, in request order

@@ -42,9 +42,9 @@ from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMet
 from maru_vllm.connector.pool_access import PoolAccess  # noqa: E402
 from maru_vllm.connector.transfer import WholeChunk  # noqa: E402
 from maru_vllm.connector.worker import MaruWorkerSide  # noqa: E402
+from maru_vllm.fixtures.models import SPECS  # noqa: E402
 from maru_vllm.launch import ProcessGroup, free_port  # noqa: E402
 from maru_vllm.launch.stack import PoolProcess  # noqa: E402
-from maru_vllm.models import SPECS  # noqa: E402
 from maru_vllm.native import ENV_NATIVE_COPY, copy_kernel, path_name  # noqa: E402
 from maru_vllm.pool.objects import checksum_from_digest, checksum_of, payload_hasher  # noqa: E402
 

@@ -64,7 +64,7 @@ for p in (REPO, REPO / "benchmarks"):
 
 from lmcache_peer import start_lmcache_server  # noqa: E402
 from maru_dynamo.graphs import client  # noqa: E402
-from maru_vllm.calibration import write_calibration  # noqa: E402
+from maru_vllm.fixtures.calibration import write_calibration  # noqa: E402
 from maru_vllm.launch import ProcessFailed  # noqa: E402
 from real_traffic_whatif import cache_config, calibration_from_runs, predict_rates  # noqa: E402
 from traffic_load import (  # noqa: E402

@@ -25,7 +25,7 @@ for p in (REPO, REPO / "benchmarks"):
 import msgspec  # noqa: E402
 
 import real_traffic  # noqa: E402
-from maru_vllm.calibration import Calibration  # noqa: E402
+from maru_vllm.fixtures.calibration import Calibration  # noqa: E402
 from real_traffic_whatif import predict_rates  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """The what-if on the traffic `real_traffic.py` replayed: calibrated on that run, side by side.
 
 `calibration_from_runs` turns what the engines counted during the real runs into a
-`maru_vllm.calibration.Calibration` (prefill tokens computed per second of prefill, pool bytes
+`maru_vllm.fixtures.calibration.Calibration` (prefill tokens computed per second of prefill, pool bytes
 loaded per second of loading, the model's KV bytes per token); `whatif_rows` replays the very
 scaled trace AIPerf sent through ``maru-dynamo whatif --calibration`` with the engines' block size
 and KV-cache blocks (``vllm:cache_config_info``); `side_by_side` prints both, and the TTFT p90 and
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maru_vllm.calibration import Calibration, write_calibration
+from maru_vllm.fixtures.calibration import Calibration, write_calibration
 from maru_vllm.whatif.spec import kv_bytes_per_token_of_model
 
 COUNTERPART = {"plain-rr": "round-robin", "plain-kv": "kv-gpu", "maru-pool": "kv-pool"}
@@ -116,7 +116,7 @@ def whatif_rows(
     cmd = [
         sys.executable,
         "-m",
-        "maru_vllm.cli",
+        "maru_dynamo.components.main",
         "whatif",
         str(trace_file),
         "--workers",

@@ -14,7 +14,7 @@ fresh pool service where the workers use one; one nats-server is shared by all):
 * ``kv-pool``     - ``--router-mode kv`` with ``--router-host-cache-hit-weight`` =
   ``maru_vllm.routing.POOL_TIER_WEIGHT``; the Maru workers announce the pool's blocks at the host tier.
 
-Workload (``maru_vllm.workload``; the defaults below are what the e2e test runs): two system
+Workload (``maru_vllm.fixtures.workload``; the defaults below are what the e2e test runs): two system
 prompts of 1024 tokens, one popular (six of seven sessions: ``--hot-sessions 4``) and one
 niche, three turns per session (user 256, fixed assistant reply 128 tokens), requests sent in a
 fixed order, turn by turn across the sessions.
@@ -103,6 +103,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from maru_dynamo.components import commands  # noqa: E402
+from maru_vllm.fixtures.workload import Workload, WorkloadSpec, build_workload  # noqa: E402
 from maru_vllm.launch import (  # noqa: E402
     ManagedProcess,
     ProcessGroup,
@@ -111,7 +113,6 @@ from maru_vllm.launch import (  # noqa: E402
 from maru_vllm.launch.engine_metrics import EngineCounters, read_counters, running_requests  # noqa: E402
 from maru_vllm.launch.ports import free_system_port  # noqa: E402
 from maru_vllm.routing import POOL_TIER_WEIGHT  # noqa: E402
-from maru_vllm.workload import Workload, WorkloadSpec, build_workload  # noqa: E402
 
 CHUNK_TOKENS = 256
 MAX_MODEL_LEN = 8192  # the fixture models' position limit: room for long decodes (--window > 1)
@@ -364,7 +365,7 @@ def run_config(
             core = stack.cpu_thread_for(i)
             wenv = env.build(cpu_thread=core, DYN_SYSTEM_PORT=str(metric_ports[i]))
             if config.pool:
-                argv = stack.maru_worker_command(
+                argv = commands.maru_worker_command(
                     model,
                     address,
                     pool_name,
@@ -380,7 +381,7 @@ def run_config(
                 )
                 proc = ManagedProcess(f"worker{i}", argv, log_path=logs / f"worker{i}.log", env=wenv, cpus=[core])
             else:
-                proc = stack.dynamo_vllm_worker(
+                proc = commands.dynamo_vllm_worker(
                     f"worker{i}", model, wenv, logs, max_model_len=MAX_MODEL_LEN, extra_args=stream_args, cpus=[core]
                 )
             worker_procs.append(group.start(proc))
@@ -600,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(wanted) - {c.name for c in CONFIGS}
     if unknown:
         ap.error(f"unknown configs: {', '.join(sorted(unknown))} (choose from {', '.join(c.name for c in CONFIGS)})")
-    from maru_vllm import models
+    from maru_vllm.fixtures import models
 
     model = str(models.ensure_model(args.model_size)) if args.model_size in models.SPECS else args.model_size
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print

@@ -3,10 +3,10 @@
 A `dynamo.vllm` worker on the Maru pool: it fills in MaruKVConnector's `--kv-transfer-config`
 and a `--kv-events-config` (free port) unless given, makes the KV events it publishes carry
 the pool's blocks (`maru_vllm.events.install_pool_event_relay`), registers MaruKVConnector as
-a cache-mediated PD connector (`maru_vllm.dynamo_pd`), makes the worker serve warm-up requests
-before it registers with Dynamo (`maru_vllm.launch.warmup`: registered means warm), makes a
-stopping worker drain before it migrates (`maru_vllm.launch.lifecycle`), and runs `dynamo.vllm`
-in this process with every other argument unchanged.
+a cache-mediated PD connector (`maru_dynamo.components.dynamo_pd`), makes the worker serve
+warm-up requests before it registers with Dynamo (`maru_vllm.launch.warmup`: registered means
+warm), makes a stopping worker drain before it migrates (`maru_vllm.launch.lifecycle`), and runs
+`dynamo.vllm` in this process with every other argument unchanged.
 
 Options of its own (all others go to dynamo.vllm):
   --maru-pool-address ADDR   pool service address (unix:///path.sock or tcp://host:port)
@@ -153,10 +153,10 @@ def resolve_pool_name(address: str, given: str | None, *, token: str | None = No
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    from maru_vllm.text_only import install_text_only_stand_ins
+    from maru_dynamo.components.text_only import install_text_only_stand_ins
 
     install_text_only_stand_ins()  # before anything imports vLLM / Dynamo
-    from maru_vllm.hash_seed import GRAPH_HASH_SEED, check_hash_seed
+    from maru_vllm.launch.hash_seed import GRAPH_HASH_SEED, check_hash_seed
 
     try:
         check_hash_seed()
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
             medium=ours.maru_event_medium,
             max_announced_chunks=ours.maru_announce_max_chunks,
         )
-    from maru_vllm.dynamo_pd import DynamoPdApiError, register_maru_pd_protocol
+    from maru_dynamo.components.dynamo_pd import DynamoPdApiError, register_maru_pd_protocol
 
     try:
         register_maru_pd_protocol()  # dynamo.vllm's PD handlers accept only registered connectors

@@ -1,6 +1,6 @@
 """`python -m maru_dynamo.components.vllm_worker ARGS`: run `dynamo.vllm` on this install.
 
-A thin entry point: it applies the text-only stand-ins (see `maru_vllm.text_only`), picks a KV
+A thin entry point: it applies the text-only stand-ins (see `maru_dynamo.components.text_only`), picks a KV
 space on CPU installs where none is given (`maru_vllm.launch.cpu_kv`), and then hands every
 argument to `dynamo.vllm` unchanged. The Maru worker component builds on it.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 
+from maru_dynamo.components.text_only import install_text_only_stand_ins
 from maru_vllm.launch.cpu_kv import NotEnoughMemory, apply_default_kv_space
 from maru_vllm.launch.handoff import run_module_as_main
-from maru_vllm.text_only import install_text_only_stand_ins
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -147,7 +147,7 @@ def draw(out: Path) -> None:
     box(ax, 1, 1, 35, 12, "Disaggregated prefill / decode", (
         "prefill worker (kv_producer) stores inline, before it answers;",
         "decode worker (kv_consumer) schedules the same prompt and",
-        "finds the chunks by block hash (maru_vllm.dynamo_pd: empty",
+        "finds the chunks by block hash (components.dynamo_pd: empty",
         "PD params); what it cannot load it computes itself",
     ), kind="panel", size=8.2)
     box(ax, 40, 1, 58, 27.5, "Pool service   maru-dynamo pool serve   (one per host)", (

@@ -52,7 +52,7 @@ def size_text(nbytes: int) -> str:
 
 
 def _model(spec: GraphSpec, opts: RenderOptions) -> str:
-    from maru_vllm.models import SPECS
+    from maru_vllm.fixtures.models import SPECS
 
     model = opts.model or spec.kubernetes.model or spec.model
     if model in SPECS:

@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 
+from maru_dynamo.components import commands
 from maru_dynamo.graphs.spec import GraphSpec
 from maru_vllm.launch import ManagedProcess, ProcessFailed, ProcessGroup, free_port, free_ports, mooncake, stack
 from maru_vllm.launch.argv import has_flag
@@ -101,7 +102,7 @@ class Plan:
 
 def resolve_model(name: str, *, build: bool = True) -> str:
     """A fixture name (tiny, bench) -> its directory (built if needed); anything else unchanged."""
-    from maru_vllm import models
+    from maru_vllm.fixtures import models
 
     if name not in models.SPECS:
         return name
@@ -176,7 +177,7 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
             nats=nats_url,
             extra_args=["--metrics-port", str(free_port()), *tier_args],
             path=path,
-            component=True,
+            entry=commands.POOL_COMPONENT_ENTRY,
         )
         add("pool" if domain is None else f"pool:{domain}", pool_argv, env_for(), stack.POOL_READY_PATTERN)
         if path is not None:
@@ -187,9 +188,9 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
     for worker in spec.workers:
         for replica in range(worker.replicas):
             if worker.engine == "vllm":  # plain dynamo.vllm: vLLM's own prefix cache, no pool
-                argv = [*stack.vllm_worker_command(model), *_with_defaults(worker.args)]
+                argv = [*commands.vllm_worker_command(model), *_with_defaults(worker.args)]
             else:
-                argv = stack.maru_worker_command(
+                argv = commands.maru_worker_command(
                     model,
                     pool_addresses[worker.domain],
                     spec.pool_name_of(worker.domain),

@@ -14,7 +14,7 @@ from tests.cleanup import stop_leaving_nothing
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from maru_vllm.models import ensure_model
+    from maru_vllm.fixtures.models import ensure_model
 
     return ensure_model("tiny")
 

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_connector
-from maru_vllm.calibration import read_calibration
+from maru_vllm.fixtures.calibration import read_calibration
 
 
 def _row(tokens: int, sample: int, scale: float) -> dict:

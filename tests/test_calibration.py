@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from maru_vllm.calibration import Calibration, read_calibration, write_calibration
+from maru_vllm.fixtures.calibration import Calibration, read_calibration, write_calibration
 
 
 def _cal(**kw):

@@ -7,11 +7,13 @@ import sys
 
 import pytest
 
-from maru_vllm.cli import build_parser
+from maru_dynamo.components.main import build_parser
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "maru_vllm.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "maru_dynamo.components.main", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_version_flag_prints_package_and_stack() -> None:

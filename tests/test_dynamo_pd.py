@@ -1,7 +1,7 @@
 """MaruKVConnector in Dynamo's PD connector-protocol registry (pinned to ai-dynamo 1.6.1).
 
 These tests fail when Dynamo's registry, or how its prefill/decode handlers use it, changes:
-then `maru_vllm.dynamo_pd` has to be revisited before the pin is moved.
+then `maru_dynamo.components.dynamo_pd` has to be revisited before the pin is moved.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from maru_vllm import dynamo_pd
+from maru_dynamo.components import dynamo_pd
 
 PINNED = "1.6.1"
 
@@ -111,7 +111,7 @@ def test_handlers_resolve_through_the_registry_and_need_an_envelope() -> None:
     """The prefill handler resolves the protocol via this module's registry per request; decode
     params of `{}` still make a `disaggregated_params` envelope (None would make none, which the
     frontend rejects), and decode puts what it gets into the engine request's kv_transfer_params."""
-    pytest.importorskip("maru_vllm.text_only").install_text_only_stand_ins()
+    pytest.importorskip("maru_dynamo.components.text_only").install_text_only_stand_ins()
     handlers = importlib.import_module("dynamo.vllm.handlers")
     protocols = sys.modules["dynamo.vllm.kv_connector_protocols"]
     assert handlers.make_kv_connector_protocol is protocols.make_kv_connector_protocol

@@ -1,9 +1,16 @@
-"""The engine-side package's layers: the connector never reaches into the event relay, and no
-two modules of the pool import each other (read from the sources, imports inside functions too)."""
+"""The engine-side package's layers: it never depends on the Dynamo side, the connector never
+reaches into the event relay, and no two modules of the pool import each other (read from the
+sources, imports inside functions too).
+
+`maru_vllm` is what a vLLM engine loads; `maru_dynamo.components` and `maru_dynamo.graphs` (the
+top-level `components/` and `graphs/`, see pyproject's package-dir) build on it. So no module of
+`maru_vllm` imports the Dynamo side, and none names one of its modules in a string either
+(`importlib.import_module`, `python -m ...` command lines), docstrings included."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "maru_vllm"
@@ -69,3 +76,61 @@ def test_the_checks_see_imports() -> None:
     graph = _graph("maru_vllm.pool")
     assert "maru_vllm.pool.messages" in graph["maru_vllm.pool.chunk_codec"]
     assert any(i.startswith("maru_vllm.pool") for i in _imports(ROOT / "connector" / "chunks.py"))
+
+
+# ---- the engine side never depends on the Dynamo side ------------------------------------------
+# What the Dynamo side is installed as, and its source folders' names (never importable as such).
+DYNAMO_SIDE = ("maru_dynamo", "components", "graphs")
+NAMED_IN_STRING = re.compile(r"\bmaru_dynamo\b")
+
+
+def dynamo_side_references(source: str) -> list[tuple[int, str]]:
+    """(line, what) for every import of the Dynamo side in `source` and every string naming it."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if NAMED_IN_STRING.search(node.value):
+                found.append((node.lineno, f"string {node.value[:80]!r}"))
+            continue
+        else:
+            continue
+        found += [(node.lineno, f"import {name}") for name in names if name.split(".")[0] in DYNAMO_SIDE]
+    return found
+
+
+def test_maru_vllm_never_imports_or_names_the_dynamo_side() -> None:
+    sources = sorted(ROOT.rglob("*.py"))
+    assert len(sources) > 50  # the walk reads the package, not an empty folder
+    offences = [
+        f"{path.relative_to(ROOT.parent)}:{line}: {what}"
+        for path in sources
+        for line, what in dynamo_side_references(path.read_text(encoding="utf-8"))
+    ]
+    assert offences == [], "maru_vllm must not depend on maru_dynamo:\n" + "\n".join(offences)
+
+
+def test_the_check_sees_every_way_of_naming_the_dynamo_side() -> None:
+    source = """
+import maru_dynamo.graphs
+from maru_dynamo.components import cli
+import graphs.run as run
+from components import pool
+
+def lazy(name):
+    import importlib
+    importlib.import_module("maru_dynamo.graphs.cli")
+    return ["-m", f"maru_dynamo.components.{name}"]
+"""
+    assert [line for line, _ in dynamo_side_references(source)] == [2, 3, 4, 5, 9, 10]
+    clean = '''
+"""The pool; `maru-dynamo pool serve` runs it (names of the CLI are not modules)."""
+from maru_vllm.pool import PoolClient
+from . import sibling
+import dynamo.vllm
+PROG = "maru-dynamo"
+'''
+    assert dynamo_side_references(clean) == []

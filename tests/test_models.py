@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_vllm.models import SHAPES, SPECS, ensure_model
+from maru_vllm.fixtures.models import SHAPES, SPECS, ensure_model
 
 
 def digest(path: Path) -> str:

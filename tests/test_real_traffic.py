@@ -184,8 +184,8 @@ def test_whatif_replays_the_same_scaled_trace_calibrated_on_the_run(tmp_path: Pa
     from types import SimpleNamespace
 
     import real_traffic_whatif as W
-    from maru_vllm import models
-    from maru_vllm.calibration import read_calibration, write_calibration
+    from maru_vllm.fixtures import models
+    from maru_vllm.fixtures.calibration import read_calibration, write_calibration
 
     model = str(models.ensure_model("tiny"))
     run = SimpleNamespace(prefill_tokens=6000, prefill_seconds=0.5, load_bytes=10**8, load_seconds=0.1)

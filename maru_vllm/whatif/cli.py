@@ -136,7 +136,7 @@ def _spec_from_args(args: argparse.Namespace) -> S.ClusterSpec:
         arrival_speedup=args.arrival_speedup,
     )
     if args.calibration:
-        from maru_vllm.calibration import read_calibration
+        from maru_vllm.fixtures.calibration import read_calibration
         from maru_vllm.whatif.timing import mocker_prefill_tokens_per_s
 
         cal = read_calibration(args.calibration)

@@ -123,7 +123,7 @@ class ClusterSpec:
     arrival_speedup: float = 1.0
     # Mocker time scale (Dynamo's `speedup_ratio`); decode keeps the mocker's own speed.
     prefill_speedup: float = 1.0
-    # A measured engine's timing (`maru_vllm.calibration.Calibration.prefill_points` /
+    # A measured engine's timing (`maru_vllm.fixtures.calibration.Calibration.prefill_points` /
     # `decode_points`), used by the pool model instead of the mocker's where given.
     engine_prefill_points: tuple[tuple[int, float], ...] | None = None
     engine_decode_points: tuple[tuple[int, float], ...] | None = None

@@ -1,6 +1,6 @@
 """The README's routing-comparison workload as a Mooncake trace, to check the simulators against the real stack.
 
-`benchmarks/routing_comparison.py` runs `maru_vllm.workload` (two system prompts, one popular,
+`benchmarks/routing_comparison.py` runs `maru_vllm.fixtures.workload` (two system prompts, one popular,
 multi-turn sessions) on two real workers with ``--window 3``: every request is routed after the
 previous one's prefill, while the two before it still decode. As a trace: one hash id per
 ``block_tokens`` tokens of each prompt (equal prefixes, equal ids; the partial last block gets an
@@ -10,9 +10,9 @@ through the next two arrivals and ends before the third.
 
 from __future__ import annotations
 
+from maru_vllm.fixtures.workload import Workload, WorkloadSpec, build_workload
 from maru_vllm.whatif.spec import ClusterSpec
 from maru_vllm.whatif.trace import TraceRequest
-from maru_vllm.workload import Workload, WorkloadSpec, build_workload
 
 # The routing comparison's defaults (benchmarks/routing_comparison.py DEFAULT_SPEC / DEFAULT_WINDOW).
 ROUTING_COMPARISON_SPEC = WorkloadSpec(

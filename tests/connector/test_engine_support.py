@@ -26,8 +26,8 @@ from vllm.v1.kv_cache_interface import (
 
 from maru_vllm.connector.engine_support import engine_support
 from maru_vllm.connector.namespace import identity_from_vllm
+from maru_vllm.fixtures.models import ensure_model
 from maru_vllm.launch.stack import PoolProcess
-from maru_vllm.models import ensure_model
 from tests.connector.sched_harness import make_request, make_scheduler, tokens
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]

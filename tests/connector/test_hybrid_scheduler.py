@@ -34,8 +34,8 @@ from maru_vllm.connector.chunks import chunk_key
 from maru_vllm.connector.kv_groups import NULL_BLOCK_ID
 from maru_vllm.connector.metadata import MaruConnectorMetadata
 from maru_vllm.connector.scheduler_groups import GroupedSchedulerSide
+from maru_vllm.fixtures.models import ensure_model
 from maru_vllm.launch.stack import PoolProcess
-from maru_vllm.models import ensure_model
 from maru_vllm.pool import PoolClient
 from tests.connector.sched_harness import BLOCK_SIZE, CHUNK_TOKENS, SAMPLE_TOKEN, make_request, tokens
 

@@ -304,7 +304,7 @@ def test_part_keys_raise_the_pool_hit_rate_on_the_chat_workload(new_sim, client)
     prompt ends mid-chunk; once a longer prompt stored that chunk, an engine new to the system
     prompt loads its shared first block with part keys instead of computing it (measured here:
     5248 -> 4992 prompt tokens computed of 13440)."""
-    from maru_vllm.workload import WorkloadSpec, build_workload
+    from maru_vllm.fixtures.workload import WorkloadSpec, build_workload
 
     workload = build_workload(WorkloadSpec())
     supplied: dict[bool, dict[str, int]] = {}

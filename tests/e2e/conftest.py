@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.components import commands
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port, stack
 from maru_vllm.pool import PoolClient
 from tests.cleanup import stop_leaving_nothing
@@ -132,7 +133,7 @@ def maru_worker(
     """A Maru worker component (`dynamo.vllm` + MaruKVConnector + pool events for the router)."""
     return ManagedProcess(
         name,
-        stack.maru_worker_command(
+        commands.maru_worker_command(
             model, pool.address, pool.pool_name, ["--max-model-len", "4096", "--enforce-eager", *(extra_args or [])]
         ),
         log_path=log_dir / f"{name}.log",

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.graphs.client import cached_tokens, completion
+from maru_vllm.fixtures.models import ensure_model
 from maru_vllm.launch import ProcessGroup
 from maru_vllm.launch.engine_metrics import metric_total
 from maru_vllm.launch.stack import PoolProcess
-from maru_vllm.models import ensure_model
 from maru_vllm.pool import PoolClient
 from maru_vllm.pool.objects import payload_checksum
 from tests.e2e.conftest import (

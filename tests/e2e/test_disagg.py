@@ -4,7 +4,7 @@ nats-server, the pool service (--nats), Dynamo's frontend (--router-mode kv), on
 worker (`--disaggregation-mode prefill`, kv_producer, core 0) and one decode Maru worker
 (`--disaggregation-mode decode`, kv_consumer, core 1). The prefill worker stores the prompt's
 chunks in the pool; Dynamo hands the decode worker an empty `kv_transfer_params` (Maru is a
-cache-mediated PD connector, `maru_vllm.dynamo_pd`), and the decode worker's connector loads the
+cache-mediated PD connector, `maru_dynamo.components.dynamo_pd`), and the decode worker's connector loads the
 chunks by block hash while it schedules the same prompt.
 
 Reference: a plain vLLM OpenAI server (no connector) with the decode worker's environment on the
@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.components import commands
 from maru_dynamo.graphs.client import cached_tokens, completion
 from maru_vllm.launch import ManagedProcess, ProcessGroup, stack
 from maru_vllm.launch.engine_metrics import metric_total
@@ -52,7 +53,7 @@ PREFILL_CORE, DECODE_CORE = 0, 1
 def maru_worker(
     name: str, model: Path, env: dict[str, str], log_dir: Path, *, pool_address: str, pool_name: str, mode: str
 ) -> ManagedProcess:
-    argv = stack.maru_worker_command(
+    argv = commands.maru_worker_command(
         model, pool_address, pool_name, ["--disaggregation-mode", mode, "--max-model-len", "4096", "--enforce-eager"]
     )
     return ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env)

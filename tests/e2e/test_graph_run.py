@@ -66,7 +66,7 @@ def alive(pid: int) -> bool:
 
 def test_graph_run_serves_and_stops_cleanly(tiny_model: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "maru_vllm.cli", "graph", "run", "graphs/agg.yaml"],
+        [sys.executable, "-m", "maru_dynamo.components.main", "graph", "run", "graphs/agg.yaml"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

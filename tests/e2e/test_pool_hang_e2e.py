@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.graphs.client import cached_tokens, completion
+from maru_vllm.fixtures.models import ensure_model
 from maru_vllm.launch import ProcessGroup
-from maru_vllm.models import ensure_model
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import (
     CHUNK,

@@ -41,7 +41,7 @@ PROMPT_BLOCKS = 4
 
 WORKER_BOOT = """
 import os, sys
-from maru_vllm.text_only import install_text_only_stand_ins
+from maru_dynamo.components.text_only import install_text_only_stand_ins
 install_text_only_stand_ins()
 from maru_vllm.events import install_pool_event_relay
 from maru_vllm.launch.handoff import run_module_as_main

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.graphs.client import cached_tokens, completion, post_json
+from maru_vllm.fixtures.models import ensure_model
 from maru_vllm.launch import ProcessGroup, free_port, stack
-from maru_vllm.models import ensure_model
 from maru_vllm.pool import PoolClient, PoolError
 from tests.e2e.conftest import CHUNK, maru_kv_config, start_pool, stored_chunks, token_prompt
 from tests.waiting import wait_until

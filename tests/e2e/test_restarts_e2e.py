@@ -55,7 +55,7 @@ pytestmark = pytest.mark.e2e
 
 def graph_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "maru_vllm.cli", "graph", *args],
+        [sys.executable, "-m", "maru_dynamo.components.main", "graph", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

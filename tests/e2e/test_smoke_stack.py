@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.components import commands
 from maru_dynamo.graphs.client import completion, get_json, post_json
 from maru_vllm.launch import ProcessGroup, stack
 
@@ -32,7 +33,7 @@ def test_dynamo_frontend_and_worker_serve(
 ) -> None:
     _, nats_url = nats
     env_factory = stack.StackEnv(discovery_dir=tmp_path / "discovery", nats_url=nats_url)
-    worker = stack.dynamo_vllm_worker("worker", tiny_model, env_factory.build(cpu_thread=0), log_dir)
+    worker = commands.dynamo_vllm_worker("worker", tiny_model, env_factory.build(cpu_thread=0), log_dir)
     frontend, url = stack.dynamo_frontend(env_factory.build(), log_dir)
     procs.start(worker)
     procs.start(frontend)

@@ -28,7 +28,7 @@ def test_other_dynamo_versions_are_refused_with_a_clear_error(monkeypatch: pytes
 
 
 def test_hash_seed_check() -> None:
-    from maru_vllm.hash_seed import check_hash_seed
+    from maru_vllm.launch.hash_seed import check_hash_seed
 
     check_hash_seed({})
     check_hash_seed({"PYTHONHASHSEED": "0"})
@@ -41,7 +41,7 @@ def test_seam_exists_in_dynamo_1_6_1() -> None:
     function constructs the module-level KvEventPublisher with zmq_endpoint/dp_rank keywords."""
     import inspect
 
-    pytest.importorskip("maru_vllm.text_only").install_text_only_stand_ins()
+    pytest.importorskip("maru_dynamo.components.text_only").install_text_only_stand_ins()
     import dynamo.vllm.main as dm
 
     assert list(inspect.signature(dm.setup_kv_event_publisher).parameters)[:3] == list(dynamo_hook._SETUP_PARAMS)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.components.frontend import build_argv
-from maru_vllm.hash_seed import GRAPH_HASH_SEED
 from maru_vllm.launch import stack
+from maru_vllm.launch.hash_seed import GRAPH_HASH_SEED
 from maru_vllm.pool.service import READY_LINE
 from maru_vllm.routing import POOL_TIER_WEIGHT
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "maru_vllm.cli", *args],
+        [sys.executable, "-m", "maru_dynamo.components.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

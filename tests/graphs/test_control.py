@@ -106,7 +106,7 @@ def test_the_running_graph_is_found_by_its_socket(served: tuple[Plan, control.Co
 def test_the_cli_refuses_a_restart_without_targets_and_a_missing_graph(tmp_path: Path) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "maru_vllm.cli", "graph", *args],
+            [sys.executable, "-m", "maru_dynamo.components.main", "graph", *args],
             capture_output=True,
             text=True,
             timeout=60,

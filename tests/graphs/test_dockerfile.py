@@ -51,7 +51,7 @@ def test_dockerfile_builds_on_dynamo_161_and_pins_this_package() -> None:
 
 def test_dockerfile_sets_the_graph_hash_seed() -> None:
     """The image's PYTHONHASHSEED is the graph's (pool keys and router events match across workers)."""
-    from maru_vllm.hash_seed import GRAPH_HASH_SEED
+    from maru_vllm.launch.hash_seed import GRAPH_HASH_SEED
 
     seeds = re.findall(r"^ENV PYTHONHASHSEED=(\S+)$", DOCKERFILE.read_text(), re.M)
     assert seeds == [GRAPH_HASH_SEED]

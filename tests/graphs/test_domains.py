@@ -40,7 +40,7 @@ def _command(lines: list[str]) -> str:
 
 def test_domains_graph_runs_a_master_a_pool_per_domain_and_each_worker_on_its_domains_pool() -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "maru_vllm.cli", "graph", "run", "domains", "--dry-run"],
+        [sys.executable, "-m", "maru_dynamo.components.main", "graph", "run", "domains", "--dry-run"],
         capture_output=True,
         text=True,
         timeout=60,

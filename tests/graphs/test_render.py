@@ -25,7 +25,7 @@ import yaml
 from maru_dynamo.graphs import helm
 from maru_dynamo.graphs.render import RenderOptions, chart_values, render_yaml
 from maru_dynamo.graphs.spec import load_graph, parse_graph
-from maru_vllm.hash_seed import GRAPH_HASH_SEED
+from maru_vllm.launch.hash_seed import GRAPH_HASH_SEED
 from tests.graphs.k8s_schemas import ManifestError, validate_core, validate_dgd, validate_manifest
 from tests.graphs.prom_rules import exported_metric_names, metric_names, validate_prometheus_rule
 
@@ -37,7 +37,7 @@ IMAGE = "registry.example/maru-dynamo:0.1.0"
 
 def cli_render(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "maru_vllm.cli", "graph", "render", *args],
+        [sys.executable, "-m", "maru_dynamo.components.main", "graph", "render", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -587,4 +587,4 @@ def test_the_chart_ships_in_the_wheel_built_from_the_dockerfiles_inputs(tmp_path
     names = set(zipfile.ZipFile(wheel).namelist())
     on_disk = {f"maru_dynamo/chart/{p.relative_to(CHART)}" for p in CHART.rglob("*") if p.is_file()}
     assert on_disk <= names, sorted(on_disk - names)
-    assert {"maru_dynamo/graphs/render.py", "maru_dynamo/components/pool.py", "maru_vllm/cli.py"} <= names
+    assert {"maru_dynamo/graphs/render.py", "maru_dynamo/components/pool.py", "maru_dynamo/components/main.py"} <= names

@@ -28,7 +28,7 @@ def child_env() -> dict[str, str]:
 def pool_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """`maru-dynamo pool ARGS...` in a child process; its exit status and output."""
     return subprocess.run(
-        [sys.executable, "-m", "maru_vllm.cli", "pool", *args],
+        [sys.executable, "-m", "maru_dynamo.components.main", "pool", *args],
         capture_output=True,
         text=True,
         cwd=REPO,

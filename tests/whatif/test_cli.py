@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from maru_vllm.calibration import Calibration, write_calibration
-from maru_vllm.cli import main
+from maru_dynamo.components.main import main
+from maru_vllm.fixtures.calibration import Calibration, write_calibration
 from maru_vllm.whatif.spec import CONFIGS, parse_size
 
 RESULT_KEYS = {

@@ -73,7 +73,17 @@ def test_cli_domains_table_and_one_line_errors(tmp_path):
             for r in _trace(3)
         )
     )
-    cmd = [sys.executable, "-m", "maru_vllm.cli", "whatif", str(trace), "--workers", "2", "--domains", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "maru_dynamo.components.main",
+        "whatif",
+        str(trace),
+        "--workers",
+        "2",
+        "--domains",
+        "2",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "kv-domains" in res.stdout and "kv-tier2" in res.stdout

