@@ -41,6 +41,7 @@ from maru_vllm.connector.chunks import ChunkGeometry, chunk_key, hash_bytes
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.connector.scheduled import scheduled_requests
+from maru_vllm.connector.sides import SchedulerSide
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -85,7 +86,9 @@ class RequestState:
     fetch_asked: float = 0.0
 
 
-class MaruSchedulerSide:
+class MaruSchedulerSide(SchedulerSide):
+    """One KV cache group: synchronous loads chunk by chunk (the last one may be in part)."""
+
     def __init__(
         self,
         geometry: ChunkGeometry,
@@ -255,3 +258,10 @@ class MaruSchedulerSide:
             return False
         self.held_for_stores.add(request.request_id)
         return True
+
+    def forget_request(self, request: Request) -> bool:
+        st = self.requests.pop(request.request_id, None)
+        if st is not None and st.has_stores:
+            self.held_for_stores.add(request.request_id)
+            return True
+        return False
