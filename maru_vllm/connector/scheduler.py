@@ -253,15 +253,12 @@ class MaruSchedulerSide(SchedulerSide):
     # -- end of a request --------------------------------------------------------------------
     def request_finished(self, request: Request) -> bool:
         """Forget the request; True when vLLM must keep its blocks until the worker's stores are done."""
+        return self.forget_request(request)
+
+    def forget_request(self, request: Request) -> bool:
+        """Drop the request's state; True (and announced to the worker) if a store was planned."""
         st = self.requests.pop(request.request_id, None)
         if st is None or not st.has_stores:
             return False
         self.held_for_stores.add(request.request_id)
         return True
-
-    def forget_request(self, request: Request) -> bool:
-        st = self.requests.pop(request.request_id, None)
-        if st is not None and st.has_stores:
-            self.held_for_stores.add(request.request_id)
-            return True
-        return False

@@ -42,6 +42,9 @@ def _for_group(meta: MaruConnectorMetadata, group: int) -> MaruConnectorMetadata
 
 
 class GroupedWorkerSide(WorkerSide):
+    """Several KV cache groups (or a sliding-window one): one `MaruWorkerSide` per group, loads
+    asynchronous with one verdict per request."""
+
     def __init__(
         self,
         *,
