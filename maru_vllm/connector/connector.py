@@ -19,7 +19,8 @@ models free the KV outside the window). An engine with several KV cache groups, 
 sliding-window one, is served group by group (`scheduler_groups.py`, `worker_groups.py`): one
 namespace per group, sliding-window groups only the window's blocks, and asynchronous loads
 whose failures vLLM recomputes per request (`get_transfer_results`). `engine_support.py`
-decides, once, whether and how the engine is served.
+decides, once, whether and how the engine is served, `serving.py` builds that path, and the
+hooks below call its sides only through the interfaces of `sides.py`.
 """
 
 from __future__ import annotations
@@ -41,19 +42,14 @@ from vllm.logger import init_logger
 from maru_vllm.connector.chunks import ChunkGeometry
 from maru_vllm.connector.config import parse_config
 from maru_vllm.connector.engine_support import engine_support
-from maru_vllm.connector.kv_groups import announced_group, kv_groups
-from maru_vllm.connector.load_guard import SchedulerLoadGuard
 from maru_vllm.connector.log_summary import ConnectorLogSummary
 from maru_vllm.connector.logging_setup import follow_vllm_logging
 from maru_vllm.connector.metadata import MaruConnectorMetadata
-from maru_vllm.connector.namespace import group_namespaces, identity_from_vllm
 from maru_vllm.connector.pool_access import PoolAccess
-from maru_vllm.connector.scheduler import MaruSchedulerSide
-from maru_vllm.connector.scheduler_groups import GroupedSchedulerSide
+from maru_vllm.connector.serving import serving_path
+from maru_vllm.connector.sides import SchedulerSide, WorkerSide
 from maru_vllm.connector.stats import MaruConnectorStats, MaruPromMetrics
 from maru_vllm.connector.transfer import FORMAT_PAGES, copy_format
-from maru_vllm.connector.worker import MaruWorkerSide
-from maru_vllm.connector.worker_groups import GroupedWorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -111,15 +107,10 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.config.namespace if self.copy_format == FORMAT_PAGES else f"{self.config.namespace}|{self.copy_format}"
         )
         support = engine_support(vllm_config, kv_cache_config)
-        # Served group by group (vLLM's hybrid KV cache manager, sliding-window layers): one
-        # namespace per group, the announced group's is `self.namespace`.
-        self.grouped = support.serves and support.grouped
-        groups = kv_groups(kv_cache_config)
-        if self.grouped:
-            namespaces = group_namespaces(vllm_config, kv_cache_config, salt)
-            self.namespace = namespaces[announced_group(groups)]
-        else:
-            self.namespace = identity_from_vllm(vllm_config, kv_cache_config, salt).namespace()
+        # One KV cache group, or group by group (vLLM's hybrid KV cache manager, sliding-window
+        # layers: one namespace per group, the announced group's is `self.namespace`). Chosen here, once.
+        self.path = serving_path(vllm_config, kv_cache_config, salt, grouped=support.serves and support.grouped)
+        self.namespace = self.path.namespace
         self.can_load = bool(transfer.is_kv_consumer) and support.serves
         self.can_store = bool(transfer.is_kv_producer) and support.serves
         if not support.serves and role == KVConnectorRole.SCHEDULER:
@@ -136,23 +127,15 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         geometry = ChunkGeometry(block_size, self.config.blocks_per_chunk, ranks)
         who = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self.pool = self._pool_access(who)
-        self.scheduler_side: MaruSchedulerSide | None = None
-        self.worker_side: MaruWorkerSide | GroupedWorkerSide | None = None
-        self.load_guard = SchedulerLoadGuard(block_size, asynchronous=self.grouped)
+        # The role's side (the other is None).
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        self.store_pool: PoolAccess | None = None  # the worker's stores' own connection
+        self.load_guard = self.path.load_guard(block_size)
         pools = [self.pool]  # the links the periodic log summary reports on
-        if role == KVConnectorRole.SCHEDULER and self.grouped:
-            self.scheduler_side = GroupedSchedulerSide(
-                geometry,
-                groups,
-                namespaces,
-                announced_group(groups),
-                self.pool,
-                can_load=self.can_load,
-                can_store=self.can_store,
-            )
-        elif role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = MaruSchedulerSide(
-                geometry, self.namespace, self.pool, can_load=self.can_load, can_store=self.can_store
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = self.path.scheduler_side(
+                geometry, self.pool, can_load=self.can_load, can_store=self.can_store
             )
         else:
             # Stores get their own pool connection (loads never wait behind them) and run
@@ -173,10 +156,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 use_lmcache_kernels=self.config.use_lmcache_kernels,
                 enable_fused_load=self.config.enable_fused_load,
             )
-            if self.grouped:
-                self.worker_side = GroupedWorkerSide(groups=groups, namespaces=namespaces, **worker_args)
-            else:
-                self.worker_side = MaruWorkerSide(namespace=self.namespace, **worker_args)
+            self.worker_side = self.path.worker_side(**worker_args)
+            self.store_pool = store_pool
         logger.info(
             "MaruKVConnector (%s): pool %s, namespace %s, chunk %d tokens, load=%s store=%s%s",
             who,
@@ -185,9 +166,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.config.chunk_tokens,
             self.can_load,
             self.can_store,
-            f", {len(groups)} KV cache groups ({'; '.join(g.describe() for g in groups)}), loads asynchronous"
-            if self.grouped
-            else "",
+            self.path.describe(),
         )
         self.log_summary = ConnectorLogSummary(who, self.config.log_stats_interval_s, block_size, pools)
         self.log_summary.start()
@@ -251,7 +230,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Finished stores, and (served group by group) the asynchronous loads' verdicts."""
         sending, _ = self.get_finished(finished_req_ids)
         results = KVConnectorTransferResults(finished_sending=set(sending or ()))
-        if isinstance(self.worker_side, GroupedWorkerSide):
+        if self.worker_side is not None:
             results.finished_recving, results.failed_recving = self.worker_side.take_load_results()
         return results
 
@@ -260,13 +239,13 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker_side.take_failed_blocks() if self.worker_side is not None else set()
 
     def _all_planned_blocks(self) -> set[int]:
-        """Which loads failed is unknown: every block the step planned to load is recomputed."""
+        """Which loads failed is unknown: the worker side says which blocks vLLM recomputes (every
+        block the step planned to load; none where verdicts are per request, already given)."""
         meta = self._get_connector_metadata()
-        if self.worker_side is not None:
-            self.worker_side.failed_blocks = set()
-        if isinstance(self.worker_side, GroupedWorkerSide):
-            return set()  # its verdicts are per request (get_transfer_results); vLLM takes no block ids
-        return meta.planned_load_blocks() if isinstance(meta, MaruConnectorMetadata) else set()
+        planned = meta if isinstance(meta, MaruConnectorMetadata) else None
+        if self.worker_side is None:
+            return planned.planned_load_blocks() if planned is not None else set()
+        return self.worker_side.fail_unknown_loads(planned)
 
     @_contained(None)
     def get_kv_connector_stats(self) -> MaruConnectorStats | None:
@@ -282,8 +261,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.log_summary.stop()
         if self.worker_side is not None:
             self.worker_side.shutdown()
-            if self.worker_side.store_pool is not self.pool:
-                self.worker_side.store_pool.close()
+        if self.store_pool is not None:
+            self.store_pool.close()
         self.pool.close()
 
     # ==== scheduler side =======================================================================
@@ -334,11 +313,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         and still hold its blocks if a write-behind store may read them."""
         if self.scheduler_side is None:
             return False, None
-        st = self.scheduler_side.requests.pop(request.request_id, None)
-        if st is not None and st.has_stores:
-            self.scheduler_side.held_for_stores.add(request.request_id)
-            return True, None
-        return False, None
+        return self.scheduler_side.forget_request(request), None
 
     @property
     def requires_kv_delivery(self) -> bool:

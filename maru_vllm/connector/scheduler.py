@@ -41,6 +41,7 @@ from maru_vllm.connector.chunks import ChunkGeometry, chunk_key, hash_bytes
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.connector.scheduled import scheduled_requests
+from maru_vllm.connector.sides import SchedulerSide
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -85,7 +86,9 @@ class RequestState:
     fetch_asked: float = 0.0
 
 
-class MaruSchedulerSide:
+class MaruSchedulerSide(SchedulerSide):
+    """One KV cache group: synchronous loads chunk by chunk (the last one may be in part)."""
+
     def __init__(
         self,
         geometry: ChunkGeometry,
@@ -250,6 +253,10 @@ class MaruSchedulerSide:
     # -- end of a request --------------------------------------------------------------------
     def request_finished(self, request: Request) -> bool:
         """Forget the request; True when vLLM must keep its blocks until the worker's stores are done."""
+        return self.forget_request(request)
+
+    def forget_request(self, request: Request) -> bool:
+        """Drop the request's state; True (and announced to the worker) if a store was planned."""
         st = self.requests.pop(request.request_id, None)
         if st is None or not st.has_stores:
             return False

@@ -46,15 +46,13 @@ from typing import Any
 import torch
 
 from maru_vllm.connector.chunks import chunk_key, with_rank
+from maru_vllm.connector.copier import Copier, WholeChunk
 from maru_vllm.connector.cuda_host import HostRegistry
 from maru_vllm.connector.metadata import ChunkStore
 from maru_vllm.connector.page_layout import LayoutError
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.connector.stats import TransferCounters
-from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier, WholeChunk
 from maru_vllm.pool import Reservation
-
-Copier = TorchPageCopier | LMCacheBlockCopier
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """How pages move between the paged KV cache and pool objects: torch copies or LMCache's kernel.
 
-Two copiers with one interface (`pack`, `unpack`, `unpack_many`, `chunk_nbytes`, `format`):
+Two implementations of `copier.Copier` (which states what a copier does and how it fails),
+chosen once per KV cache group by `make_copier`:
 
 * `TorchPageCopier` (every device; the only one on CPU): `KVCacheSet`'s whole-page copies,
   object format ``maru-pages`` (per block, every layer's page in storage order). On host caches
@@ -22,7 +23,6 @@ copy differently never load each other's objects. On CPU nothing changes: ``maru
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import types
 from collections.abc import Mapping, Sequence
@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from maru_vllm.connector.copier import Copier, WholeChunk
 from maru_vllm.connector.kernels import LMCacheKernels, resolve_lmcache_kernels
 from maru_vllm.connector.layouts import KVCacheSet
 from maru_vllm.connector.page_layout import LayoutMismatch
@@ -55,19 +56,9 @@ def copy_format(device_type: str, use_lmcache_kernels: bool) -> str:
     return FORMAT_LMCACHE_BLOCK if block_kernel_available(resolve_lmcache_kernels(True)) else FORMAT_PAGES
 
 
-@dataclasses.dataclass(frozen=True)
-class WholeChunk:
-    """One whole chunk of a batched copy: its blocks, its pool payload, and (loads) whether to
-    hash the payload on the way (a store always does)."""
-
-    block_ids: Sequence[int]
-    payload: memoryview
-    skip_blocks: int = 0
-    hashed: bool = True
-
-
 class TorchPageCopier:
     format = FORMAT_PAGES
+    fuses_loads = False  # `unpack_many` is one `unpack` per chunk
 
     def __init__(self, codec: KVCacheSet) -> None:
         self.codec = codec
@@ -156,6 +147,7 @@ class LMCacheBlockCopier:
     """LMCache's ``multi_layer_block_kv_transfer`` over the registered KV caches."""
 
     format = FORMAT_LMCACHE_BLOCK
+    fuses_loads = True  # `unpack_many`: up to MAX_OBJECTS_PER_LAUNCH chunks per kernel launch
 
     def __init__(
         self,
@@ -318,7 +310,7 @@ def make_copier(
     block_size: int,
     num_blocks: int,
     blocks_per_chunk: int,
-) -> TorchPageCopier | LMCacheBlockCopier:
+) -> Copier:
     """The copier for these caches: LMCache's block kernel on CUDA when it resolved, else torch."""
     if codec.device.type == "cuda" and block_kernel_available(kernels):
         assert kernels is not None and kernels.multi_layer_block_kv_transfer is not None

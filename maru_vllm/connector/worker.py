@@ -31,6 +31,7 @@ import torch
 from vllm.logger import init_logger
 
 from maru_vllm.connector.chunks import chunk_key
+from maru_vllm.connector.copier import Copier, WholeChunk
 from maru_vllm.connector.cpu_amx import request_amx_permission
 from maru_vllm.connector.cuda_host import HostRegistry
 from maru_vllm.connector.kernels import resolve_fused_load, resolve_lmcache_kernels
@@ -38,9 +39,10 @@ from maru_vllm.connector.layouts import KVCacheSet
 from maru_vllm.connector.metadata import ChunkLoad, MaruConnectorMetadata
 from maru_vllm.connector.page_layout import LayoutError
 from maru_vllm.connector.pool_interface import ConnectorPool
+from maru_vllm.connector.sides import WorkerSide
 from maru_vllm.connector.stats import TransferCounters
 from maru_vllm.connector.store_writer import StoreWriter
-from maru_vllm.connector.transfer import FORMAT_PAGES, LMCacheBlockCopier, TorchPageCopier, WholeChunk, make_copier
+from maru_vllm.connector.transfer import FORMAT_PAGES, make_copier
 from maru_vllm.pool import PartPin, ReadPin
 from maru_vllm.pool.objects import checksum_from_digest, checksum_of, payload_hasher
 
@@ -51,7 +53,9 @@ logger = init_logger(__name__)
 IDLE_WAIT_S = 1.0
 
 
-class MaruWorkerSide:
+class MaruWorkerSide(WorkerSide):
+    """One KV cache group's data plane; served alone, loads are synchronous and fail per block."""
+
     def __init__(
         self,
         *,
@@ -87,7 +91,7 @@ class MaruWorkerSide:
         # The object format the namespace was made for (transfer.copy_format): a worker that
         # cannot copy in that format must not touch the pool.
         self.expected_format = expected_format
-        self.copier: TorchPageCopier | LMCacheBlockCopier | None = None
+        self.copier: Copier | None = None
         self.host_registry: HostRegistry | None = None
         self.kernels = resolve_lmcache_kernels(use_lmcache_kernels)
         self.fused_load = resolve_fused_load(enable_fused_load, self.kernels)
@@ -137,7 +141,7 @@ class MaruWorkerSide:
             )
             self.codec = None
             return
-        if self.fused_load and not isinstance(copier, LMCacheBlockCopier):
+        if self.fused_load and not copier.fuses_loads:
             logger.warning(
                 "maru_enable_fused_load needs LMCache's block kernel on a CUDA KV cache; loading "
                 "chunk by chunk with %s copies",
@@ -353,6 +357,14 @@ class MaruWorkerSide:
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
         return failed
+
+    def take_load_results(self) -> tuple[set[str], set[str]]:
+        """Loads are synchronous here: they end in `load`, failures go through `take_failed_blocks`."""
+        return set(), set()
+
+    def fail_unknown_loads(self, meta: MaruConnectorMetadata | None) -> set[int]:
+        self.failed_blocks = set()
+        return meta.planned_load_blocks() if meta is not None else set()
 
     # -- stores ----------------------------------------------------------------------------------
     def store(self, meta: MaruConnectorMetadata) -> None:

@@ -24,6 +24,7 @@ import torch
 from maru_vllm.connector.kv_groups import KVGroup
 from maru_vllm.connector.metadata import MaruConnectorMetadata
 from maru_vllm.connector.pool_interface import ConnectorPool
+from maru_vllm.connector.sides import WorkerSide
 from maru_vllm.connector.stats import TransferCounters
 from maru_vllm.connector.worker import MaruWorkerSide
 
@@ -40,7 +41,10 @@ def _for_group(meta: MaruConnectorMetadata, group: int) -> MaruConnectorMetadata
     )
 
 
-class GroupedWorkerSide:
+class GroupedWorkerSide(WorkerSide):
+    """Several KV cache groups (or a sliding-window one): one `MaruWorkerSide` per group, loads
+    asynchronous with one verdict per request."""
+
     def __init__(
         self,
         *,
@@ -126,6 +130,12 @@ class GroupedWorkerSide:
             side.take_failed_blocks()
         return set()
 
+    def fail_unknown_loads(self, meta: MaruConnectorMetadata | None) -> set[int]:
+        """Nothing to report per block: the step's requests already have their verdicts (`_settle`)."""
+        for side in self.sides:
+            side.failed_blocks = set()
+        return set()
+
     # -- stores ----------------------------------------------------------------------------------
     def store(self, meta: MaruConnectorMetadata) -> None:
         for group, side in zip(self.groups, self.sides):
@@ -157,12 +167,3 @@ class GroupedWorkerSide:
             if counters is not None:
                 total.add(counters)
         return None if total.is_empty() else total
-
-    @property
-    def failed_blocks(self) -> set[int]:
-        return set()
-
-    @failed_blocks.setter
-    def failed_blocks(self, value: set[int]) -> None:
-        for side in self.sides:
-            side.failed_blocks = set()
