@@ -365,6 +365,10 @@ class PoolIndex:
         live, objects = self.live, self.objects
         data_offset = self.data_offset
         meta_bytes = object_bytes = 0
+        tags: list[int] = []  # presence entries: the objects', then their parts' in commit order
+        part_tags: list[int] = []
+        part_units: list[int] = []
+        fps = self.presence.fingerprints if self.presence is not None else None
         for ident, payload, record, slot in sorted(found, key=lambda f: f[0].cseq):
             oid, ns = ident.oid, ident.ns
             obj = Obj(
@@ -387,6 +391,12 @@ class PoolIndex:
             self._lru.add(obj)
             self._order.append(obj)
             self._parts.add(obj, announce=False)
+            if fps is not None:
+                tags.append(fps.of_object(ns, obj.key))
+                if obj.parts:
+                    more_tags, more_units = self._parts.presence_of(obj)
+                    part_tags += more_tags
+                    part_units += more_units
             meta_bytes += obj.meta_cost
             object_bytes += obj.size
             if oid >= top_oid:
@@ -397,11 +407,7 @@ class PoolIndex:
         self._next_oid = max(self._next_oid, top_oid)
         self._next_cseq = max(self._next_cseq, top_cseq + 1)
         if self.presence is not None:
-            fps = self.presence.fingerprints
-            tags = [fps.of_object(o.ns, o.key) for o in self.objects.values()]
-            named = [0] * len(tags)
-            part_tags, part_named = self._parts.presence_entries()
-            self.presence.put_many(tags + part_tags, named + part_named)
+            self.presence.put_many(tags + part_tags, [0] * len(tags) + part_units)
         # a smaller budget than the last service had: the least recently used go, as at a commit
         self._evict_until(lambda: self.metadata_bytes <= self.metadata_budget)
 

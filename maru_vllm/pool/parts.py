@@ -14,10 +14,13 @@ keys, so both are O(MAX_PARTS).
 from __future__ import annotations
 
 from maru_vllm.pool.presence import PresenceTable, write_units
+from maru_vllm.pool.protocol import MAX_PARTS
 from maru_vllm.pool.records import Obj
 
 #: (namespace, part key) -> the visible objects naming it, oldest first: {oid: (object, units)}
 Holders = dict[int, tuple[Obj, int]]
+
+_UNITS = [write_units(units) for units in range(MAX_PARTS + 1)]  # write_units of 0..MAX_PARTS
 
 
 class PartIndex:
@@ -39,13 +42,25 @@ class PartIndex:
 
     def add(self, obj: Obj, *, announce: bool = True) -> None:
         """`obj` became visible: it is now the newest holder of each of its part keys.
-        `announce=False` leaves the presence table alone (a bulk `refill_presence` follows)."""
+        `announce=False` leaves the presence table alone (a bulk fill from `presence_of` follows)."""
+        holders, ns, oid = self.holders, obj.ns, obj.oid
         for units, pkey in enumerate(obj.parts, 1):
-            self.holders.setdefault((obj.ns, pkey), {})[obj.oid] = (obj, units)
+            found = holders.get((ns, pkey))
+            if found is None:
+                holders[(ns, pkey)] = {oid: (obj, units)}
+            else:
+                found[oid] = (obj, units)
         if announce and self.presence is not None:
             table = self.presence
-            for units, tag in enumerate(table.fingerprints.of_parts(obj.ns, obj.parts), 1):
-                table.put(tag, write_units(units))
+            for tag, units in zip(*self.presence_of(obj)):
+                table.put(tag, units)
+
+    def presence_of(self, obj: Obj) -> tuple[list[int], list[int]]:
+        """(tags, encoded units) of `obj`'s part keys as the newest holder records them. Filling an
+        empty table with these of every object in commit order (`PresenceTable.put_many`: the last
+        of a tag counts) leaves each part key's entry equal to its newest holder's."""
+        assert self.presence is not None
+        return self.presence.fingerprints.of_parts(obj.ns, obj.parts), _UNITS[1 : len(obj.parts) + 1]
 
     def drop(self, obj: Obj) -> None:
         """`obj` is no longer visible: forget it as a holder; the presence table follows."""
@@ -62,14 +77,3 @@ class PartIndex:
                         self.presence.discard(tag)
                     else:
                         self.presence.put(tag, write_units(found[1]))
-
-    def presence_entries(self) -> tuple[list[int], list[int]]:
-        """(tags, encoded units) of every part key's newest holder, for a bulk presence refill."""
-        assert self.presence is not None
-        fps = self.presence.fingerprints
-        tags: list[int] = []
-        named: list[int] = []
-        for (ns, pkey), holders in self.holders.items():
-            tags.append(fps.of_part(ns, pkey))
-            named.append(write_units(holders[next(reversed(holders))][1]))
-        return tags, named
