@@ -1,0 +1,131 @@
+"""`RoleGuard`: one disaggregated worker's liveness stream, its stand-in and the rule between them.
+
+Started by the worker once it is registered (`hook.py`); runs in the worker's event loop:
+
+1. serves this worker's `maru_watch` (`peers.serve_watch`), so the other role's workers see it;
+2. starts the stand-in for the other role, out of discovery (`standby.Standby`);
+3. follows the other role's live workers (`peers.PeerWatch`) and applies `policy.StandbyPolicy`:
+   no live worker of that role - the stand-in goes into discovery and the log says, once, that the
+   role is degraded; one is live again - the stand-in leaves and the log says, once, that
+   disaggregated serving is restored.
+
+A guard that cannot start its stand-in logs one error and leaves the worker serving its own role.
+Once the worker is stopping (`stopping()`: Dynamo's graceful shutdown has begun and unregisters the
+stand-in with the worker's other endpoints) the guard ends: a stopping worker stands in for no one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from maru_vllm.disagg.peers import PeerWatch, serve_watch
+from maru_vllm.disagg.policy import StandbyPolicy, Transition
+from maru_vllm.disagg.roles import COMPONENT, GENERATE, other_role
+from maru_vllm.disagg.standby import Standby
+
+logger = logging.getLogger(__name__)
+
+
+class RoleGuard:
+    def __init__(
+        self,
+        standby: Standby,
+        *,
+        runtime: Any,
+        namespace: str,
+        role: str,
+        instance_id: int,
+        policy: StandbyPolicy | None = None,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.standby = standby
+        self.stopping = stopping
+        self.runtime, self.namespace = runtime, namespace
+        self.role = role  # this worker's own role
+        self.other = other_role(role)
+        self.instance_id = instance_id
+        self.policy = policy or StandbyPolicy()
+        self._changed = asyncio.Event()
+        self._live: frozenset[int] = frozenset()
+        self._served_before = 0
+        self.endpoints: list[Any] = []  # what a graceful stop unregisters
+
+    async def start(self) -> list[Any]:
+        """Serve the liveness stream and start the stand-in; returns the endpoints to unregister on a stop."""
+        self.endpoints.append(await serve_watch(self.runtime, self.namespace, self.role, self.instance_id))
+        await self.standby.start(self.instance_id)
+        self.endpoints.append(self.standby.endpoint)
+        logger.info(
+            "maru_worker: %s worker stands by for the %s role (%s.%s on this engine, out of discovery until no %s "
+            "worker is live)",
+            self.role,
+            self.other,
+            COMPONENT[self.other],
+            GENERATE,
+            self.other,
+        )
+        return self.endpoints
+
+    async def run(self) -> None:
+        """Follow the other role and promote / withdraw the stand-in until cancelled."""
+        watch = PeerWatch(
+            self.runtime, self.namespace, self.other, watcher_id=self.instance_id, on_change=self._on_change
+        )
+        watcher = asyncio.get_running_loop().create_task(watch.run())
+        try:
+            while not self.stopping():
+                now = time.monotonic()
+                transition = self.policy.update(now, len(self._live))
+                if transition is not None and not await self._apply(transition):
+                    await asyncio.sleep(1.0)  # discovery refused: the policy asks again
+                    continue
+                if watcher.done():
+                    watcher.result()  # raise what ended it
+                    return
+                wait = self.policy.next_check(time.monotonic())
+                self._changed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), 1.0 if wait is None else max(wait, 0.01))
+            logger.info("maru_worker: the worker is stopping; it stands in for the %s role no more", self.other)
+        finally:
+            watcher.cancel()
+
+    async def _apply(self, transition: Transition) -> bool:
+        """Put the stand-in into discovery or take it out, and say so; False (logged) when that failed."""
+        try:
+            if transition == "promote":
+                await self.standby.promote()
+            else:
+                await self.standby.withdraw()
+        except Exception as exc:  # a discovery backend that refuses: the policy tries again
+            logger.error("maru_worker: the stand-in %s endpoint could not %s: %s", self.other, transition, exc)
+            self.policy.undo(transition)
+            return False
+        if transition == "promote":
+            self._served_before = self.standby.served
+            logger.warning(
+                "maru_worker: disaggregation degraded: no %s worker is live; this %s worker serves the %s role too "
+                "until one is back",
+                self.other,
+                self.role,
+                self.other,
+            )
+        else:
+            logger.warning(
+                "maru_worker: disaggregation restored: %d %s worker(s) live; this worker's stand-in %s endpoint left "
+                "discovery (it served %d request(s))",
+                len(self._live),
+                self.other,
+                self.other,
+                self.standby.served - self._served_before,
+            )
+        return True
+
+    def _on_change(self, live: frozenset[int]) -> None:
+        self._live = live
+        self._changed.set()
