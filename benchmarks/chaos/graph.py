@@ -31,6 +31,7 @@ class GraphView:
         nats = next((p.argv for p in plan.processes if p.name == NATS), None)
         self.nats_port = int(nats[nats.index("-p") + 1]) if nats else None
         self.worker_names = [p.name for p in plan.workers]
+        self.disaggregated = plan.spec.mode == "disagg"
         self._probe_seq = 0
 
     # -- processes -------------------------------------------------------------------------------
@@ -53,21 +54,40 @@ class GraphView:
         return read_instance_file(instance_file(self.plan.work_dir, name))
 
     # -- frontend --------------------------------------------------------------------------------
-    def instances(self) -> list[int]:
-        """Instance ids of the workers the frontend routes to (its /health)."""
+    def _generate_rows(self) -> list[dict[str, Any]]:
         try:
             with urllib.request.urlopen(f"{self.plan.url}/health", timeout=3) as resp:
                 health = json.loads(resp.read())
         except (urllib.error.URLError, OSError, ValueError):
             return []
         rows = health.get("instances") if isinstance(health, dict) else None
-        return sorted(
-            {
-                int(r["instance_id"])
-                for r in rows or []
-                if isinstance(r, dict) and r.get("endpoint") == "generate" and "instance_id" in r
-            }
-        )
+        return [r for r in rows or [] if isinstance(r, dict) and r.get("endpoint") == "generate" and "instance_id" in r]
+
+    def instances(self) -> list[int]:
+        """Instance ids of the workers the frontend routes to (its /health)."""
+        return sorted({int(r["instance_id"]) for r in self._generate_rows()})
+
+    def roles(self) -> tuple[set[int], set[int]]:
+        """(prefill ids, decode ids) the frontend routes to; a worker standing in for the other
+        role (`maru_vllm.disagg`) is in both."""
+        prefill = {int(r["instance_id"]) for r in self._generate_rows() if r.get("component") == "prefill"}
+        decode = {int(r["instance_id"]) for r in self._generate_rows() if r.get("component") != "prefill"}
+        return prefill, decode
+
+    def serving_instances(self) -> list[int]:
+        """The instances a request can be pinned to (`backend_instance_id`): every worker of an
+        aggregated graph, the decode role's of a disaggregated one."""
+        return sorted(self.roles()[1]) if self.disaggregated else self.instances()
+
+    def stand_in(self) -> bool:
+        """Whether a worker serves both roles now (a disaggregated graph that lost one)."""
+        prefill, decode = self.roles()
+        return bool(prefill & decode)
+
+    def disaggregated_again(self) -> bool:
+        """Both roles have workers of their own and none stands in for the other."""
+        prefill, decode = self.roles()
+        return bool(prefill and decode and not prefill & decode)
 
     def ask(self, prompt: list[int], instance: int | None, timeout: float = 30.0) -> dict[str, Any] | None:
         """One short greedy completion (pinned to `instance` when given); None when it fails."""
