@@ -1,67 +1,24 @@
 """The frontend's log of a disaggregated graph's roles: one line when a role is degraded, one when restored.
 
-`RoleLog` reads the frontend's own `/health` every `interval_s` in a daemon thread: Dynamo lists
-there every instance of every endpoint the frontend knows, by component and endpoint. Every
-disaggregated Maru worker serves `maru_watch` on its own role's component (`prefill` or
-`backend`), and a worker that stands in for the other role (`maru_vllm.disagg.standby`) also
-serves that role's `generate` under the same instance id. So:
-
-* the prefill role is degraded while a decode worker (an id of `backend/maru_watch`) is listed
-  under `prefill/generate`: it stands in, which it does only while no prefill worker is live;
-* the decode role is degraded while a prefill worker is listed under `backend/generate`;
-* the graph is disaggregated while neither holds and both roles have workers.
-
-Nothing is logged for a graph without stand-ins (aggregated, or `--no-maru-standby`), nor while
-the frontend is not up.
+`RoleLog` reads the frontend's own `/health` every `interval_s` in a daemon thread and logs each
+change of the state `view.RoleView` reads from it, once. A dead prefill worker stays listed until
+discovery drops it, so the frontend's line can come that much after the decode workers' own.
+Nothing is logged for a graph without `maru_watch` endpoints (aggregated, or
+`--no-maru-standby`), nor while the frontend is not up.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
 import urllib.error
 import urllib.request
-from typing import Any
 
-from maru_vllm.disagg.roles import COMPONENT, DECODE, GENERATE, PREFILL, WATCH
+from maru_vllm.disagg.roles import DECODE, PREFILL
+from maru_vllm.disagg.view import RoleView
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class RoleView:
-    generate: dict[str, frozenset[int]]  # role -> instance ids listed under its generate endpoint
-    workers: dict[str, frozenset[int]]  # role -> ids of that role's workers (its maru_watch endpoint)
-
-    @classmethod
-    def from_health(cls, health: Any) -> RoleView:
-        ids: dict[tuple[str, str], set[int]] = {(r, e): set() for r in COMPONENT for e in (GENERATE, WATCH)}
-        component_role = {component: role for role, component in COMPONENT.items()}
-        for inst in (health.get("instances") if isinstance(health, dict) else None) or []:
-            if not isinstance(inst, dict) or not isinstance(inst.get("instance_id"), int):
-                continue
-            key = (component_role.get(str(inst.get("component")), ""), str(inst.get("endpoint")))
-            if key in ids:
-                ids[key].add(inst["instance_id"])
-        return cls(
-            {r: frozenset(ids[(r, GENERATE)]) for r in COMPONENT}, {r: frozenset(ids[(r, WATCH)]) for r in COMPONENT}
-        )
-
-    def standing_in(self, role: str) -> frozenset[int]:
-        """Workers of the other role listed under `role`'s generate endpoint."""
-        other = DECODE if role == PREFILL else PREFILL
-        return self.generate[role] & self.workers[other]
-
-    def state(self) -> str | None:
-        """'disaggregated', 'prefill degraded', 'decode degraded', or None (no disaggregated graph)."""
-        for role in (PREFILL, DECODE):
-            if self.standing_in(role):
-                return f"{role} degraded"
-        if self.workers[PREFILL] and self.workers[DECODE]:
-            return "disaggregated"
-        return None
 
 
 class RoleLog:

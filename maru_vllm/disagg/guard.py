@@ -3,11 +3,15 @@
 Started by the worker once it is registered (`hook.py`); runs in the worker's event loop:
 
 1. serves this worker's `maru_watch` (`peers.serve_watch`), so the other role's workers see it;
-2. starts the stand-in for the other role, out of discovery (`standby.Standby`);
-3. follows the other role's live workers (`peers.PeerWatch`) and applies `policy.StandbyPolicy`:
-   no live worker of that role - the stand-in goes into discovery and the log says, once, that the
-   role is degraded; one is live again - the stand-in leaves and the log says, once, that
-   disaggregated serving is restored.
+2. follows the other role's live workers (`peers.PeerWatch`), waiting up to `FIRST_LOOK_S` for the
+   ones already running to be seen, and starts the stand-in for the other role
+   (`standby.Standby`: a decode worker's prefill stand-in in discovery, forwarding to the live
+   prefill workers; a prefill worker's decode stand-in out of discovery);
+3. applies `policy.StandbyPolicy` to the live count: no live worker of that role - the stand-in is
+   promoted (a decode stand-in enters discovery; a prefill stand-in serves on this engine, as it
+   would anyway with nobody to forward to) and the log says, once, that the role is degraded; one
+   is live again - the stand-in is withdrawn and the log says, once, that disaggregated serving
+   is restored.
 
 A guard that cannot start its stand-in logs one error and leaves the worker serving its own role.
 Once the worker is stopping (`stopping()`: Dynamo's graceful shutdown has begun and unregisters the
@@ -29,6 +33,8 @@ from maru_vllm.disagg.roles import COMPONENT, GENERATE, other_role
 from maru_vllm.disagg.standby import Standby
 
 logger = logging.getLogger(__name__)
+
+FIRST_LOOK_S = 5.0  # at most this long for the peers already running to be seen at the start
 
 
 class RoleGuard:
@@ -53,30 +59,48 @@ class RoleGuard:
         self._changed = asyncio.Event()
         self._live: frozenset[int] = frozenset()
         self._served_before = 0
+        self._watcher: asyncio.Task[None] | None = None
         self.endpoints: list[Any] = []  # what a graceful stop unregisters
 
     async def start(self) -> list[Any]:
-        """Serve the liveness stream and start the stand-in; returns the endpoints to unregister on a stop."""
+        """Serve the liveness stream, follow the other role and start the stand-in; returns the
+        endpoints to unregister on a stop."""
         self.endpoints.append(await serve_watch(self.runtime, self.namespace, self.role, self.instance_id))
-        await self.standby.start(self.instance_id)
-        self.endpoints.append(self.standby.endpoint)
-        logger.info(
-            "maru_worker: %s worker stands by for the %s role (%s.%s on this engine, out of discovery until no %s "
-            "worker is live)",
-            self.role,
-            self.other,
-            COMPONENT[self.other],
-            GENERATE,
-            self.other,
-        )
-        return self.endpoints
-
-    async def run(self) -> None:
-        """Follow the other role and promote / withdraw the stand-in until cancelled."""
         watch = PeerWatch(
             self.runtime, self.namespace, self.other, watcher_id=self.instance_id, on_change=self._on_change
         )
-        watcher = asyncio.get_running_loop().create_task(watch.run())
+        self._watcher = asyncio.get_running_loop().create_task(watch.run())
+        # The stand-in decides by the live peers: know the ones already running before it serves.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(watch.first_look.wait(), FIRST_LOOK_S)
+        await self.standby.start(self.instance_id, lambda: self._live)
+        self.endpoints.append(self.standby.endpoint)
+        if self.standby.forwards:
+            logger.info(
+                "maru_worker: %s worker stands by for the %s role (%s.%s on this engine, in discovery: it passes "
+                "requests on to a live %s worker, and serves them itself when none answers)",
+                self.role,
+                self.other,
+                COMPONENT[self.other],
+                GENERATE,
+                self.other,
+            )
+        else:
+            logger.info(
+                "maru_worker: %s worker stands by for the %s role (%s.%s on this engine, out of discovery until no "
+                "%s worker is live)",
+                self.role,
+                self.other,
+                COMPONENT[self.other],
+                GENERATE,
+                self.other,
+            )
+        return self.endpoints
+
+    async def run(self) -> None:
+        """Promote / withdraw the stand-in as the other role's workers come and go, until cancelled."""
+        watcher = self._watcher
+        assert watcher is not None, "start() first"
         try:
             while not self.stopping():
                 now = time.monotonic()
@@ -117,8 +141,8 @@ class RoleGuard:
             )
         else:
             logger.warning(
-                "maru_worker: disaggregation restored: %d %s worker(s) live; this worker's stand-in %s endpoint left "
-                "discovery (it served %d request(s))",
+                "maru_worker: disaggregation restored: %d %s worker(s) live; this worker no longer serves the %s "
+                "role (it served %d request(s) for it)",
                 len(self._live),
                 self.other,
                 self.other,

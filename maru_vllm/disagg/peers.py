@@ -69,6 +69,8 @@ class PeerWatch:
         self.on_change = on_change
         self.poll_s, self.retry_s = poll_s, retry_s
         self._open: set[int] = set()  # peers whose stream delivered its first message and is open
+        self._tried: set[int] = set()  # peers whose first stream opened or failed
+        self.first_look = asyncio.Event()  # set once every peer listed at the start was tried
         self._streams: dict[int, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._live: frozenset[int] = frozenset()
@@ -92,6 +94,8 @@ class PeerWatch:
                 if live != self._live:
                     self._live = live
                     self.on_change(live)
+                if listed <= self._tried:
+                    self.first_look.set()
                 self._wake.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.poll_s)
@@ -108,11 +112,13 @@ class PeerWatch:
                     async for _ in stream:
                         if peer not in self._open:
                             self._open.add(peer)
+                            self._tried.add(peer)
                             self._wake.set()
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # a dead peer: connection refused or a broken stream
                     logger.debug("maru_watch stream to %s %x ended: %s", self.role, peer, exc)
+                self._tried.add(peer)
                 if peer in self._open:
                     self._open.discard(peer)
                     self._wake.set()

@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from maru_dynamo.components.frontend import health_url
-from maru_vllm.disagg.frontend_log import RoleLog, RoleView
+from maru_vllm.disagg.frontend_log import RoleLog
+from maru_vllm.disagg.view import RoleView
 
 P, D = 5105075361137414446, 11102425294254454071
 
@@ -33,23 +34,20 @@ def health(*instances: tuple[str, str, int]) -> dict:
 
 
 WATCHES = (("prefill", "maru_watch", P), ("backend", "maru_watch", D))
-WHOLE = health(("prefill", "generate", P), ("backend", "generate", D), *WATCHES)
-# The prefill worker died: the decode worker stands in (the dead one may still be listed a while).
+# Decode workers always serve prefill/generate: their forwarding prefill stand-in.
+WHOLE = health(("prefill", "generate", P), ("prefill", "generate", D), ("backend", "generate", D), *WATCHES)
 NO_PREFILL = health(("prefill", "generate", D), ("backend", "generate", D), ("backend", "maru_watch", D))
-NO_PREFILL_YET_LISTED = health(
-    ("prefill", "generate", P), ("prefill", "generate", D), ("backend", "generate", D), *WATCHES
-)
 NO_DECODE = health(("prefill", "generate", P), ("backend", "generate", P), ("prefill", "maru_watch", P))
 
 
 def test_role_view_tells_workers_from_stand_ins() -> None:
     view = RoleView.from_health(WHOLE)
-    assert view.generate == {"prefill": {P}, "decode": {D}} and view.workers == {"prefill": {P}, "decode": {D}}
+    assert view.generate == {"prefill": {P, D}, "decode": {D}} and view.workers == {"prefill": {P}, "decode": {D}}
     assert view.state() == "disaggregated"
     assert RoleView.from_health(NO_PREFILL).state() == "prefill degraded"
-    assert RoleView.from_health(NO_PREFILL_YET_LISTED).state() == "prefill degraded"
     assert RoleView.from_health(NO_PREFILL).standing_in("prefill") == {D}
     assert RoleView.from_health(NO_DECODE).state() == "decode degraded"
+    assert RoleView.from_health(NO_DECODE).standing_in("decode") == {P}
     # Aggregated graphs, graphs without stand-ins and graphs without workers say nothing.
     assert RoleView.from_health(health(("backend", "generate", D))).state() is None
     assert RoleView.from_health(health(("prefill", "generate", P), ("backend", "generate", D))).state() is None
