@@ -106,7 +106,8 @@ def run_mode(mode: str, args: argparse.Namespace, log: Any = print) -> dict[str,
             stopped = next(p for p in group.processes if p.name == STOPPED[mode])
             t0 = time.monotonic()
             stopped.stop(30.0)
-            if wait_for(lambda: view.stand_in() and len(view.instances()) == 1, 120, 0.1) is None:
+            role = STOPPED[mode].split(":")[1].rsplit("-", 1)[0]
+            if wait_for(lambda: view.role_view().state() == f"{role} degraded", 120, 0.1) is None:
                 raise RuntimeError(f"{mode}: no worker stood in for the stopped one")
             log(f"[bench] {mode}: {STOPPED[mode]} stopped; the other worker stands in ({time.monotonic() - t0:.1f} s)")
         cfg = LoadConfig(

@@ -34,8 +34,10 @@ long it takes, from the injection, until
 
 In a disaggregated graph (`--graph disagg`) a worker kill also measures
 
-* ``stand_in_s``   - the other role's worker stands in for the killed one (the frontend lists it
-  under both roles' endpoints),
+* ``stand_in_s``   - the frontend's view says the killed worker's role is stood in for (a prefill
+  worker standing in for the decode role is listed under its endpoint; a lost prefill role
+  shows once discovery has dropped the dead worker - the decode workers' forwarding stand-ins
+  serve it from the first retry on, `maru_vllm.disagg.standby`),
 * ``disagg_back_s`` - the graph is disaggregated again: both roles have a worker of their own and
   the stand-in has left,
 

@@ -16,6 +16,7 @@ import urllib.request
 from typing import Any
 
 from maru_dynamo.graphs.run import Plan, instance_file
+from maru_vllm.disagg.view import RoleView
 from maru_vllm.launch import ManagedProcess, ProcessGroup
 from maru_vllm.launch.lifecycle import read_instance_file
 from maru_vllm.pool import PoolClient, PoolError
@@ -67,27 +68,26 @@ class GraphView:
         """Instance ids of the workers the frontend routes to (its /health)."""
         return sorted({int(r["instance_id"]) for r in self._generate_rows()})
 
-    def roles(self) -> tuple[set[int], set[int]]:
-        """(prefill ids, decode ids) the frontend routes to; a worker standing in for the other
-        role (`maru_vllm.disagg`) is in both."""
-        prefill = {int(r["instance_id"]) for r in self._generate_rows() if r.get("component") == "prefill"}
-        decode = {int(r["instance_id"]) for r in self._generate_rows() if r.get("component") != "prefill"}
-        return prefill, decode
+    def role_view(self) -> RoleView:
+        """The graph's roles as the frontend lists them (`maru_vllm.disagg.view`)."""
+        try:
+            with urllib.request.urlopen(f"{self.plan.url}/health", timeout=3) as resp:
+                return RoleView.from_health(json.loads(resp.read()))
+        except (urllib.error.URLError, OSError, ValueError):
+            return RoleView.from_health({})
 
     def serving_instances(self) -> list[int]:
         """The instances a request can be pinned to (`backend_instance_id`): every worker of an
         aggregated graph, the decode role's of a disaggregated one."""
-        return sorted(self.roles()[1]) if self.disaggregated else self.instances()
+        return sorted(self.role_view().workers["decode"]) if self.disaggregated else self.instances()
 
     def stand_in(self) -> bool:
-        """Whether a worker serves both roles now (a disaggregated graph that lost one)."""
-        prefill, decode = self.roles()
-        return bool(prefill & decode)
+        """Whether a worker stands in for a lost role now (a disaggregated graph that lost one)."""
+        return (self.role_view().state() or "").endswith("degraded")
 
     def disaggregated_again(self) -> bool:
         """Both roles have workers of their own and none stands in for the other."""
-        prefill, decode = self.roles()
-        return bool(prefill and decode and not prefill & decode)
+        return self.role_view().state() == "disaggregated"
 
     def ask(self, prompt: list[int], instance: int | None, timeout: float = 30.0) -> dict[str, Any] | None:
         """One short greedy completion (pinned to `instance` when given); None when it fails."""

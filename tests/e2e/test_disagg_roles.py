@@ -5,15 +5,19 @@ for each role in turn, streaming load - 48 greedy completions of 48 tokens, 6 in
 sharing four 768-token prefixes - with that role's worker SIGKILLed (its whole process tree) a
 quarter of the way in:
 
-* the other worker stands in for the lost role (its log says so once, the frontend's too) and
-  counts what it served (`maru_disagg_standby_requests_total`); every request completes in full
-  but one running on the killed worker at the instant of the kill, which may end with an error
-  (HTTP 503, or an error event in its stream) - never as a short completion with HTTP 200;
+* the other worker takes the lost role over - a decode worker's prefill stand-in, in discovery
+  all along, prefills on its own engine once no prefill worker is live and takes the frontend's
+  retry of a prefill that failed on the dead worker; a prefill worker's decode stand-in enters
+  discovery and decodes, and streams migrated off the dead decode worker resume on it. Its log
+  says so once, the frontend's too, and it counts what it served
+  (`maru_disagg_standby_requests_total`);
+* every request completes in full: none ends with an error, none is a short completion behind an
+  HTTP 200;
 * a request served while the role is missing gives the same greedy tokens as the disaggregated
   path gave before;
-* the graph restarts the killed worker; once it is up the stand-in leaves discovery (logged once,
-  by the worker and the frontend) and requests are disaggregated again: the frontend routes them
-  to a prefill worker and then to a decode worker, and no worker serves both roles;
+* the graph restarts the killed worker; once it is up the other worker hands the role back
+  (logged once, by the worker and the frontend) and the frontend's view is disaggregated again;
+  requests give the same tokens as before;
 * afterwards the pool holds no pin and no reservation.
 
 A second graph has two prefill workers (the chart's replicas): one of them SIGKILLed under the same
@@ -33,6 +37,7 @@ from pathlib import Path
 
 import pytest
 
+from maru_vllm.disagg.view import RoleView
 from maru_vllm.launch.engine_metrics import metric_total
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import token_prompt
@@ -93,19 +98,14 @@ def answer(url: str, model: str, tokens: list[int]) -> tuple[str, list[float]]:
     return choice["text"], choice["logprobs"]["token_logprobs"]
 
 
-def generate_ids(url: str) -> tuple[set[int], set[int]]:
-    """Instance ids of prefill/generate and backend/generate the frontend lists."""
-    ids: dict[str, set[int]] = {"prefill": set(), "backend": set()}
-    for inst in get_json(f"{url}/health").get("instances") or []:
-        if inst.get("endpoint") == "generate" and inst.get("component") in ids:
-            ids[inst["component"]].add(inst["instance_id"])
-    return ids["prefill"], ids["backend"]
+def role_view(url: str) -> RoleView:
+    return RoleView.from_health(get_json(f"{url}/health"))
 
 
-def disaggregated(url: str) -> tuple[set[int], set[int]] | None:
-    """(prefill ids, decode ids) once both roles have workers and none serves both; else None."""
-    prefill, decode = generate_ids(url)
-    return (prefill, decode) if prefill and decode and not prefill & decode else None
+def disaggregated(url: str) -> RoleView | None:
+    """The frontend's view once both roles have workers and neither is stood in for; else None."""
+    view = role_view(url)
+    return view if view.state() == "disaggregated" else None
 
 
 def settled(client: PoolClient) -> dict | None:
@@ -174,8 +174,8 @@ def test_disagg_graph_survives_losing_each_role(tiny_model: Path) -> None:
                 assert count(log, RESTORED) == said[(log, RESTORED)] + 1, lines(log, "disaggregation")
             leaders = role_leaders(run.proc.pid)
             metrics[role] = f"http://127.0.0.1:{environ_of(leaders[role])['DYN_SYSTEM_PORT']}/metrics"
-            prefill_ids, decode_ids = wait_until(lambda: disaggregated(url), 60, what="disaggregated again")
-            print(f"[e2e] {role} back: {len(prefill_ids)} prefill, {len(decode_ids)} decode instance(s)")
+            view = wait_until(lambda: disaggregated(url), 60, what="disaggregated again")
+            print(f"[e2e] {role} back: workers listed { ({r: len(ids) for r, ids in view.workers.items()}) }")
             assert [answer(url, model, p)[0] for p in probes()] == [t for t, _ in reference]
 
         with PoolClient.connect(f"unix://{work}/pool-kv.sock") as c:
@@ -221,13 +221,10 @@ def kill_under_load(
         f"and served {served:.0f} request(s) for the {role} role; the load ended {t_load - t_kill:.1f} s after "
         f"the kill; fallback tokens checked: {same is not None}"
     )
-    # Nothing is cut short behind an HTTP 200, and once the stand-in is in (milliseconds after the
-    # kill) nothing fails: only a request running on the killed worker at that instant may end
-    # with an error (Dynamo retries it before any stand-in can be in discovery).
     short = [r for r in results if r.status == 200 and r.error is None and not r.complete(MAX_TOKENS)]
     assert not short, f"requests cut short without an error event: {short[:5]}"
-    late = [r for r in results if not r.complete(MAX_TOKENS) and r.end > t_kill + 1.0]
-    assert not late, f"requests failed after the stand-in was in: {late[:5]}\n{run.text()[-3000:]}"
+    failed = [r for r in results if not r.complete(MAX_TOKENS)]
+    assert not failed, f"requests that did not complete: {failed[:5]}\n{run.text()[-3000:]}"
     assert served > 0, f"the {other} worker served nothing for the {role} role"
     if same is not None:
         assert [t for t, _ in same] == [t for t, _ in reference], (same, reference)
@@ -251,12 +248,13 @@ def test_one_of_two_prefill_workers_lost_moves_its_requests(tiny_model: Path, tm
         decode_metrics = f"http://127.0.0.1:{environ_of(leaders['decode'][0])['DYN_SYSTEM_PORT']}/metrics"
         wait_until(lambda: disaggregated(url), 120, what="a disaggregated graph")
         said = [count(logs / name, DEGRADED) for name in ("worker-decode-0.log", "frontend.log")]
+        served_before = metric_total(metrics_text(decode_metrics), STANDBY_REQUESTS)
         load = Load(url, model, prompt, MAX_TOKENS, threads=THREADS, requests=REQUESTS).start()
         wait_until(lambda: load.done() >= REQUESTS // 4, 600, interval=0.1, what="a quarter of the load done")
         os.killpg(leaders["prefill"][0], signal.SIGKILL)
         results = load.wait()
         counts = verdict(results)
-        served = metric_total(metrics_text(decode_metrics), STANDBY_REQUESTS)
+        served = metric_total(metrics_text(decode_metrics), STANDBY_REQUESTS) - served_before
         print(
             f"\n[e2e] one of two prefill workers killed: {counts} of {len(results)}; "
             f"the decode worker's stand-in served {served:.0f}"
@@ -264,7 +262,7 @@ def test_one_of_two_prefill_workers_lost_moves_its_requests(tiny_model: Path, tm
         assert counts["complete"] == REQUESTS, counts
         assert served == 0  # nobody stood in: a prefill worker was left
         assert [count(logs / name, DEGRADED) for name in ("worker-decode-0.log", "frontend.log")] == said
-        run.wait_line(r"\[graph\] worker:prefill-0 restarted \(pid \d+, restart 1\)", timeout=120)
+        run.wait_line(r"\[graph\] worker:prefill-\d restarted \(pid \d+, restart 1\)", timeout=120)
         passed = True
     finally:
         stop(run, work, passed)

@@ -141,6 +141,8 @@ def test_maru_worker_fills_in_configs(monkeypatch: pytest.MonkeyPatch) -> None:
         ]
     )
     assert ours.maru_pool_name == "kv" and ours.maru_event_medium == "CPU_PINNED" and ours.maru_chunk_tokens == 256
+    assert ours.maru_standby and maru_worker.disaggregation_mode(rest) == "prefill"  # stands in for decode
+    assert not maru_worker.build(["--maru-pool-address", "a", "--no-maru-standby"])[0].maru_standby
     assert rest[:4] == ["--model", "m", "--disaggregation-mode", "prefill"]
     kvt = json.loads(rest[rest.index("--kv-transfer-config") + 1])
     # Every role loads and stores (a worker may stand in for the other role); prefill stores inline.
