@@ -37,11 +37,11 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.graphs.client import completion, get_json
 from maru_vllm.disagg.view import RoleView
 from maru_vllm.launch.engine_metrics import metric_total
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import token_prompt
-from tests.e2e.openai_client import completion, get_json
 from tests.e2e.streaming_load import Load, StreamResult
 from tests.e2e.test_graph_run import alive, cmdline, descendants
 from tests.e2e.test_graph_supervision import GraphRun, environ_of
