@@ -34,12 +34,10 @@ long it takes, from the injection, until
 
 In a disaggregated graph (`--graph disagg`) a worker kill also measures
 
-* ``stand_in_s``   - the frontend's view says the killed worker's role is stood in for (a prefill
-  worker standing in for the decode role is listed under its endpoint; a lost prefill role
-  shows once discovery has dropped the dead worker - the decode workers' forwarding stand-ins
-  serve it from the first retry on, `maru_vllm.disagg.standby`),
-* ``disagg_back_s`` - the graph is disaggregated again: both roles have a worker of their own and
-  the stand-in has left,
+* ``stand_in_s``   - the frontend's view says the killed worker's role is stood in for (its
+  workers are gone from discovery while the other role's are listed; the other role's forwarding
+  stand-ins, in discovery all along, serve it from the first retry on, `maru_vllm.disagg.standby`),
+* ``disagg_back_s`` - the graph is disaggregated again: both roles have a worker of their own,
 
 and ``serves_s`` is a request that completes through the frontend after the new worker is listed
 (a prefill instance cannot be pinned to).

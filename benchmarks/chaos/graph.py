@@ -86,7 +86,7 @@ class GraphView:
         return (self.role_view().state() or "").endswith("degraded")
 
     def disaggregated_again(self) -> bool:
-        """Both roles have workers of their own and none stands in for the other."""
+        """Both roles have workers of their own."""
         return self.role_view().state() == "disaggregated"
 
     def ask(self, prompt: list[int], instance: int | None, timeout: float = 30.0) -> dict[str, Any] | None:

@@ -5,16 +5,16 @@ either role can do the other role's work. Each prefill and decode worker therefo
 **stand-in** for the other role (`standby.py`): its own engine behind the other role's Dynamo
 endpoint, with that role's model card. A `RoleGuard` (`guard.py`) follows the live workers of the
 other role through a liveness stream to each (`peers.py`) and decides, by `policy.py`, when the
-worker stands in:
+worker counts as standing in (its log and its gauge say so). How requests reach it:
 
-* a decode worker's prefill stand-in is in discovery all along and passes each prefill request
-  it gets on to a live prefill worker; with none live, or when the one it tried does not answer,
-  it prefills on its own engine (its chunks go to the pool). The frontend retries a prefill that
-  failed on a dead worker at once and never on that worker, so this endpoint is what takes the
-  retry;
-* a prefill worker's decode stand-in stays out of discovery until no decode worker is live, then
-  joins the frontend's decode workers and decodes on the prefill worker's engine (the prompt's
-  KV is in its prefix cache, or in the pool); it leaves when a decode worker is back.
+* the stand-in is in discovery all along and passes each request it gets on to a live worker of
+  its role (`relay.py`), so the work still runs on a worker of that role; with none live, or
+  when the one it tried does not answer, this worker's engine serves it - a decode worker
+  prefills (its chunks go to the pool), a prefill worker decodes (the prompt's KV is in its
+  prefix cache, or in the pool) - and a decode stream that broke because its worker died is
+  finished from where it broke;
+* the frontend retries a request that failed on a dead worker at once and never on that worker,
+  so these endpoints, already listed, are what take the retry.
 
 Both workers and the frontend (`frontend_log.py`, from the frontend's `/health` read by
 `view.py`) log once when a role is degraded and once when it is restored. Which mechanism and

@@ -4,14 +4,12 @@ Started by the worker once it is registered (`hook.py`); runs in the worker's ev
 
 1. serves this worker's `maru_watch` (`peers.serve_watch`), so the other role's workers see it;
 2. follows the other role's live workers (`peers.PeerWatch`), waiting up to `FIRST_LOOK_S` for the
-   ones already running to be seen, and starts the stand-in for the other role
-   (`standby.Standby`: a decode worker's prefill stand-in in discovery, forwarding to the live
-   prefill workers; a prefill worker's decode stand-in out of discovery);
+   ones already running to be seen, logs each change of their number, and starts the stand-in
+   for the other role (`standby.Standby`: in discovery, forwarding to the role's live workers);
 3. applies `policy.StandbyPolicy` to the live count: no live worker of that role - the stand-in is
-   promoted (a decode stand-in enters discovery; a prefill stand-in serves on this engine, as it
-   would anyway with nobody to forward to) and the log says, once, that the role is degraded; one
-   is live again - the stand-in is withdrawn and the log says, once, that disaggregated serving
-   is restored.
+   promoted (it serves what it gets on this engine, as it would anyway with nobody to forward to)
+   and the log says, once, that the role is degraded; one is live again - the stand-in is
+   withdrawn and the log says, once, that disaggregated serving is restored.
 
 A guard that cannot start its stand-in logs one error and leaves the worker serving its own role.
 Once the worker is stopping (`stopping()`: Dynamo's graceful shutdown has begun and unregisters the
@@ -75,26 +73,15 @@ class RoleGuard:
             await asyncio.wait_for(watch.first_look.wait(), FIRST_LOOK_S)
         await self.standby.start(self.instance_id, lambda: self._live)
         self.endpoints.append(self.standby.endpoint)
-        if self.standby.forwards:
-            logger.info(
-                "maru_worker: %s worker stands by for the %s role (%s.%s on this engine, in discovery: it passes "
-                "requests on to a live %s worker, and serves them itself when none answers)",
-                self.role,
-                self.other,
-                COMPONENT[self.other],
-                GENERATE,
-                self.other,
-            )
-        else:
-            logger.info(
-                "maru_worker: %s worker stands by for the %s role (%s.%s on this engine, out of discovery until no "
-                "%s worker is live)",
-                self.role,
-                self.other,
-                COMPONENT[self.other],
-                GENERATE,
-                self.other,
-            )
+        logger.info(
+            "maru_worker: %s worker stands by for the %s role (%s.%s on this engine, in discovery: it passes "
+            "requests on to a live %s worker, and serves them itself when none answers)",
+            self.role,
+            self.other,
+            COMPONENT[self.other],
+            GENERATE,
+            self.other,
+        )
         return self.endpoints
 
     async def run(self) -> None:
@@ -105,9 +92,8 @@ class RoleGuard:
             while not self.stopping():
                 now = time.monotonic()
                 transition = self.policy.update(now, len(self._live))
-                if transition is not None and not await self._apply(transition):
-                    await asyncio.sleep(1.0)  # discovery refused: the policy asks again
-                    continue
+                if transition is not None:
+                    self._apply(transition)
                 if watcher.done():
                     watcher.result()  # raise what ended it
                     return
@@ -119,18 +105,10 @@ class RoleGuard:
         finally:
             watcher.cancel()
 
-    async def _apply(self, transition: Transition) -> bool:
-        """Put the stand-in into discovery or take it out, and say so; False (logged) when that failed."""
-        try:
-            if transition == "promote":
-                await self.standby.promote()
-            else:
-                await self.standby.withdraw()
-        except Exception as exc:  # a discovery backend that refuses: the policy tries again
-            logger.error("maru_worker: the stand-in %s endpoint could not %s: %s", self.other, transition, exc)
-            self.policy.undo(transition)
-            return False
+    def _apply(self, transition: Transition) -> None:
+        """Mark the stand-in standing in or not, and say so."""
         if transition == "promote":
+            self.standby.promote()
             self._served_before = self.standby.served
             logger.warning(
                 "maru_worker: disaggregation degraded: no %s worker is live; this %s worker serves the %s role too "
@@ -140,6 +118,7 @@ class RoleGuard:
                 self.other,
             )
         else:
+            self.standby.withdraw()
             logger.warning(
                 "maru_worker: disaggregation restored: %d %s worker(s) live; this worker no longer serves the %s "
                 "role (it served %d request(s) for it)",
@@ -148,8 +127,8 @@ class RoleGuard:
                 self.other,
                 self.standby.served - self._served_before,
             )
-        return True
 
     def _on_change(self, live: frozenset[int]) -> None:
         self._live = live
+        logger.info("maru_worker: %d live %s worker(s)", len(live), self.other)
         self._changed.set()

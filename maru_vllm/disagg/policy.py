@@ -1,4 +1,4 @@
-"""When a worker's stand-in for the other role goes into discovery and when it leaves.
+"""When a worker stands in for the other role (no worker of that role is live) and when it stops.
 
 Pure decisions over the number of live workers of the other role (`peers.PeerWatch`) and a
 monotonic clock the caller passes in, so they are tested without processes:
@@ -7,8 +7,11 @@ monotonic clock the caller passes in, so they are tested without processes:
   guard's start, so that peers already running are seen first (their liveness streams open within
   a round trip);
 * **withdraw** once a worker of the other role has been live without a break for
-  `restore_hold_s`: it is registered and answering, and the frontend has had that long to see its
-  instance before the stand-in's goes.
+  `restore_hold_s`: it is registered and answering, so a worker that dies again at once does not
+  make the state flap.
+
+The stand-in is in discovery and forwards either way (`standby.py`); these decide what its
+worker logs and its `maru_disagg_standing_in` gauge.
 """
 
 from __future__ import annotations
@@ -49,10 +52,6 @@ class StandbyPolicy:
             self.promoted = True
             return "promote"
         return None
-
-    def undo(self, transition: Transition) -> None:
-        """The caller could not carry `transition` out: the next `update` decides again."""
-        self.promoted = transition == "withdraw"
 
     def next_check(self, now: float) -> float | None:
         """Seconds until `update` could decide differently with the same peer count (None: only a

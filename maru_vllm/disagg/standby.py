@@ -3,28 +3,24 @@
 `Standby.start()` builds `dynamo.vllm`'s own handler of the other role (`PrefillWorkerHandler` on
 a decode worker, `DecodeWorkerHandler` on a prefill worker) over this worker's engine, serves it
 on the other role's `generate` endpoint (`prefill/generate`, `backend/generate`) and registers the
-other role's model card for it. The two roles' stand-ins differ in how they reach discovery:
+other role's model card for it.
 
-* **prefill stand-in (on a decode worker): always in discovery, forwarding.** A prefill request
-  it gets while a prefill worker is live goes on to one of them (`live_peers()`, round robin) and
-  its answer comes back unchanged - one message, one more hop - so the prefill still runs on a
-  prefill worker. When the one it tried does not answer (it died a moment ago) the next live one
-  is tried; only when none is live or none answers does it prefill on its own engine. Being in
-  discovery all along is what makes a lost prefill role cost nothing: the frontend retries a
-  failed prefill at once and never on the worker it tried, so a prefill endpoint must already be
-  there to take the retry.
-* **decode stand-in (on a prefill worker): out of discovery until promoted.** Forwarding decode
-  streams would relay every token of a share of the requests through the prefill worker, so it
-  stays out (`unregister_endpoint_instance` right after it is served) until `promote()` puts it
-  into discovery (`register_endpoint_instance`); `withdraw()` takes it out again. A decode leg
-  comes after a prefill leg, which gives a promotion the milliseconds it needs.
+Both stand-ins are **in discovery all along, and forward** (`relay.py`): a request one gets while
+a worker of its role is live goes on to that worker and its answer comes back unchanged, so the
+work still runs on a worker of the role, one hop later; when the one it tried does not answer the
+next live one is tried, and only with none live or none answering does this engine serve it. A
+decode stream that breaks because its worker died is finished from where it broke. Being listed
+all along is what makes a lost role cost nothing: when a worker dies, the frontend retries its
+requests at once and never on the worker it tried, so an instance of the role that is not that
+worker must already be listed to take the retry - and the stand-in takes it whether or not this
+worker has learnt of the death yet, since it finds out by trying.
 
 `promote()`/`withdraw()` mark when the worker stands in (no worker of the role is live):
-`maru_disagg_standing_in{standby_role}` is 1 meanwhile. Requests served on this engine for the
-other role are counted in `maru_disagg_standby_requests_total{standby_role}`, forwarded ones in
-`maru_disagg_forwarded_requests_total{standby_role}` (both on the worker's own `/metrics`). The
-stand-in's card announces no KV events and no local indexer (it publishes none for the other
-role's component), so the frontend routes to it by load.
+`maru_disagg_standing_in{standby_role}` is 1 meanwhile. Requests this engine served (or finished)
+for the other role are counted in `maru_disagg_standby_requests_total{standby_role}`, forwarded
+ones in `maru_disagg_forwarded_requests_total{standby_role}` (both on the worker's own
+`/metrics`). The stand-in's card announces no KV events and no local indexer (it publishes none
+for the other role's component), so the frontend routes to it by load.
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from maru_vllm.disagg.peers import _keep
+from maru_vllm.disagg.relay import Relay
 from maru_vllm.disagg.roles import COMPONENT, DECODE, GENERATE, PREFILL, endpoint_path
 
 logger = logging.getLogger(__name__)
@@ -55,7 +52,7 @@ class StandbyMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             f"{METRIC_PREFIX}standby_requests",
-            "requests this worker's engine served for the other role (no worker of that role answered)",
+            "requests this worker's engine served or finished for the other role (no worker of that role answered)",
             ["standby_role"],
             registry=self.registry,
         ).labels(standby_role)
@@ -97,86 +94,45 @@ class Standby:
     ) -> None:
         self.runtime, self.engine_client, self.vllm_config = runtime, engine_client, vllm_config
         self.role = role  # the role stood in for
-        self.forwards = role == PREFILL  # see the module docstring
         self.register = register  # dynamo.vllm.main.register_vllm_model, unwrapped
         self.metrics = metrics
         self.config = _config_for(config, role)
         self.endpoint = runtime.endpoint(endpoint_path(config.namespace, role, GENERATE))
         self.promoted = False
-        self.served = 0  # requests served on this engine for the other role
-        self._peers: Callable[[], frozenset[int]] = frozenset
-        self._client: Any = None
-        self._next = 0
+        self.served = 0  # requests served (or finished) on this engine for the other role
+        self.relay = Relay(role, frozenset, on_forwarded=metrics.forwarded.inc, on_local=self._served_here)
 
     async def start(self, instance_id: int, live_peers: Callable[[], frozenset[int]]) -> None:
-        """Serve the stand-in endpoint with the role's card registered: in discovery when it
-        forwards, out of it otherwise. `live_peers()`: the live workers of the role."""
-        self._peers = live_peers
-        handler = self._handler()
-        local = handler.generate
+        """Serve the stand-in endpoint, in discovery, with the role's card registered.
+        `live_peers()`: the live workers of the role."""
+        self.relay.live_peers = live_peers
+        local = self._handler().generate
 
         async def serve(request: Any, context: Any) -> AsyncIterator[Any]:
-            forwarded = False
-            if self.forwards:
-                async for out in self._forward(request, context):
-                    forwarded = True
-                    yield out
-            if not forwarded:
-                self.served += 1
-                self.metrics.requests.inc()
-                async for out in local(request, context):
-                    yield out
+            async for out in self.relay.serve(request, context, local):
+                yield out
 
         task = asyncio.ensure_future(self.endpoint.serve_endpoint(serve, graceful_shutdown=True))
         _keep(task, f"stand-in {COMPONENT[self.role]}.{GENERATE}")
-        self._client = await self.endpoint.client()
-        await _until(lambda: instance_id in self._client.instance_ids(), REGISTER_WAIT_S, task)
-        if not self.forwards:
-            await self.endpoint.unregister_endpoint_instance()
+        self.relay.client = await self.endpoint.client()
+        await _until(lambda: instance_id in self.relay.client.instance_ids(), REGISTER_WAIT_S, task)
         await self._register_card()
 
-    async def promote(self) -> None:
-        """No worker of the role is live: this worker stands in (a decode stand-in enters discovery)."""
+    def promote(self) -> None:
+        """No worker of the role is live: this worker stands in (its engine serves what comes)."""
         if not self.promoted:
-            if not self.forwards:
-                await self.endpoint.register_endpoint_instance()
             self.promoted = True
             self.metrics.standing_in.set(1)
 
-    async def withdraw(self) -> None:
-        """A worker of the role is live again (a decode stand-in leaves discovery)."""
+    def withdraw(self) -> None:
+        """A worker of the role is live again: requests go on to it again."""
         if self.promoted:
-            if not self.forwards:
-                await self.endpoint.unregister_endpoint_instance()
             self.promoted = False
             self.metrics.standing_in.set(0)
 
-    async def _forward(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        """The answer of a live worker of the role: the live ones are tried in turn (round robin
-        over requests) until one answers; nothing when none is live or none answered (the caller
-        then serves the request itself). A worker that fails after it answered is an error."""
-        peers = sorted(self._peers())
-        if not peers:
-            return
-        first = self._next % len(peers)
-        self._next += 1
-        for peer in peers[first:] + peers[:first]:
-            answered = False
-            try:
-                stream = await self._client.direct(request, peer, annotated=False, context=context)
-                async for out in stream:
-                    if not answered:
-                        answered = True
-                        self.metrics.forwarded.inc()
-                    yield out
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # it died or stops: the next one, or this engine
-                if answered:
-                    raise
-                logger.info("maru_worker: %s worker %x did not take a forwarded request (%s)", self.role, peer, exc)
-            if answered:
-                return
+    def _served_here(self) -> None:
+        self.served += 1
+        self.metrics.requests.inc()
 
     def _handler(self) -> Any:
         """dynamo.vllm's handler of the stood-in role over this worker's engine."""

@@ -2,13 +2,12 @@
 
 Dynamo's frontend lists in `/health` every instance of every endpoint it knows, by component and
 endpoint. Every disaggregated Maru worker serves `maru_watch` on its own role's component
-(`prefill` or `backend`), so those ids are the role's workers. Decode workers also serve
-`prefill/generate` (their forwarding prefill stand-in, `maru_vllm.disagg.standby`), and a prefill
-worker serves `backend/generate` only while it stands in for the decode role. So:
+(`prefill` or `backend`), so those ids are the role's workers. Every worker also serves the other
+role's `generate` (its forwarding stand-in, `maru_vllm.disagg.standby`), so the `generate` lists
+alone do not say which roles have workers. So:
 
-* the prefill role is degraded while decode workers are listed and no prefill worker is;
-* the decode role is degraded while a prefill worker is listed under `backend/generate`;
-* the graph is disaggregated while both roles have workers and neither holds.
+* a role is degraded while workers of the other role are listed and none of its own is;
+* the graph is disaggregated while both roles have workers.
 
 A dead worker stays listed until discovery drops it. The frontend's log (`frontend_log`), the e2e
 tests and the chaos soak read the graph's state from here.
@@ -43,9 +42,8 @@ class RoleView:
 
     def standing_in(self, role: str) -> frozenset[int]:
         """Workers of the other role that serve `role` now."""
-        if role == PREFILL:
-            return self.workers[DECODE] if not self.workers[PREFILL] else frozenset()
-        return self.generate[DECODE] & self.workers[PREFILL]
+        other = DECODE if role == PREFILL else PREFILL
+        return self.workers[other] if not self.workers[role] else frozenset()
 
     def state(self) -> str | None:
         """'disaggregated', 'prefill degraded', 'decode degraded', or None (no disaggregated graph)."""

@@ -34,15 +34,21 @@ def health(*instances: tuple[str, str, int]) -> dict:
 
 
 WATCHES = (("prefill", "maru_watch", P), ("backend", "maru_watch", D))
-# Decode workers always serve prefill/generate: their forwarding prefill stand-in.
-WHOLE = health(("prefill", "generate", P), ("prefill", "generate", D), ("backend", "generate", D), *WATCHES)
+# Every worker serves the other role's generate all along: its forwarding stand-in.
+WHOLE = health(
+    ("prefill", "generate", P),
+    ("prefill", "generate", D),
+    ("backend", "generate", D),
+    ("backend", "generate", P),
+    *WATCHES,
+)
 NO_PREFILL = health(("prefill", "generate", D), ("backend", "generate", D), ("backend", "maru_watch", D))
 NO_DECODE = health(("prefill", "generate", P), ("backend", "generate", P), ("prefill", "maru_watch", P))
 
 
 def test_role_view_tells_workers_from_stand_ins() -> None:
     view = RoleView.from_health(WHOLE)
-    assert view.generate == {"prefill": {P, D}, "decode": {D}} and view.workers == {"prefill": {P}, "decode": {D}}
+    assert view.generate == {"prefill": {P, D}, "decode": {D, P}} and view.workers == {"prefill": {P}, "decode": {D}}
     assert view.state() == "disaggregated"
     assert RoleView.from_health(NO_PREFILL).state() == "prefill degraded"
     assert RoleView.from_health(NO_PREFILL).standing_in("prefill") == {D}

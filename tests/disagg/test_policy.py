@@ -39,16 +39,6 @@ def test_a_returning_peer_is_held_before_the_stand_in_withdraws() -> None:
     assert p.update(20.0, 0) == "promote"  # lost again: at once, no grace after the start
 
 
-def test_a_transition_that_could_not_be_carried_out_is_decided_again() -> None:
-    p = StandbyPolicy(startup_grace_s=0.0, restore_hold_s=0.0)
-    assert p.update(0.0, 0) == "promote"
-    p.undo("promote")  # discovery refused the stand-in
-    assert p.update(1.0, 0) == "promote"
-    assert p.update(2.0, 1) == "withdraw"
-    p.undo("withdraw")
-    assert p.promoted and p.update(3.0, 1) == "withdraw"
-
-
 def test_bad_settings_are_one_line() -> None:
     with pytest.raises(ValueError, match=r"restore_hold_s=-1: use seconds >= 0"):
         StandbyPolicy(restore_hold_s=-1)

@@ -44,7 +44,7 @@ from maru_vllm.launch.engine_metrics import metric_total
 from maru_vllm.launch.ports import free_system_port
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import CHUNK, start_pool, stored_chunks, token_prompt
-from tests.e2e.test_disagg_roles import disaggregated
+from tests.e2e.test_disagg_roles import disaggregated, sees_live
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -182,7 +182,8 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     )
     procs.start(decode)
     serve_when_ready(url, tiny_model, [prefill, decode], timeout=400)
-    wait_until(lambda: disaggregated(url), 60, what="the prefill worker's stand-in decode endpoint withdrawn")
+    # Disaggregated, and the prefill worker's decode stand-in passes what it gets on to the decode worker.
+    wait_until(lambda: disaggregated(url) and sees_live(prefill.log_text(), "decode"), 60, what="disaggregated")
 
     # The frontend found the prefill worker (component "prefill", WorkerType.Prefill).
     assert "Prefill worker detected" in frontend.log_text()
@@ -236,7 +237,7 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     )
     procs.start(decode2)
     serve_when_ready(url, tiny_model, [prefill, decode2])
-    wait_until(lambda: disaggregated(url), 60, what="the prefill worker's stand-in decode endpoint withdrawn")
+    wait_until(lambda: disaggregated(url) and sees_live(prefill.log_text(), "decode"), 60, what="disaggregated")
     before = pool_stats(pool.address)
     d2_before = metrics(decode_port)
     out_miss = ask(url, tiny_model, prompt_miss)

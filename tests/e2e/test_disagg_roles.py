@@ -5,11 +5,12 @@ for each role in turn, streaming load - 48 greedy completions of 48 tokens, 6 in
 sharing four 768-token prefixes - with that role's worker SIGKILLed (its whole process tree) a
 quarter of the way in:
 
-* the other worker takes the lost role over - a decode worker's prefill stand-in, in discovery
-  all along, prefills on its own engine once no prefill worker is live and takes the frontend's
-  retry of a prefill that failed on the dead worker; a prefill worker's decode stand-in enters
-  discovery and decodes, and streams migrated off the dead decode worker resume on it. Its log
-  says so once, the frontend's too, and it counts what it served
+* the other worker takes the lost role over through its stand-in for that role, which is in
+  discovery all along and passes what it gets on to a live worker of the role: once none answers
+  it serves on its own engine - a decode worker's prefill stand-in prefills, a prefill worker's
+  decode stand-in decodes and finishes the streams it was relaying from the dead decode worker -
+  and it takes the frontend's retries of requests that failed on the dead worker. Its log says
+  so once, the frontend's too, and it counts what it served
   (`maru_disagg_standby_requests_total`);
 * every request completes in full: none ends with an error, none is a short completion behind an
   HTTP 200;
@@ -102,6 +103,12 @@ def role_view(url: str) -> RoleView:
     return RoleView.from_health(get_json(f"{url}/health"))
 
 
+def sees_live(log: str, role: str) -> bool:
+    """Whether a worker's log says that it sees a live worker of `role` (its latest count)."""
+    counts = re.findall(rf"maru_worker: (\d+) live {role} worker\(s\)", log)
+    return bool(counts) and int(counts[-1]) > 0
+
+
 def disaggregated(url: str) -> RoleView | None:
     """The frontend's view once both roles have workers and neither is stood in for; else None."""
     view = role_view(url)
@@ -155,6 +162,13 @@ def test_disagg_graph_survives_losing_each_role(tiny_model: Path) -> None:
         assert set(leaders) == {"prefill", "decode"}, leaders
         metrics = {r: f"http://127.0.0.1:{environ_of(pid)['DYN_SYSTEM_PORT']}/metrics" for r, pid in leaders.items()}
         wait_until(lambda: all(lines(log_of[r], "stands by for the") for r in OTHER), 120, what="stand-ins ready")
+        wait_until(
+            lambda: (
+                disaggregated(url) and all(sees_live(log_of[r].read_text(errors="replace"), OTHER[r]) for r in OTHER)
+            ),
+            60,
+            what="each worker's stand-in forwarding to the other",
+        )
         reference = [answer(url, model, p) for p in probes()]  # through the disaggregated path
 
         for role in ("prefill", "decode"):
