@@ -73,7 +73,7 @@ class Relay:
         decode = self.role == DECODE
         sent: list[int] = []  # decode: the tokens the caller has had
         pending, offset = request, 0  # what the next worker is asked; len(sent) when it was built
-        whole = True  # every answer was choice 0: a broken stream can be continued
+        whole = isinstance(request, dict)  # and every answer a dict of choice 0: a broken stream can be continued
         forwarded = False
         for peer in self.order():
             answered = finished = False
@@ -88,6 +88,8 @@ class Relay:
                         whole = whole and out.get("index") in (None, 0)
                         sent.extend(out.get("token_ids") or [])
                         finished = finished or bool(out.get("finish_reason"))
+                    elif decode:
+                        whole = False
                     yield as_original(out, offset)
             except asyncio.CancelledError:
                 raise
@@ -108,13 +110,13 @@ class Relay:
                     return
                 if answered and not whole:
                     raise RuntimeError(f"{self.role} worker {peer:x} ended a stream of several choices early")
+            if _stopped(context):
+                return
             if answered:
                 pending, offset = continuation(request, sent), len(sent)
                 if pending is None:  # every token was sent, only the end was not
                     yield {"index": 0, "token_ids": [], "finish_reason": "length"}
                     return
-            if _stopped(context):
-                return
         self.on_local()
         async for out in local(pending, context):
             yield as_original(out, offset)

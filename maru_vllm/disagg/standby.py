@@ -112,9 +112,9 @@ class Standby:
             async for out in self.relay.serve(request, context, local):
                 yield out
 
+        self.relay.client = await self.endpoint.client()  # before it serves: what it gets goes on at once
         task = asyncio.ensure_future(self.endpoint.serve_endpoint(serve, graceful_shutdown=True))
         _keep(task, f"stand-in {COMPONENT[self.role]}.{GENERATE}")
-        self.relay.client = await self.endpoint.client()
         await _until(lambda: instance_id in self.relay.client.instance_ids(), REGISTER_WAIT_S, task)
         await self._register_card()
 
