@@ -1,8 +1,9 @@
 """The frontend's log of a disaggregated graph's roles: one line when a role is degraded, one when restored.
 
 `RoleLog` reads the frontend's own `/health` every `interval_s` in a daemon thread and logs each
-change of the state `view.RoleView` reads from it, once. A dead prefill worker stays listed until
-discovery drops it, so the frontend's line can come that much after the decode workers' own.
+change of the state `view.RoleView` reads from it, once. A dead worker stays listed until
+discovery drops it (at once under `graph run`, at its lease's end elsewhere), so the frontend's
+line can come that much after the other role's workers' own.
 Nothing is logged for a graph without `maru_watch` endpoints (aggregated, or
 `--no-maru-standby`), nor while the frontend is not up.
 """
