@@ -15,7 +15,9 @@ load.py: `--concurrency` requests in flight, each one of `--prefixes` shared pre
 `--prefix-tokens` tokens plus 8 tokens of its own, `--max-tokens` greedy tokens with ignore_eos)
 sends `--requests` requests. Reported per mode: TTFT and ITL (mean time between a request's tokens
 after its first) p50 and p90 over the requests, output tokens/s, and each p50 as a ratio to
-``disagg``'s. Single timings on this machine swing by +-30%: compare medians of several runs
+``disagg``'s; in each run's line also how many of the load's requests each role's stand-ins passed
+on to a worker of that role (``passed_on``: in ``disagg``, the share of prefill requests and decode
+streams that took the extra hop). Single timings on this machine swing by +-30%: compare medians of several runs
 (`--repeats`).
 
 Loopback only; stops every process it started. `--json FILE` writes the figures.
@@ -31,6 +33,7 @@ import shutil
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -125,9 +128,11 @@ def run_mode(mode: str, args: argparse.Namespace, log: Any = print) -> dict[str,
         warm = LoadGenerator(dataclasses.replace(cfg, max_requests=2 * args.concurrency, seed=2))
         asyncio.run(warm.run())
         load = LoadGenerator(cfg)
+        passed_before = passed_on(plan)
         t_load = time.monotonic()
         results = asyncio.run(load.run())
         elapsed = time.monotonic() - t_load
+        passed = {role: n - passed_before.get(role, 0) for role, n in passed_on(plan).items()}
     finally:
         stop_graph(group)
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -143,7 +148,29 @@ def run_mode(mode: str, args: argparse.Namespace, log: Any = print) -> dict[str,
         "itl_p50_s": pct(itl, 0.5),
         "itl_p90_s": pct(itl, 0.9),
         "output_tok_s": sum(r.tokens for r in done) / elapsed if elapsed > 0 else None,
+        "passed_on": passed,
     }
+
+
+def passed_on(plan: Any) -> dict[str, int]:
+    """Per role, the requests of the load so far that the other role's stand-ins passed on to a
+    worker of that role (`maru_disagg_forwarded_requests_total` on the workers' /metrics)."""
+    from maru_vllm.disagg import other_role
+    from maru_vllm.launch.engine_metrics import metric_total
+
+    out: dict[str, int] = {}
+    for worker in plan.workers:
+        role = worker.name.split(":")[-1].rsplit("-", 1)[0]
+        if worker.metrics_url is None or role not in ("prefill", "decode"):
+            continue
+        try:
+            with urllib.request.urlopen(worker.metrics_url, timeout=10) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue  # a stopped worker
+        stood_in = other_role(role)
+        out[stood_in] = out.get(stood_in, 0) + int(metric_total(text, "maru_disagg_forwarded_requests_total"))
+    return out
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
