@@ -2,11 +2,13 @@
 """Chaos soak: the real graph under streaming load while its processes fail on a schedule.
 
 Starts `graphs/agg.yaml` (nats-server, the pool, two Maru workers, Dynamo's frontend with the KV
-router) through the graph runner (`graphs/run.py`: build_plan, start_graph, stop_graph) with its
-default supervision, sends bounded streaming load (chaos/load.py), injects the faults of
-`--faults` (chaos/faults.py: worker SIGKILL, worker SIGTERM, pool SIGKILL, pool SIGSTOP/SIGCONT,
-nats-server stopped), with a pool smaller than the working set (`--pool-size`: it evicts throughout), and
-reports:
+router) - or, with `--graph disagg`, `graphs/disagg.yaml` (one prefill and one decode worker: a
+killed worker's role is served by the other worker's stand-in until it is back) - through the
+graph runner (`graphs/run.py`: build_plan, start_graph, stop_graph) with its default
+supervision, sends bounded streaming load (chaos/load.py), injects the faults of `--faults`
+(chaos/faults.py: worker SIGKILL, worker SIGTERM, pool SIGKILL, pool SIGSTOP/SIGCONT,
+nats-server stopped), with a pool smaller than the working set (`--pool-size`: it evicts
+throughout), and reports:
 
 * requests sent / completed / failed / truncated (every request asks for `--max-tokens` tokens
   with ignore_eos, so a complete response has a known length);
@@ -78,7 +80,9 @@ def _positive(kind: type) -> Any:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = _Parser(description=(__doc__ or "").splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--graph", default="agg", help="graph file or bundled graph name (default: agg)")
+    ap.add_argument(
+        "--graph", default="agg", help="graph file or bundled graph name: agg (default) or disagg, or a graph file"
+    )
     ap.add_argument("--model", help="model (default: the graph's)")
     ap.add_argument("--pool-size", default=DEFAULT_POOL_SIZE, help="pool size, or 'graph' for the graph's own")
     ap.add_argument("--duration", type=_positive(float), default=150.0, help="seconds of load (at least)")
@@ -124,10 +128,14 @@ def load_spec(args: argparse.Namespace) -> Any:
         spec = load_graph(resolve_graph_path(args.graph))
     except GraphSpecError as exc:
         raise ValueError(f"--graph: {exc}") from None
-    if spec.mode != "agg":
-        raise ValueError(f"--graph {args.graph}: the soak runs an aggregated graph (agg workers)")
-    if len(spec.workers) != 1 or spec.workers[0].replicas < 2:
-        raise ValueError(f"--graph {args.graph}: the soak needs one worker entry with 2+ replicas")
+    if spec.mode == "agg" and (len(spec.workers) != 1 or spec.workers[0].replicas < 2):
+        raise ValueError(
+            f"--graph {args.graph}: an aggregated graph for the soak has one worker entry with 2+ replicas"
+        )
+    if spec.mode == "disagg" and sorted(w.role for w in spec.workers) != ["decode", "prefill"]:
+        raise ValueError(
+            f"--graph {args.graph}: a disaggregated graph for the soak has one prefill and one decode worker entry"
+        )
     if args.pool_size != "graph":
         try:
             size = parse_size(args.pool_size)
@@ -213,7 +221,11 @@ def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str,
         ]
         report["faults_missed"] = [f.kind for f in args.schedule][len(faults.records) :]
         report["probes"] = faults.probes
-        report["instances_end"] = {str(i): view.ask(view.probe_prompt(8), i) is not None for i in view.instances()}
+        report["instances_end"] = {
+            str(i): view.ask(view.probe_prompt(8), i) is not None for i in view.serving_instances()
+        }
+        if view.disaggregated:
+            report["disaggregated_end"] = view.disaggregated_again()
         report["drain"] = drain(view, args.drain_timeout)
         sampler.sample()
         report["pool_counters"] = sampler.pool_totals()
@@ -289,6 +301,7 @@ def verdict(report: dict[str, Any]) -> bool:
         and "interrupted" not in report
         and "error" not in report
         and not (report.get("supervision") or {}).get("given_up")
+        and report.get("disaggregated_end", True)
     )
 
 
@@ -338,6 +351,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"frontend lists {len(listed)} worker instance(s) at the end; not serving a pinned request: "
             + (", ".join(stale) if stale else "none")
         )
+    if "disaggregated_end" in report:
+        lines.append(f"disaggregated at the end (no worker stands in): {report['disaggregated_end']}")
     d = report.get("drain")
     if d:
         lines.append(

@@ -12,6 +12,10 @@ Runs `dynamo.frontend` in this process with three defaults a Maru graph needs:
   the client's stream goes on; without it the client gets a cut-off stream that ends like a
   complete one. ``--migration-limit 0`` turns it off.
 
+In a disaggregated graph it also logs, once each time, when a role is degraded (no worker of it
+is left and the other role's workers stand in for it, `maru_vllm.disagg`) and when disaggregated
+serving is restored (`maru_vllm.disagg.frontend_log`, from the frontend's own `/health`).
+
 Whatever the user passes wins: an explicit flag (or Dynamo's own ``DYN_ROUTER_MODE`` /
 ``DYN_ROUTER_HOST_CACHE_HIT_WEIGHT`` / ``DYN_MIGRATION_LIMIT`` variable) is left alone, and
 every other argument goes to `dynamo.frontend` unchanged.
@@ -24,7 +28,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from maru_vllm.launch.argv import has_flag
+from maru_vllm.launch.argv import flag_value, has_flag
 from maru_vllm.launch.handoff import run_module_as_main
 from maru_vllm.routing import ENV_VAR as WEIGHT_ENV_VAR
 from maru_vllm.routing import pool_tier_weight
@@ -55,12 +59,25 @@ def build_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     return out
 
 
+def health_url(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> str:
+    """Where this frontend will answer `/health` (its `--http-host`/`--http-port`, Dynamo's defaults)."""
+    env = os.environ if environ is None else environ
+    host = flag_value(list(argv), "--http-host") or env.get("DYN_HTTP_HOST") or "0.0.0.0"
+    port = flag_value(list(argv), "--http-port") or env.get("DYN_HTTP_PORT") or "8000"
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{port}/health"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         full = build_argv(args)
     except ValueError as exc:
         sys.exit(f"maru-dynamo frontend: error: {exc}")
+    from maru_vllm.disagg.frontend_log import RoleLog
+
+    RoleLog(health_url(full)).start()
     run_module_as_main("dynamo.frontend", full)
 
 

@@ -5,8 +5,9 @@ and a `--kv-events-config` (free port) unless given, makes the KV events it publ
 the pool's blocks (`maru_vllm.events.install_pool_event_relay`), registers MaruKVConnector as
 a cache-mediated PD connector (`maru_dynamo.components.dynamo_pd`), makes the worker serve
 warm-up requests before it registers with Dynamo (`maru_vllm.launch.warmup`: registered means
-warm), makes a stopping worker drain before it migrates (`maru_vllm.launch.lifecycle`), and runs
-`dynamo.vllm` in this process with every other argument unchanged.
+warm), makes a stopping worker drain before it migrates (`maru_vllm.launch.lifecycle`), makes a
+prefill or decode worker stand in for the other role while no worker of that role is live
+(`maru_vllm.disagg`), and runs `dynamo.vllm` in this process with every other argument unchanged.
 
 Options of its own (all others go to dynamo.vllm):
   --maru-pool-address ADDR   pool service address (unix:///path.sock or tcp://host:port)
@@ -25,6 +26,9 @@ Options of its own (all others go to dynamo.vllm):
   --no-maru-warmup           register with Dynamo as soon as the engine is up, without first
                              serving the warm-up requests (`maru_vllm.launch.warmup`): the first
                              requests then pay for what vLLM compiles lazily
+  --no-maru-standby          a prefill or decode worker does not stand in for the other role when
+                             no worker of that role is live (`maru_vllm.disagg`); without it, a
+                             disaggregated graph that loses a role fails requests until one is back
 
 On SIGTERM (a rolling restart, a Kubernetes pod stop) the worker leaves discovery at once, lets
 its running requests finish for up to DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS (Dynamo's variable;
@@ -51,7 +55,11 @@ from maru_vllm.launch.argv import flag_value, has_flag, kv_events_args
 from maru_vllm.launch.handoff import run_module_as_main
 from maru_vllm.launch.ports import free_port
 
-KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# Disaggregation modes the worker component knows (Dynamo's `--disaggregation-mode`). Every
+# mode's connector loads and stores (`kv_both`): a prefill worker reuses prompts any worker stored,
+# and a worker that stands in for the other role (`maru_vllm.disagg`) serves whole requests. A
+# prefill worker stores inline: its response is what sends the decode worker to the pool.
+DISAGG_MODES = ("prefill", "decode")
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +75,7 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--maru-chunk-tokens", type=int, default=256)
     p.add_argument("--maru-pool-events", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--maru-warmup", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--maru-standby", action=argparse.BooleanOptionalAction, default=True)
     ours, rest = p.parse_known_args(argv)
     if ours.maru_announce_max_chunks is not None and ours.maru_announce_max_chunks < 1:
         raise SystemExit(
@@ -75,17 +84,18 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         )
     rest = list(rest)
     if not has_flag(rest, "--kv-transfer-config", "--kv_transfer_config"):
-        mode = flag_value(rest, "--disaggregation-mode") or os.environ.get("DYN_VLLM_DISAGGREGATION_MODE")
+        mode = disaggregation_mode(rest)
         rest += [
             "--kv-transfer-config",
             json.dumps(
                 {
                     "kv_connector": "MaruKVConnector",
                     "kv_connector_module_path": "maru_vllm.connector",
-                    "kv_role": KV_ROLES.get(mode or "", "kv_both"),
+                    "kv_role": "kv_both",
                     "kv_connector_extra_config": {
                         "maru_pool_address": ours.maru_pool_address,
                         "maru_kv_chunk_tokens": ours.maru_chunk_tokens,
+                        **({"maru_store_inline": True} if mode == "prefill" else {}),
                         **({"maru_pool_token_file": ours.maru_pool_token_file} if ours.maru_pool_token_file else {}),
                     },
                 }
@@ -94,6 +104,11 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if not has_flag(rest, "--kv-events-config", "--kv_events_config"):
         rest += kv_events_args(free_port())
     return ours, rest
+
+
+def disaggregation_mode(argv: list[str]) -> str | None:
+    """The worker's `--disaggregation-mode` (or Dynamo's `DYN_VLLM_DISAGGREGATION_MODE`)."""
+    return flag_value(argv, "--disaggregation-mode") or os.environ.get("DYN_VLLM_DISAGGREGATION_MODE")
 
 
 def pool_token(token_file: str | None) -> str | None:
@@ -199,10 +214,14 @@ def main(argv: list[str] | None = None) -> None:
 
         # Shorter than one pool chunk: warm-up prompts are never stored in the pool.
         install_warmup_before_registration(WarmupOptions(max_prompt_tokens=ours.maru_chunk_tokens - 1))
+    if ours.maru_standby and disaggregation_mode(rest) in DISAGG_MODES:
+        from maru_vllm.disagg.hook import install_role_standby
+
+        install_role_standby()  # after the warm-up hook: the stand-in starts once the worker is warm and registered
     from maru_vllm.launch.lifecycle import install_worker_lifecycle
 
     try:
-        install_worker_lifecycle(lifecycle)  # after the warm-up hook: it wraps whatever is there
+        install_worker_lifecycle(lifecycle)  # after the warm-up and stand-in hooks: it wraps whatever is there
     except RuntimeError as exc:
         sys.exit(f"maru_worker: {exc}")
     run_module_as_main("dynamo.vllm", rest)

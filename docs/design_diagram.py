@@ -145,10 +145,10 @@ def draw(out: Path) -> None:
         " KV pages ...]; invisible until its commit",
     ), kind="region")
     box(ax, 1, 1, 35, 12, "Disaggregated prefill / decode", (
-        "prefill worker (kv_producer) stores inline, before it answers;",
-        "decode worker (kv_consumer) schedules the same prompt and",
-        "finds the chunks by block hash (components.dynamo_pd: empty",
-        "PD params); what it cannot load it computes itself",
+        "prefill worker stores inline, before it answers; decode",
+        "worker schedules the same prompt and finds the chunks by",
+        "block hash (components.dynamo_pd: empty PD params); each",
+        "stands in for the other role while that role has no worker",
     ), kind="panel", size=8.2)
     box(ax, 40, 1, 58, 27.5, "Pool service   maru-dynamo pool serve   (one per host)", (
         "python -m maru_dynamo.components.pool in graphs and the Kubernetes DaemonSet",

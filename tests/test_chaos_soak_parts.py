@@ -258,7 +258,6 @@ def test_slope_is_mib_per_minute_of_a_least_squares_fit() -> None:
         (["--max-duration", "100"], "--max-duration 100: use at least --duration (150)"),
         (["--duration", "-1"], "argument --duration: invalid value '-1': use a number greater than 0"),
         (["--pool-size", "tiny"], "--pool-size: invalid size 'tiny': use bytes or a number with a K, M, G or T"),
-        (["--graph", "disagg"], "--graph disagg: the soak runs an aggregated graph (agg workers)"),
         (["--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: the folder /nonexistent does not exist"),
     ],
 )
@@ -267,3 +266,23 @@ def test_bad_input_is_one_line_naming_the_value(args: list[str], message: str) -
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"chaos_soak: error: {message}"), res.stderr
+
+
+def test_the_soak_runs_the_disaggregated_graph_and_refuses_other_shapes(tmp_path: Path) -> None:
+    import chaos_soak
+
+    spec = chaos_soak.load_spec(chaos_soak.parse_args(["--graph", "disagg"]))
+    assert spec.mode == "disagg" and sorted(w.role for w in spec.workers) == ["decode", "prefill"]
+    assert spec.pool.size == 16 << 20  # the soak's small pool, as for the aggregated graph
+    two = tmp_path / "two-prefill.yaml"
+    two.write_text(
+        "name: x\nworkers:\n  - {name: p1, role: prefill}\n  - {name: p2, role: prefill}\n  - {name: d, role: decode}\n"
+    )
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--graph", str(two)], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        f"chaos_soak: error: --graph {two}: a disaggregated graph for the soak has one prefill and one decode "
+        "worker entry"
+    )

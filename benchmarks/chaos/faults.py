@@ -29,7 +29,18 @@ long it takes, from the injection, until
 * ``nats_back_s``   - nats-server accepts connections again,
 * ``events_s``      - the pool reports its NATS link connected again,
 * ``pool_hit_s``    - the pool is hit again: a fresh prompt computed on one worker is loaded
-  from the pool by another (its cached tokens count a whole chunk).
+  from the pool by another (its cached tokens count a whole chunk; in a disaggregated graph: the
+  pool counts the decode worker's loads of a fresh prompt's chunks).
+
+In a disaggregated graph (`--graph disagg`) a worker kill also measures
+
+* ``stand_in_s``   - the frontend's view says the killed worker's role is stood in for (its
+  workers are gone from discovery while the other role's are listed; the other role's forwarding
+  stand-ins, in discovery all along, serve it from the first retry on, `maru_vllm.disagg.standby`),
+* ``disagg_back_s`` - the graph is disaggregated again: both roles have a worker of their own,
+
+and ``serves_s`` is a request that completes through the frontend after the new worker is listed
+(a prefill instance cannot be pinned to).
 
 A step that does not happen within the recovery timeout is None (not recovered).
 """
@@ -207,6 +218,13 @@ class FaultRunner:
             new[:] = [i for i in now if i not in before]
             return bool(new)
 
+        if self.view.disaggregated:
+            record.recovery["stand_in_s"] = self._step(self.view.stand_in, start, poll_s=0.1)
+            record.recovery["worker_back_s"] = self._step(registered, start)
+            record.recovery["disagg_back_s"] = self._step(self.view.disaggregated_again, start)
+            record.recovery["serves_s"] = self._step(lambda: self._ask(None, None), start)
+            record.recovery["pool_hit_s"] = self._step(lambda: self._pool_hit(None), start)
+            return
         record.recovery["worker_back_s"] = self._step(registered, start)
         record.recovery["serves_s"] = self._step(lambda: self._ask(None, new[0]) if new else False, start)
         record.recovery["pool_hit_s"] = self._step(lambda: self._pool_hit(new[0] if new else None), start)
@@ -380,6 +398,8 @@ class FaultRunner:
 
     def _pool_hit(self, reader: int | None) -> bool:
         """A fresh prompt computed on one worker, then asked on another: loaded from the pool?"""
+        if self.view.disaggregated:
+            return self._pool_hit_disaggregated()
         instances = self.view.instances()
         if len(instances) < 2 or (reader is not None and reader not in instances):
             return False
@@ -391,3 +411,16 @@ class FaultRunner:
         time.sleep(1.0)  # stores are write-behind: committed just after the answer
         out = self._ask(prompt, reader)
         return out is not None and cached_tokens(out) >= self.chunk_tokens
+
+    def _pool_hit_disaggregated(self) -> bool:
+        """A fresh prompt of two whole chunks: its decode leg loads both from the pool (the
+        response's cached tokens are the prefill leg's, so the pool's own hit count tells)."""
+        before = self.view.pool_stats(timeout=1.0)
+        if before is None or self._ask(self.view.probe_prompt(2 * self.chunk_tokens + 1), None) is None:
+            return False
+        after = self.view.pool_stats(timeout=1.0)
+        return (
+            after is not None
+            and after.get("incarnation") == before.get("incarnation")
+            and (int(after.get("hits", 0)) - int(before.get("hits", 0)) >= 2)
+        )

@@ -16,6 +16,7 @@ import urllib.request
 from typing import Any
 
 from maru_dynamo.graphs.run import Plan, instance_file
+from maru_vllm.disagg.view import RoleView
 from maru_vllm.launch import ManagedProcess, ProcessGroup
 from maru_vllm.launch.lifecycle import read_instance_file
 from maru_vllm.pool import PoolClient, PoolError
@@ -31,6 +32,7 @@ class GraphView:
         nats = next((p.argv for p in plan.processes if p.name == NATS), None)
         self.nats_port = int(nats[nats.index("-p") + 1]) if nats else None
         self.worker_names = [p.name for p in plan.workers]
+        self.disaggregated = plan.spec.mode == "disagg"
         self._probe_seq = 0
 
     # -- processes -------------------------------------------------------------------------------
@@ -53,21 +55,39 @@ class GraphView:
         return read_instance_file(instance_file(self.plan.work_dir, name))
 
     # -- frontend --------------------------------------------------------------------------------
-    def instances(self) -> list[int]:
-        """Instance ids of the workers the frontend routes to (its /health)."""
+    def _generate_rows(self) -> list[dict[str, Any]]:
         try:
             with urllib.request.urlopen(f"{self.plan.url}/health", timeout=3) as resp:
                 health = json.loads(resp.read())
         except (urllib.error.URLError, OSError, ValueError):
             return []
         rows = health.get("instances") if isinstance(health, dict) else None
-        return sorted(
-            {
-                int(r["instance_id"])
-                for r in rows or []
-                if isinstance(r, dict) and r.get("endpoint") == "generate" and "instance_id" in r
-            }
-        )
+        return [r for r in rows or [] if isinstance(r, dict) and r.get("endpoint") == "generate" and "instance_id" in r]
+
+    def instances(self) -> list[int]:
+        """Instance ids of the workers the frontend routes to (its /health)."""
+        return sorted({int(r["instance_id"]) for r in self._generate_rows()})
+
+    def role_view(self) -> RoleView:
+        """The graph's roles as the frontend lists them (`maru_vllm.disagg.view`)."""
+        try:
+            with urllib.request.urlopen(f"{self.plan.url}/health", timeout=3) as resp:
+                return RoleView.from_health(json.loads(resp.read()))
+        except (urllib.error.URLError, OSError, ValueError):
+            return RoleView.from_health({})
+
+    def serving_instances(self) -> list[int]:
+        """The instances a request can be pinned to (`backend_instance_id`): every worker of an
+        aggregated graph, the decode role's of a disaggregated one."""
+        return sorted(self.role_view().workers["decode"]) if self.disaggregated else self.instances()
+
+    def stand_in(self) -> bool:
+        """Whether a worker stands in for a lost role now (a disaggregated graph that lost one)."""
+        return (self.role_view().state() or "").endswith("degraded")
+
+    def disaggregated_again(self) -> bool:
+        """Both roles have workers of their own."""
+        return self.role_view().state() == "disaggregated"
 
     def ask(self, prompt: list[int], instance: int | None, timeout: float = 30.0) -> dict[str, Any] | None:
         """One short greedy completion (pinned to `instance` when given); None when it fails."""

@@ -67,6 +67,14 @@ class RequestResult:
     first_token_s: float | None = None
     max_gap_s: float = 0.0  # the longest wait between two chunks of the stream (a stall)
     refused: bool = False  # the connection was refused: the request reached nothing
+    last_token_s: float | None = None  # since start, like first_token_s
+
+    @property
+    def itl_s(self) -> float | None:
+        """Mean time between tokens after the first (None for fewer than two)."""
+        if self.first_token_s is None or self.last_token_s is None or self.tokens < 2:
+            return None
+        return (self.last_token_s - self.first_token_s) / (self.tokens - 1)
 
 
 def token_ids(rng: random.Random, length: int) -> list[int]:
@@ -190,6 +198,7 @@ async def stream_completion(
         first,
         max_gap,
         refused,
+        None if last is None else last - start,
     )
 
 

@@ -42,6 +42,7 @@ class MaruConnectorConfig:
     block_size: int
     log_stats_interval_s: float
     pool_deadline_ms: float = DEFAULT_POOL_DEADLINE_MS
+    store_inline: bool = False
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -79,6 +80,12 @@ KEYS: dict[str, tuple[Any, str]] = {
         10.0,
         "seconds between the connector's INFO summaries in the engine log (hits, misses, tokens "
         "loaded and stored, pool state); an idle interval logs nothing; 0 turns them off",
+    ),
+    "maru_store_inline": (
+        False,
+        "commit each step's chunks before the step returns instead of behind it (a disaggregated "
+        "prefill worker, whose response sends the decode worker to the pool); a producer-only "
+        "engine (kv_producer) always stores inline",
     ),
 }
 
@@ -184,4 +191,5 @@ def parse_config(extra: Mapping[str, Any] | None, block_size: int) -> MaruConnec
         block_size=block_size,
         log_stats_interval_s=log_interval,
         pool_deadline_ms=deadline_ms,
+        store_inline=_as_bool("maru_store_inline", extra.get("maru_store_inline", False)),
     )

@@ -139,8 +139,9 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             # Stores get their own pool connection (loads never wait behind them) and run
-            # write-behind, except on a producer-only engine (disaggregated prefill), whose
-            # response sends the decode engine to the pool: its chunks must be there first.
+            # write-behind, except on a disaggregated prefill engine (`maru_store_inline`, or
+            # producer-only), whose response sends the decode engine to the pool: its chunks
+            # must be there first.
             store_pool = self._pool_access("worker-store") if self.can_store else None
             if store_pool is not None:
                 pools.append(store_pool)
@@ -148,7 +149,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 rank=_worker_rank(),
                 pool=self.pool,
                 store_pool=store_pool,
-                write_behind=self.can_load,
+                write_behind=self.can_load and not self.config.store_inline,
                 blocks_per_chunk=self.config.blocks_per_chunk,
                 expected_format=self.copy_format,
                 block_size=block_size,

@@ -26,6 +26,8 @@ def test_defaults() -> None:
     # requests in the scheduling loop wait milliseconds for the pool, not the start-up connect's seconds
     assert (cfg.pool_deadline_s, cfg.pool_timeout_s) == (0.25, 5.0)
     assert parse_config({**POOL, "maru_pool_deadline_ms": "250"}, block_size=128).pool_deadline_s == 0.25
+    assert cfg.store_inline is False  # write-behind unless asked (a disaggregated prefill worker asks)
+    assert parse_config({**POOL, "maru_store_inline": True}, block_size=128).store_inline is True
 
 
 @pytest.mark.parametrize(
@@ -41,6 +43,7 @@ def test_defaults() -> None:
         ({**POOL, "maru_pool_deadline_ms": 0}, "maru_pool_deadline_ms=0 must be > 0 milliseconds"),
         ({**POOL, "maru_pool_deadline_ms": "soon"}, "maru_pool_deadline_ms='soon' is not a number"),
         ({**POOL, "maru_pool_deadline_ms": True}, "maru_pool_deadline_ms=True is not a number"),
+        ({**POOL, "maru_store_inline": "sometimes"}, "maru_store_inline='sometimes' is not a boolean"),
         ({**POOL, "maru_chunk_tokens": 256}, "unknown key(s) ['maru_chunk_tokens']"),
         (
             {**POOL, "maru_pool_token_file": "/nonexistent/token"},

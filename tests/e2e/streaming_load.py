@@ -91,7 +91,8 @@ def stream_completion(url: str, model: str, prompt: list[int], max_tokens: int, 
 
 
 class Load:
-    """`threads` clients, each sending `prompt_for(i)` requests back to back until `stop()`.
+    """`threads` clients, each sending `prompt_for(i)` requests back to back until `stop()` (or, with
+    `requests`, until that many were sent).
 
     `retry_refused_s` > 0: a request whose connection is refused is sent again after 0.1 s, for
     up to that long (a client retrying while its frontend restarts); `refused` counts the retries.
@@ -105,10 +106,12 @@ class Load:
         max_tokens: int,
         threads: int = 3,
         retry_refused_s: float = 0.0,
+        requests: int | None = None,
     ) -> None:
         self.url, self.model, self.prompt_for, self.max_tokens = url, model, prompt_for, max_tokens
         self.retry_refused_s = retry_refused_s
         self.refused = 0
+        self.requests = requests
         self.results: list[StreamResult] = []
         self._lock = threading.Lock()
         self._next = 0
@@ -118,6 +121,8 @@ class Load:
     def _client(self) -> None:
         while not self._stop.is_set():
             with self._lock:
+                if self.requests is not None and self._next >= self.requests:
+                    return
                 index, self._next = self._next, self._next + 1
             prompt = self.prompt_for(index)
             deadline = time.monotonic() + self.retry_refused_s
@@ -134,6 +139,18 @@ class Load:
         for t in self._threads:
             t.start()
         return self
+
+    def done(self) -> int:
+        """How many requests have ended so far."""
+        with self._lock:
+            return len(self.results)
+
+    def wait(self, timeout: float = 600) -> list[StreamResult]:
+        """Until every thread is done (with `requests`: all of them sent and ended); every result."""
+        for t in self._threads:
+            t.join(timeout)
+        with self._lock:
+            return list(self.results)
 
     def stop(self, timeout: float = 300) -> list[StreamResult]:
         """Send no new request, wait for those in flight, return every result."""

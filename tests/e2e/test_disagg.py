@@ -1,11 +1,13 @@
 """Disaggregated serving through the Maru pool, on the real stack.
 
 nats-server, the pool service (--nats), Dynamo's frontend (--router-mode kv), one prefill Maru
-worker (`--disaggregation-mode prefill`, kv_producer, core 0) and one decode Maru worker
-(`--disaggregation-mode decode`, kv_consumer, core 1). The prefill worker stores the prompt's
-chunks in the pool; Dynamo hands the decode worker an empty `kv_transfer_params` (Maru is a
-cache-mediated PD connector, `maru_dynamo.components.dynamo_pd`), and the decode worker's connector loads the
-chunks by block hash while it schedules the same prompt.
+worker (`--disaggregation-mode prefill`, storing inline, core 0) and one decode Maru worker
+(`--disaggregation-mode decode`, core 1). The prefill worker stores the prompt's chunks in the
+pool; Dynamo hands the decode worker an empty `kv_transfer_params` (Maru is a cache-mediated PD
+connector, `maru_dynamo.components.dynamo_pd`), and the decode worker's connector loads the chunks
+by block hash while it schedules the same prompt. Each worker stands in for the other role while
+that role has no worker (`maru_vllm.disagg`): the checks below run once the graph is
+disaggregated, i.e. once no worker serves both roles.
 
 Reference: a plain vLLM OpenAI server (no connector) with the decode worker's environment on the
 decode worker's core (one OpenMP thread: greedy output and logprobs are bit-exact only with the
@@ -42,6 +44,8 @@ from maru_vllm.launch.engine_metrics import metric_total
 from maru_vllm.launch.ports import free_system_port
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import CHUNK, start_pool, stored_chunks, token_prompt
+from tests.e2e.test_disagg_roles import disaggregated, sees_live
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -178,6 +182,8 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     )
     procs.start(decode)
     serve_when_ready(url, tiny_model, [prefill, decode], timeout=400)
+    # Disaggregated, and the prefill worker's decode stand-in passes what it gets on to the decode worker.
+    wait_until(lambda: disaggregated(url) and sees_live(prefill.log_text(), "decode"), 60, what="disaggregated")
 
     # The frontend found the prefill worker (component "prefill", WorkerType.Prefill).
     assert "Prefill worker detected" in frontend.log_text()
@@ -197,7 +203,7 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     # The prefill worker stored the prompt's three full chunks; the decode worker stores nothing.
     assert sorted(stored_chunks(pool.address, prompt, range(3))) == [0, 1, 2]
     assert after["stores"] - before["stores"] == 3, (before, after)
-    # ... and the decode worker found and loaded them (the prefill worker never loads: kv_producer).
+    # ... and the decode worker found and loaded them (the prefill worker had nothing to load).
     assert after["hits"] - before["hits"] >= 3, (before, after)
     hits_name = "vllm:external_prefix_cache_hits_total"
     loaded_name = "vllm:maru_connector_chunks_loaded_total"
@@ -211,7 +217,7 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
         f"prefill: chunks stored {metric_total(pm, 'vllm:maru_connector_chunks_stored_total')}"
     )
     assert decode_loaded == 3
-    assert metric_total(dm, "vllm:maru_connector_chunks_stored_total") == 0  # kv_consumer
+    assert metric_total(dm, "vllm:maru_connector_chunks_stored_total") == 0  # it computed no whole chunk
     assert decode_external_hits == 3 * CHUNK
     assert metric_total(pm, "vllm:maru_connector_chunks_stored_total") >= 3
     assert metric_total(pm, loaded_name) == 0
@@ -231,6 +237,7 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     )
     procs.start(decode2)
     serve_when_ready(url, tiny_model, [prefill, decode2])
+    wait_until(lambda: disaggregated(url) and sees_live(prefill.log_text(), "decode"), 60, what="disaggregated")
     before = pool_stats(pool.address)
     d2_before = metrics(decode_port)
     out_miss = ask(url, tiny_model, prompt_miss)

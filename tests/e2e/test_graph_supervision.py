@@ -46,11 +46,11 @@ pytestmark = pytest.mark.e2e
 
 
 class GraphRun:
-    """`maru-dynamo graph run graphs/agg.yaml` as a user starts it, with its output collected."""
+    """`maru-dynamo graph run GRAPH` as a user starts it, with its output collected."""
 
-    def __init__(self) -> None:
+    def __init__(self, graph: str = "graphs/agg.yaml") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maru_dynamo.components.main", "graph", "run", "graphs/agg.yaml", "--keep-logs"],
+            [sys.executable, "-m", "maru_dynamo.components.main", "graph", "run", graph, "--keep-logs"],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

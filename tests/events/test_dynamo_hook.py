@@ -141,10 +141,17 @@ def test_maru_worker_fills_in_configs(monkeypatch: pytest.MonkeyPatch) -> None:
         ]
     )
     assert ours.maru_pool_name == "kv" and ours.maru_event_medium == "CPU_PINNED" and ours.maru_chunk_tokens == 256
+    assert ours.maru_standby and maru_worker.disaggregation_mode(rest) == "prefill"  # stands in for decode
+    assert not maru_worker.build(["--maru-pool-address", "a", "--no-maru-standby"])[0].maru_standby
     assert rest[:4] == ["--model", "m", "--disaggregation-mode", "prefill"]
     kvt = json.loads(rest[rest.index("--kv-transfer-config") + 1])
-    assert kvt["kv_connector"] == "MaruKVConnector" and kvt["kv_role"] == "kv_producer"
-    assert kvt["kv_connector_extra_config"] == {"maru_pool_address": "unix:///tmp/p.sock", "maru_kv_chunk_tokens": 256}
+    # Every role loads and stores (a worker may stand in for the other role); prefill stores inline.
+    assert kvt["kv_connector"] == "MaruKVConnector" and kvt["kv_role"] == "kv_both"
+    assert kvt["kv_connector_extra_config"] == {
+        "maru_pool_address": "unix:///tmp/p.sock",
+        "maru_kv_chunk_tokens": 256,
+        "maru_store_inline": True,
+    }
     kve = json.loads(rest[rest.index("--kv-events-config") + 1])
     assert kve["enable_kv_cache_events"] and kve["endpoint"].startswith("tcp://*:")
 
@@ -160,7 +167,8 @@ def test_maru_worker_fills_in_configs(monkeypatch: pytest.MonkeyPatch) -> None:
         ]
     )
     kvt = json.loads(rest[rest.index("--kv-transfer-config") + 1])
-    assert kvt["kv_role"] == "kv_consumer" and kvt["kv_connector_extra_config"]["maru_kv_chunk_tokens"] == 512
+    assert kvt["kv_role"] == "kv_both" and kvt["kv_connector_extra_config"]["maru_kv_chunk_tokens"] == 512
+    assert "maru_store_inline" not in kvt["kv_connector_extra_config"]  # decode stores write-behind
     monkeypatch.delenv("DYN_VLLM_DISAGGREGATION_MODE", raising=False)
     _, rest = maru_worker.build(
         [

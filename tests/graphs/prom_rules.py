@@ -6,8 +6,8 @@
   `annotations`; durations in its `Duration` pattern), closed like the DGD schema, so a
   misspelt key or a malformed duration fails.
 * Metric names: `exported_metric_names()` collects what the product's exporters really register
-  (the pool service's collector, the connector's vLLM metric class, instantiated and fed once
-  each) plus the names Dynamo's own `dynamo.prometheus_names` declares for the frontend and
+  (the pool service's collector, the connector's vLLM metric class, the stand-ins' series,
+  instantiated and fed once each) plus the names Dynamo's own `dynamo.prometheus_names` declares for the frontend and
   Prometheus' per-target `up`; `metric_names(expr)` reads the names an expression selects.
 """
 
@@ -124,7 +124,7 @@ def metric_names(expr: str) -> set[str]:
 
 @functools.cache
 def exported_metric_names() -> frozenset[str]:
-    """Every series name the pool service and the connector export, plus Dynamo's frontend and `up`."""
+    """Every series name the pool service, the connector and the stand-ins export, plus Dynamo's frontend and `up`."""
     from dynamo.prometheus_names import frontend_service, name_prefix
 
     from maru_vllm.connector.stats import MaruPromMetrics
@@ -139,6 +139,14 @@ def exported_metric_names() -> frozenset[str]:
     connector = MaruPromMetrics(types.SimpleNamespace(kv_transfer_config=None), bind, ["engine"], {0: ["0"]})
     connector.observe(dict.fromkeys(MaruPromMetrics._COUNTERS, 1))
     names |= {s.name for family in registry.collect() for s in family.samples if not s.name.endswith("_created")}
+
+    from maru_vllm.disagg.standby import StandbyMetrics
+
+    standby = StandbyMetrics("prefill")
+    standby.requests.inc()
+    names |= {
+        s.name for family in standby.registry.collect() for s in family.samples if not s.name.endswith("_created")
+    }
 
     for attr, value in vars(frontend_service).items():
         if attr.isupper() and isinstance(value, str) and attr != "METRICS_PREFIX_ENV":

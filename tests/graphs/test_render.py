@@ -235,8 +235,8 @@ def test_workers_are_scheduled_next_to_a_pool_pod(rendered: dict[str, Any]) -> N
 def test_workers_kv_transfer_args_and_gpus(rendered: dict[str, Any]) -> None:
     expected = {
         "worker": ("agg", "kv_both"),
-        "prefill": ("prefill", "kv_producer"),
-        "decode": ("decode", "kv_consumer"),
+        "prefill": ("prefill", "kv_both"),
+        "decode": ("decode", "kv_both"),
     }
     maru_worker = None
     if importlib.util.find_spec("maru_dynamo.components.maru_worker") is not None:
