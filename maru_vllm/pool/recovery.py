@@ -74,21 +74,6 @@ class RecoveryReport:
         )
 
 
-def recover(
-    view: memoryview,
-    heap_offset: int,
-    heap_bytes: int,
-    catalog: Catalog,
-    allocator: Allocator,
-    index: PoolIndex,
-    oid_floor: int,
-) -> RecoveryReport:
-    """Rebuild `index` (fresh, as are `allocator` and the presence table) from the region `view`
-    whose heap is `heap_bytes` at `heap_offset` (see module docstring)."""
-    with _collector_paused():
-        return _recover(view, heap_offset, heap_bytes, catalog, allocator, index, oid_floor)
-
-
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the block, back on after it if it was on."""
@@ -101,7 +86,8 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _recover(
+@_collector_paused()
+def recover(
     view: memoryview,
     heap_offset: int,
     heap_bytes: int,
@@ -110,6 +96,8 @@ def _recover(
     index: PoolIndex,
     oid_floor: int,
 ) -> RecoveryReport:
+    """Rebuild `index` (fresh, as are `allocator` and the presence table) from the region `view`
+    whose heap is `heap_bytes` at `heap_offset` (see module docstring), the cyclic collector paused."""
     t0 = time.perf_counter()
     report = RecoveryReport()
     dropped: collections.Counter[str] = collections.Counter()
