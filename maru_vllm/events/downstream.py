@@ -208,6 +208,18 @@ class DownstreamPipe:
             self._task = asyncio.get_running_loop().create_task(self._drain(), name="maru-relay-drain")
 
     async def _drain(self) -> None:
+        """Send what waits, then report the drain; again while the report itself queued batches
+        (this task is still running then, so `_keep` starts no other)."""
+        while self._unsent:
+            await self._send_waiting()
+            self._drained.set()
+            lost, self._lost = self._lost, Lost()
+            try:
+                self._on_drained(lost)
+            except Exception:
+                logger.exception("relay drain callback failed")
+
+    async def _send_waiting(self) -> None:
         delay = _RETRY_FIRST_S
         while self._unsent:
             payload, pool, removed = self._unsent[0]
@@ -220,9 +232,3 @@ class DownstreamPipe:
             else:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, _RETRY_MAX_S)
-        self._drained.set()
-        lost, self._lost = self._lost, Lost()
-        try:
-            self._on_drained(lost)
-        except Exception:
-            logger.exception("relay drain callback failed")
