@@ -52,7 +52,7 @@ from pathlib import Path
 
 from maru_vllm.events.types import DEFAULT_MEDIUM, POOL_MEDIUMS
 from maru_vllm.launch.argv import flag_value, has_flag, kv_events_args
-from maru_vllm.launch.handoff import run_module_as_main
+from maru_vllm.launch.handoff import run_module_then_exit
 from maru_vllm.launch.ports import free_port
 
 # Disaggregation modes the worker component knows (Dynamo's `--disaggregation-mode`). Every
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         install_worker_lifecycle(lifecycle)  # after the warm-up and stand-in hooks: it wraps whatever is there
     except RuntimeError as exc:
         sys.exit(f"maru_worker: {exc}")
-    run_module_as_main("dynamo.vllm", rest)
+    run_module_then_exit("dynamo.vllm", rest)
 
 
 def _path_or_none(text: str | None) -> Path | None:

@@ -147,7 +147,7 @@ def test_maru_worker_registers_before_running_dynamo(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(events, "install_pool_event_relay", lambda **kw: None, raising=False)
     monkeypatch.setattr(
         maru_worker,
-        "run_module_as_main",
+        "run_module_then_exit",
         lambda name, argv: seen.update(name=name, registered=dict(registry.KV_CONNECTOR_PROTOCOLS)),
     )
     monkeypatch.setattr(sys, "argv", ["maru_worker"])
