@@ -25,6 +25,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from harness import write_json
+
 
 def replay(trace: list[list[int]], cap: int | None, pool_chunks: int) -> tuple[int, int, int]:
     """(pool-hit chunks, of them credited under `cap`, chunks in the pool at the end)."""
@@ -80,7 +82,7 @@ def main() -> None:
         out["caps"].append({"share": share, "cap": cap, "credited_share": c / h if h else 1.0})
         print(f"  cap {cap} chunks ({share:.0%} of the pool): the router credits {c / h:.1%} of pool-hit chunks")
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

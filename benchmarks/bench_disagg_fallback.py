@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE))
 
 from chaos.graph import GraphView, wait_for  # noqa: E402 - benchmarks/ is not a package
 from chaos.load import COMPLETED, LoadConfig, LoadGenerator  # noqa: E402
+from harness import write_json  # noqa: E402
 
 MODES = ("agg", "disagg", "no-prefill", "no-decode")
 STOPPED = {"no-prefill": "worker:prefill-0", "no-decode": "worker:decode-0"}
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs)
     print(format_table(summary), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "summary": summary}, indent=2) + "\n")
+        write_json(args.json, {"args": vars(args), "runs": runs, "summary": summary})
     return 0 if all(r["completed"] == r["requests"] for r in runs) else 1
 
 

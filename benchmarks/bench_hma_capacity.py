@@ -13,12 +13,12 @@ request": how many requests of that length fit. Nothing is timed.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import tempfile
 from pathlib import Path
 
+from harness import write_json
 from maru_vllm.fixtures.models import SHAPES, ensure_model
 from maru_vllm.launch import ProcessGroup, free_port, stack
 from maru_vllm.launch.argv import StrictArgumentParser
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             procs.stop_all()
             pool.region_path.unlink(missing_ok=True)  # a pool's region outlives it; this one is done
     if args.json:
-        args.json.write_text(json.dumps({"kv_cache_space_gib": 1, "results": rows}, indent=2) + "\n")
+        write_json(args.json, {"kv_cache_space_gib": 1, "results": rows})
     return 0
 
 

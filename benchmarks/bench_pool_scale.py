@@ -76,6 +76,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from harness import write_json  # noqa: E402 - benchmarks/ is on sys.path when a script runs
 from maru_vllm.connector.chunks import ChunkGeometry, chunk_key  # noqa: E402
 from maru_vllm.launch import ProcessGroup, free_port  # noqa: E402
 from maru_vllm.launch.lines import StdoutLines  # noqa: E402
@@ -842,7 +843,7 @@ def main() -> None:
         # the last run's figures at the top level (the largest pool with the last --workers), all in "runs"
         results = {**(runs[-1] if runs else {}), "runs": runs}
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
     print(json.dumps(results, indent=2))
 
 

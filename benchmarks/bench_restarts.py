@@ -64,6 +64,7 @@ from chaos.graph import POOL, GraphView, cached_tokens, wait_for  # noqa: E402
 from chaos.load import LoadConfig, LoadGenerator, RequestResult, summarize  # noqa: E402
 from chaos.samplers import Sampler  # noqa: E402
 from chaos_soak import drain  # noqa: E402
+from harness import write_json  # noqa: E402
 
 PROBES = 4  # probe prompts per pool-warm case
 PROBE_CHUNKS = 2  # whole chunks per probe prompt (plus one token)
@@ -445,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     if own:
         print(restarts.format_cases(own), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+        write_json(args.json, report, sort_keys=True, default=str)
     return 0 if report["ok"] else 1
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import shutil
 import signal
 import sys
@@ -45,6 +44,7 @@ from chaos.faults import FaultRunner, parse_schedule  # noqa: E402
 from chaos.graph import GraphView, wait_for  # noqa: E402
 from chaos.load import LoadConfig, LoadGenerator, summarize  # noqa: E402
 from chaos.samplers import SHM_PREFIXES, Sampler, shm_left, shm_listing  # noqa: E402
+from harness import write_json  # noqa: E402
 
 DEFAULT_FAULTS = "worker-kill@20,worker-term@45,pool-restart-warm@70,pool-stop@100+8,nats-stop@125"
 DEFAULT_POOL_SIZE = "16M"  # the tiny model's 40 x 768-token working set needs several times that
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run_soak(args, spec)
     print(format_report(report), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        write_json(args.json, report, sort_keys=True)
     return 0 if report["ok"] else 1
 
 

@@ -25,6 +25,7 @@ for p in (REPO, REPO / "benchmarks"):
 import msgspec  # noqa: E402
 
 import real_traffic  # noqa: E402
+from harness import write_json  # noqa: E402
 from maru_vllm.fixtures.calibration import Calibration  # noqa: E402
 from real_traffic_whatif import predict_rates  # noqa: E402
 
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             row.pop("whatif", None)
             if key in predicted:
                 row["whatif"] = predicted[key]
-        args.json.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+        write_json(args.json, out, indent=1)
     return 0
 
 

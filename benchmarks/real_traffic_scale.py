@@ -34,6 +34,7 @@ for p in (REPO, REPO / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from harness import write_json  # noqa: E402
 from real_traffic_whatif import COUNTERPART, order_of, whatif_rows  # noqa: E402
 from traffic_load import Traffic, TrafficError, read_mooncake, scale_trace  # noqa: E402
 
@@ -198,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "calibration": json.loads(args.calibration.read_text()),
             "results": rows,
         }
-        args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        write_json(args.json, doc, indent=1)
     if args.plot:
         plot(rows, args.plot, f"what-if, {traffic.name}, {args.rate_per_worker:.2f} req/s per worker")
     return 0
