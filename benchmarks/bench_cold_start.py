@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import random
 import shutil
 import statistics
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from harness import alternated, percentile
 from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph, supervise
 from maru_dynamo.graphs.spec import GraphSpec, load_graph
 from maru_vllm.launch import ProcessGroup
@@ -51,8 +51,7 @@ class Burst:
     wall_s: float
 
     def pct(self, q: float) -> float:
-        xs = sorted(self.ttft_s)
-        return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]  # nearest rank
+        return percentile(self.ttft_s, q)
 
     def row(self) -> str:
         ms = [1000 * v for v in (self.pct(50), self.pct(90), self.pct(99), statistics.fmean(self.ttft_s))]
@@ -196,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratios: dict[bool, list[float]] = {True: [], False: []}
     header = f"{'burst':<12} {'n':>4} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'mean ms':>9} {'wall s':>8}"
     for r in range(1, args.rounds + 1):
-        order = [True] if args.only == "warmup" else ([True, False] if r % 2 else [False, True])
+        order = [True] if args.only == "warmup" else alternated([True, False], r - 1)
         for warmup in order:
             first, warm = run_round(args, r, warmup)
             label = "warm-up on" if warmup else "warm-up off"

@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
+from harness import alternated  # noqa: E402
 from lmcache_peer import start_lmcache_server  # noqa: E402
 from maru_dynamo.graphs import client  # noqa: E402
 from maru_vllm.fixtures.calibration import Calibration, write_calibration  # noqa: E402
@@ -174,9 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for length in lengths:
                 prompt = [rng.randrange(32, 127) for _ in range(length + 1)]
                 row: dict[str, Any] = {"tokens": length, "sample": sample}
-                colds: list[tuple[str, str]] = [("cold_plain", "plain")] + [(f"cold_{s}", f"{s}-A") for s in systems]
-                if sample % 2:
-                    colds.reverse()
+                colds = alternated([("cold_plain", "plain")] + [(f"cold_{s}", f"{s}-A") for s in systems], sample)
                 stored_before = metrics(eng.urls["maru-A"]).get("chunks_stored", 0.0)
                 for key, engine in colds:
                     row[key], row[f"{key}_cached"] = eng.ttft(engine, prompt)

@@ -48,6 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from harness import alternated  # noqa: E402 - benchmarks/ is on sys.path when a script runs
 from maru_dynamo.graphs import client  # noqa: E402
 from maru_dynamo.graphs import run as graph_run  # noqa: E402
 from maru_dynamo.graphs.spec import load_graph, resolve_graph_path  # noqa: E402
@@ -243,8 +244,7 @@ class Bench:
             self.wait_serving()
             ttft(self.plan.url, self.model, fresh_prompt(self.rng, 64))  # warm both paths once
             for sample in range(a.samples):
-                order = ("recompute", "migrate") if sample % 2 == 0 else ("migrate", "recompute")
-                for what in order:
+                for what in alternated(("recompute", "migrate"), sample):
                     if what == "recompute":
                         recompute.append(
                             ttft(self.plan.url, self.model, fresh_prompt(self.rng, a.prompt_tokens + a.kill_after))

@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from harness import rotated  # noqa: E402 - benchmarks/ is on sys.path when a script runs
 from maru_dynamo.graphs import client  # noqa: E402
 from maru_vllm.connector.chunks import placeholder_meta  # noqa: E402
 from maru_vllm.connector.metadata import ChunkStore, MaruConnectorMetadata  # noqa: E402
@@ -234,9 +235,8 @@ def alternate(samples: dict[str, Callable[[], float]], repeats: int) -> dict[str
     round starts one configuration later, so none always runs right after the same one (the
     memcpy sweeps 128 MiB through the caches: whatever always ran next would pay for it)."""
     best = {k: float("inf") for k in samples}
-    names = list(samples)
     for r in range(repeats):
-        for k in names[r % len(names) :] + names[: r % len(names)]:
+        for k in rotated(list(samples), r):
             best[k] = min(best[k], samples[k]())
     return best
 

@@ -36,6 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from harness import alternated  # noqa: E402 - benchmarks/ is on sys.path when a script runs
 from maru_dynamo.graphs import client  # noqa: E402
 from maru_vllm.fixtures.models import ensure_model  # noqa: E402
 from maru_vllm.launch import ProcessGroup, stack  # noqa: E402
@@ -135,7 +136,7 @@ def run_engines(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, An
             wait_for(lambda other=other: stats(dom.pools[other])["tier2_keys"] >= 4 * 2)
             dom.ttft(other, warm)
         for sample in range(args.samples):
-            cold, hit = ("A", "B") if sample % 2 == 0 else ("B", "A")
+            cold, hit = alternated(("A", "B"), sample)
             for length in lengths:
                 prompt = [rng.randrange(32, 127) for _ in range(length + 1)]
                 row: dict[str, Any] = {"tokens": length, "sample": sample, "cold_domain": cold}

@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from harness import min_time  # noqa: E402 - benchmarks/ is on sys.path when a script runs
 from maru_vllm.connector import layouts  # noqa: E402
 from maru_vllm.connector.chunks import placeholder_meta  # noqa: E402
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata  # noqa: E402
@@ -257,12 +258,7 @@ def checksum_algorithms(nbytes: int = 64 << 20, repeats: int = 10) -> dict[str, 
         view = memoryview(mm)
         view[:] = os.urandom(1 << 20) * (nbytes >> 20)
         for name, fn in algos.items():
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn(view)
-                best = min(best, time.perf_counter() - t0)
-            out[name] = nbytes / best / 1e9
+            out[name] = nbytes / min_time(lambda fn=fn: fn(view), repeats) / 1e9
         view.release()
         mm.close()
     finally:

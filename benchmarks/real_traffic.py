@@ -62,6 +62,7 @@ for p in (REPO, REPO / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from harness import rotated, write_json  # noqa: E402
 from lmcache_peer import start_lmcache_server  # noqa: E402
 from maru_dynamo.graphs import client  # noqa: E402
 from maru_vllm.fixtures.calibration import write_calibration  # noqa: E402
@@ -541,12 +542,6 @@ def whatif_report(
     )
 
 
-def order_for(repeat: int, configs: Sequence[Config]) -> list[Config]:
-    """The configurations rotated by `repeat` (each one goes first once in len(configs) repeats)."""
-    k = repeat % len(configs)
-    return list(configs[k:]) + list(configs[:k])
-
-
 def parse_configs(text: str) -> list[Config]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in BY_NAME]
@@ -714,7 +709,7 @@ def sweep(
     runs: list[Run] = []
     for rep in range(args.repeats):
         for i, rate in enumerate(rates):
-            for cfg in order_for(rep + i, configs):
+            for cfg in rotated(configs, rep + i):
                 for attempt in (1, 2):
                     t0 = time.monotonic()
                     try:
@@ -807,7 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ],
     }
     if args.json:
-        args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        write_json(args.json, doc, indent=1)
     if args.detail_json:
         detail = {
             **{k: v for k, v in doc.items() if k != "results"},
@@ -817,12 +812,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prefix_tree_tokens": traffic.unique_prefix_tokens(),
             "repeats": args.repeats,
             "order": [
-                [[c.name for c in order_for(rep + i, configs)] for i in range(len(rates))]
-                for rep in range(args.repeats)
+                [[c.name for c in rotated(configs, rep + i)] for i in range(len(rates))] for rep in range(args.repeats)
             ],
             "results": [s.detail() for s in summaries],
         }
-        args.detail_json.write_text(json.dumps(detail, indent=1) + "\n", encoding="utf-8")
+        write_json(args.detail_json, detail, indent=1)
     if args.plot:
         title = f"{traffic.name.rsplit(', speedup', 1)[0]}: {len(traffic.requests)} requests, {args.workers} workers"
         if len(rates) > 1:

@@ -19,13 +19,13 @@ import json
 import math
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from harness import min_time
 from maru_vllm.fixtures.calibration import Calibration, write_calibration
 from maru_vllm.whatif.spec import kv_bytes_per_token_of_model
 
@@ -50,12 +50,7 @@ def cache_config(metrics_url: str) -> tuple[int, int]:
 def _memcpy_gbps(nbytes: int = 64 << 20, rounds: int = 5) -> float:
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best / 1e9
+    return nbytes / min_time(lambda: np.copyto(dst, src), rounds) / 1e9
 
 
 def calibration_from_runs(runs: Sequence[object], model: str, step_tokens: int | None = None) -> Calibration:

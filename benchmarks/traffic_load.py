@@ -29,6 +29,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from harness import percentile
 from maru_vllm.whatif.trace import TraceError, TraceRequest, read_trace, write_trace
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces as published
@@ -284,14 +285,6 @@ class LoadResult:
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile `q` (0-100) of `values`; NaN for none."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
 
 
 def _metric(record: dict[str, object], name: str) -> float | None:

@@ -26,6 +26,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
+from harness import alternated
 from maru_dynamo.graphs import client
 
 PROBE_LONG = 1536  # the prompt prefill_tokens_per_s reads against the shortest
@@ -149,7 +150,7 @@ def recompute_to_load_probe(
     hits = tries = 0
     while hits < rounds and tries < 2 * rounds:
         tries += 1
-        a, b = (ids[0], ids[1]) if tries % 2 else (ids[1], ids[0])
+        a, b = alternated(ids[:2], tries - 1)
         body: dict[str, Any] = {"model": model, "prompt": _letters(rng, tokens), "max_tokens": 1, "temperature": 0}
         t_cold, _ = _complete(url, {**body, "nvext": {"backend_instance_id": a}})
         time.sleep(settle_s)  # the store is write-behind: let it commit

@@ -151,13 +151,6 @@ def test_graph_worker_engine_is_validated() -> None:
     assert "'vllm' workers are agg only" in str(exc.value)
 
 
-def test_repeats_rotate_which_configuration_goes_first() -> None:
-    cfgs = list(real_traffic.CONFIGS[:3])
-    firsts = [real_traffic.order_for(r, cfgs)[0].name for r in range(3)]
-    assert firsts == [c.name for c in cfgs]
-    assert sorted(c.name for c in real_traffic.order_for(1, cfgs)) == sorted(c.name for c in cfgs)
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -356,8 +349,11 @@ def test_predict_replays_the_whatif_on_a_recorded_run(tmp_path: Path, capsys: py
     assert by[("maru-pool", 2.0)] <= by[("plain-kv", 2.0)]
 
 
-def _fake_sweep(monkeypatch: pytest.MonkeyPatch, failures: dict[int, int]) -> tuple[list[object], bool, list[str]]:
-    """A sweep of 2 configs x 2 rates x 2 repeats whose n-th run fails `failures[n]` times."""
+def _fake_sweep(
+    monkeypatch: pytest.MonkeyPatch, failures: dict[int, int], configs: int = 2, rates: int = 2, repeats: int = 2
+) -> tuple[list[object], bool, list[str]]:
+    """A sweep of `configs` configs x `rates` rates x `repeats` repeats whose n-th run fails
+    `failures[n]` times; each run names its configuration (`config`)."""
     calls: dict[int, int] = {}
     order: list[tuple[str, float]] = []
 
@@ -374,15 +370,15 @@ def _fake_sweep(monkeypatch: pytest.MonkeyPatch, failures: dict[int, int]) -> tu
             def ttft(self, q: int) -> float:
                 return 1.0
 
-        return type("Run", (), {"load": Load(), "prefill_tokens": 5})()
+        return type("Run", (), {"load": Load(), "prefill_tokens": 5, "config": cfg.name})()
 
     monkeypatch.setattr(real_traffic, "run_config", run_config)
     logs: list[str] = []
-    args = type("Args", (), {"repeats": 2})()
+    args = type("Args", (), {"repeats": repeats})()
     runs, ok = real_traffic.sweep(
         args,  # type: ignore[arg-type]
-        list(real_traffic.CONFIGS[:2]),
-        [1.0, 2.0],
+        list(real_traffic.CONFIGS[:configs]),
+        [1.0, 2.0][:rates],
         {1.0: Path("a"), 2.0: Path("b")},
         {1.0: None, 2.0: None},  # type: ignore[dict-item]
         bed=None,  # type: ignore[arg-type]
@@ -391,6 +387,14 @@ def _fake_sweep(monkeypatch: pytest.MonkeyPatch, failures: dict[int, int]) -> tu
         rate_unit="req/s",
     )
     return runs, ok, logs
+
+
+def test_repeats_rotate_which_configuration_goes_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs, ok, _ = _fake_sweep(monkeypatch, {}, configs=3, rates=1, repeats=3)
+    names = [c.name for c in real_traffic.CONFIGS[:3]]
+    repeats = [[r.config for r in runs[i : i + 3]] for i in (0, 3, 6)]  # type: ignore[attr-defined]
+    assert ok and [order[0] for order in repeats] == names
+    assert all(sorted(order) == sorted(names) for order in repeats)
 
 
 def test_a_run_that_fails_once_is_run_again_and_the_sweep_completes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,7 +45,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import threading
 import time
 import urllib.request
@@ -58,6 +57,7 @@ from chaos.graph import GraphView, wait_for
 from chaos.load import COMPLETED, LoadConfig, LoadGenerator, RequestResult, summarize
 from chaos.samplers import Sampler, shm_left, shm_listing
 from chaos_soak import drain  # benchmarks/ is on sys.path (the scripts put it there)
+from harness import alternated, spread
 from maru_dynamo.graphs.control import ControlError, RollingRestart
 from maru_dynamo.graphs.run import (
     build_plan,
@@ -102,9 +102,7 @@ def selections(log: Path) -> list[dict[str, str]]:
 
 def ms(values: list[float]) -> dict[str, float | None]:
     """min / median / max of `values` (seconds) in ms."""
-    if not values:
-        return {"min": None, "median": None, "max": None}
-    return {k: round(1000 * f(values), 1) for k, f in (("min", min), ("median", statistics.median), ("max", max))}
+    return {k: None if v is None else round(1000 * v, 1) for k, v in spread(values).items()}
 
 
 class LoadedGraph:
@@ -244,8 +242,7 @@ def case_drain(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str
         load = g.start_load(seed=2)
         logs = {p.name: p.log_path for p in g.group if p.name.startswith("worker:")}
         for sample in range(args.samples):
-            order = ["worker:drain-0", "worker:migrate-0"]
-            for name in order if sample % 2 == 0 else order[::-1]:
+            for name in alternated(["worker:drain-0", "worker:migrate-0"], sample):
                 time.sleep(args.before_restart_s)
                 moved = migrations(g.plan.url)
                 at = time.monotonic()
@@ -273,8 +270,8 @@ def case_drain(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str
                 "stops": len(mine),
                 "running_at_stop": sum(s["running_at_stop"] or 0 for s in mine),
                 "migrated": sum(s["migrated"] for s in mine),
-                "stop_s_median": statistics.median(s["stop_s"] for s in mine) if mine else None,
-                "longest_stall_ms_median": statistics.median(s["longest_stall_ms"] for s in mine) if mine else None,
+                "stop_s_median": spread(s["stop_s"] for s in mine)["median"],
+                "longest_stall_ms_median": spread(s["longest_stall_ms"] for s in mine)["median"],
                 "longest_stall_ms_max": max((s["longest_stall_ms"] for s in mine), default=None),
             }
         g.ok = case_ok(out)
@@ -333,12 +330,7 @@ def case_dead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str,
         gone = [k["out_of_routing_s"] for k in kills if k["out_of_routing_s"] is not None]
         out: dict[str, Any] = {
             "kills": kills,
-            "out_of_routing_s": {
-                "min": min(gone, default=None),
-                "median": statistics.median(gone) if gone else None,
-                "max": max(gone, default=None),
-                "not_out_within_120_s": len(kills) - len(gone),
-            },
+            "out_of_routing_s": {**spread(gone), "not_out_within_120_s": len(kills) - len(gone)},
             "without_removal": unaided,
             "requests": requests_report(results, load.sent),
             "leaks": g.leaks(),
