@@ -129,7 +129,8 @@ class KvEventRelay:
     ) -> None:
         """`hwm`: messages the socket from vLLM queues; `downstream_hwm`: batches the pipe to
         Dynamo's publisher holds before the relay keeps them, `max_unsent_bytes`: bytes of
-        batches the relay keeps at most (see `downstream`); a resync waits at most
+        batches the relay keeps at most (see `downstream`; at least a snapshot page's batches, a
+        few MiB, or every full announcement after a drop overruns it again); a resync waits at most
         `max_page_wait_s` for the pipe before it reads its next page anyway;
         `max_announced_chunks`: the announce cap (see module docstring; None: no cap)."""
         if downstream_hwm < 1:

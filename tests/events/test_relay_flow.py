@@ -132,21 +132,24 @@ def test_batches_dropped_while_the_publisher_lags_are_announced_again_once_it_re
     relay_factory,  # noqa: F811
 ) -> None:
     """Past `max_unsent_bytes` the relay drops batches rather than hold them; the pool's blocks
-    it dropped reach the publisher anyway, by a full announcement once the pipe drains."""
+    it dropped reach the publisher anyway, by a full announcement once the pipe drains (a
+    backlog that holds a snapshot page's batches: a full announcement is paced by the page)."""
     assert _fill(pool_service.address, CHUNKS) == CHUNKS
-    relay = _relay(relay_factory, pool_service, nats, downstream_hwm=1, max_unsent_bytes=1 << 20, max_page_wait_s=0.2)
+    backlog = 2 * P.SNAPSHOT_PAGE_BYTES
+    relay = _relay(relay_factory, pool_service, nats, downstream_hwm=1, max_unsent_bytes=backlog, max_page_wait_s=0.2)
     pub = SlowPublisher(relay.endpoint)
     try:
         wait_until(lambda: relay.subscribed.is_set(), 20, "the publisher subscribed")
         wait_until(lambda: relay.stats.unsent_dropped > 0, 60, "batches dropped while the publisher lags")
-        assert relay.unsent_bytes <= 1 << 20
+        assert relay.unsent_bytes <= backlog
         wait_until(
             lambda: pub.read() >= 0 and len(pub.stored) == CHUNKS * GEOMETRY.blocks_per_chunk,
             180,
             "every pool block announced after all",
             interval=0,
         )
-        assert relay.stats.full_announcements >= 1
+        # made good by one full announcement, or a few: not one after another while the publisher reads
+        assert 1 <= relay.stats.full_announcements <= 3
         assert pub.seqs == list(range(len(pub.seqs)))
     finally:
         pub.close()
