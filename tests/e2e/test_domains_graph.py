@@ -1,0 +1,101 @@
+"""`maru-dynamo graph run graphs/domains.yaml` as a user runs it: two CXL domains over one Mooncake
+Store, behind one frontend.
+
+The bundled graph starts a real mooncake_master, nats-server, a pool per domain (each a client of
+the master), a Maru worker on each pool and Dynamo's frontend. A prompt pinned to domain a's worker
+(Dynamo's ``nvext.backend_instance_id``) is written through to the tier; domain b's pool learns
+its keys over NATS, and the same prompt pinned to domain b's worker is served from the tier
+(cached tokens >= its full chunks) with the tokens and logprobs of b's own prefix-cache hit
+after it. A SIGINT then stops everything: no process, no region, nothing pinned before it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from maru_dynamo.graphs import control
+from maru_dynamo.graphs.client import cached_tokens, completion
+from maru_vllm.pool import PoolClient
+from tests.e2e.conftest import CHUNK, token_prompt
+from tests.e2e.test_graph_run import alive, cmdline, descendants
+from tests.e2e.test_graph_supervision import GraphRun
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def _stats(work: Path, pool: str) -> dict:
+    with PoolClient.connect(f"unix://{work}/pool-{pool}.sock") as c:
+        return c.stats()
+
+
+def _lp(out: dict) -> tuple[list[str], list[float]]:
+    lp = out["choices"][0]["logprobs"]
+    return lp["tokens"], lp["token_logprobs"]
+
+
+def test_the_domains_graph_serves_domain_a_prompts_from_the_tier_in_domain_b(tiny_model: Path) -> None:
+    run = GraphRun("graphs/domains.yaml")
+    children: set[int] = set()
+    work: Path | None = None
+    try:
+        work = Path(run.wait_line(r"logs in (/\S+)/logs", timeout=60).group(1))
+        url = run.wait_line(r"\[graph\] ready: (http://127\.0\.0\.1:\d+) \(2 workers\)", timeout=600).group(1)
+        run.wait_line(r"\[graph\] control: ", timeout=10)
+        status = control.send(work, control.ControlRequest("status")).status or {}
+        ids = {n: r["instance"] for n, r in status["processes"].items() if r.get("instance") is not None}
+        assert set(ids) == {"worker:worker-a-0", "worker:worker-b-0"}, ids
+        model = str(tiny_model)
+
+        def ask(worker: str, prompt: list[int]) -> dict:
+            pinned = {"backend_instance_id": ids[f"worker:{worker}-0"]}
+            return completion(url, model, prompt, max_tokens=8, logprobs=1, nvext=pinned)
+
+        prompt = token_prompt(4242, 3 * CHUNK + 1)
+        on_a = ask("worker-a", prompt)
+        assert cached_tokens(on_a) == 0
+        wait_until(
+            lambda: _stats(work, "kv-b")["tier2_keys"] >= 3, timeout=60, what="domain b learning a's tier-2 keys"
+        )
+        assert _stats(work, "kv-b")["objects"] == 0  # nothing of it in b's pool yet
+
+        from_tier = ask("worker-b", prompt)  # b's pool fetches a's chunks; b's engine loads them
+        assert cached_tokens(from_tier) >= 3 * CHUNK
+        b = _stats(work, "kv-b")
+        assert b["tier2_hits"] >= 3 and b["tier2_corrupt"] == 0, b
+        local = ask("worker-b", prompt)  # b's own prefix cache now
+        assert cached_tokens(local) >= 3 * CHUNK
+        assert _lp(from_tier) == _lp(local)
+        assert _lp(from_tier)[0] == _lp(on_a)[0]
+        for pool in ("kv-a", "kv-b"):
+            wait_until(
+                lambda pool=pool: (s := _stats(work, pool))["pinned"] == 0 and s["reserved"] == 0,
+                timeout=30,
+                what=f"nothing pinned or reserved in {pool}",
+            )
+
+        children = descendants(run.proc.pid)
+        assert any("mooncake_master" in cmdline(p) for p in children)
+        run.proc.send_signal(signal.SIGINT)
+        assert run.proc.wait(timeout=180) == 0, run.text()
+        time.sleep(0.5)
+        left = sorted(p for p in children if alive(p))
+        assert not left, f"processes left after SIGINT: {left}\n" + run.text()
+        assert not list(Path("/dev/shm").glob(f"maru-*{work.name}*")), "a pool region was left"
+    finally:
+        children |= descendants(run.proc.pid)
+        if run.proc.poll() is None:
+            run.proc.send_signal(signal.SIGINT)
+            try:
+                run.proc.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                run.proc.kill()
+        for pid in children:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
