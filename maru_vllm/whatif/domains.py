@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from maru_vllm.routing import DYNAMO_DISK_TIER_WEIGHT
 from maru_vllm.whatif.pool_model import POOL_WORKER_ID, PoolModel, _BlockCache, _Index, _Request, _Worker
 from maru_vllm.whatif.spec import KV_POOL, ClusterSpec, RunResult
 from maru_vllm.whatif.timing import MockerTiming
@@ -48,7 +49,7 @@ class Tier2Spec:
     gbps: float = 12.5  # one fetch's share of a 100 Gb/s NIC
     fetch_ms: float = 2.0
     visible_ms: float = 500.0
-    weight: float = 0.5  # kv-tier2-credit's router weight (Dynamo's disk-tier weight)
+    weight: float = DYNAMO_DISK_TIER_WEIGHT  # kv-tier2-credit's router weight
 
 
 @dataclasses.dataclass(frozen=True)
