@@ -68,6 +68,7 @@ from maru_vllm.events.types import (
     PoolEvent,
     PoolSnapshot,
 )
+from maru_vllm.pool.messages import SNAPSHOT_PAGE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +130,17 @@ class KvEventRelay:
     ) -> None:
         """`hwm`: messages the socket from vLLM queues; `downstream_hwm`: batches the pipe to
         Dynamo's publisher holds before the relay keeps them, `max_unsent_bytes`: bytes of
-        batches the relay keeps at most (see `downstream`; at least a snapshot page's batches, a
-        few MiB, or every full announcement after a drop overruns it again); a resync waits at most
+        batches the relay keeps at most (see `downstream`; with a pool, at least a snapshot page,
+        `SNAPSHOT_PAGE_BYTES`, or every full announcement after a drop overruns it again); a resync waits at most
         `max_page_wait_s` for the pipe before it reads its next page anyway;
         `max_announced_chunks`: the announce cap (see module docstring; None: no cap)."""
         if downstream_hwm < 1:
             raise ValueError(f"downstream_hwm={downstream_hwm}: must be >= 1")
+        if pool is not None and max_unsent_bytes < SNAPSHOT_PAGE_BYTES:
+            raise ValueError(
+                f"max_unsent_bytes={max_unsent_bytes}: must hold a snapshot page's batches, "
+                f">= {SNAPSHOT_PAGE_BYTES} bytes (a smaller backlog overruns on every full announcement)"
+            )
         if medium not in KNOWN_MEDIUMS:
             logger.warning(
                 "medium %r is not one Dynamo's router places in a tier %s; its blocks will be ignored by the router",

@@ -203,6 +203,16 @@ def test_unknown_medium_is_accepted_with_a_warning(caplog, relay_factory) -> Non
     assert any("not one Dynamo's router places" in r.message for r in caplog.records)
 
 
+def test_a_backlog_smaller_than_a_snapshot_page_is_refused_in_one_line() -> None:
+    pool = PoolSourceConfig("nats://127.0.0.1:4222", "kv")
+    with pytest.raises(
+        ValueError, match=r"^max_unsent_bytes=1048576: must hold a snapshot page's batches, >= 4194304"
+    ) as e:
+        KvEventRelay(upstream="tcp://127.0.0.1:5557", pool=pool, max_unsent_bytes=1 << 20)
+    assert "\n" not in str(e.value)
+    KvEventRelay(upstream="tcp://127.0.0.1:5557", max_unsent_bytes=1 << 20)  # no pool: no snapshot pages
+
+
 def test_blocks_are_announced_again_after_a_nats_outage(
     pool_service, nats, vllm_pub, relay_factory, procs, log_dir
 ) -> None:
