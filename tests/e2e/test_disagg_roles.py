@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -44,7 +42,7 @@ from maru_vllm.launch.engine_metrics import metric_total
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import token_prompt
 from tests.e2e.streaming_load import Load, StreamResult
-from tests.e2e.test_graph_run import alive, cmdline, descendants
+from tests.e2e.test_graph_run import cmdline, descendants
 from tests.e2e.test_graph_supervision import GraphRun, environ_of
 from tests.waiting import wait_until
 
@@ -206,7 +204,7 @@ def test_disagg_graph_survives_losing_each_role(tiny_model: Path) -> None:
         print(f"[e2e] pool after: { ({k: stats.get(k) for k in ('objects', 'pinned', 'pins', 'reserved')}) }")
         passed = True
     finally:
-        stop(run, work, passed)
+        run.stop(work, keep_logs=not passed)
 
 
 def kill_under_load(
@@ -288,22 +286,4 @@ def test_one_of_two_prefill_workers_lost_moves_its_requests(tiny_model: Path, tm
         run.wait_line(r"\[graph\] worker:prefill-\d restarted \(pid \d+, restart 1\)", timeout=120)
         passed = True
     finally:
-        stop(run, work, passed)
-
-
-def stop(run: GraphRun, work: Path | None, passed: bool) -> None:
-    """Stop the graph as a user does (Ctrl-C), kill what is left; keep its logs unless the test passed."""
-    children = descendants(run.proc.pid)
-    if run.proc.poll() is None:
-        run.proc.send_signal(signal.SIGINT)
-        try:
-            run.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            run.proc.kill()
-    for pid in children | descendants(run.proc.pid):
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    if work is not None and passed:
-        shutil.rmtree(work, ignore_errors=True)
-    elif work is not None:
-        print(f"[e2e] logs kept in {work / 'logs'}")
+        run.stop(work, keep_logs=not passed)

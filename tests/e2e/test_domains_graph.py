@@ -11,9 +11,7 @@ after it. A SIGINT then stops everything: no process, no region, nothing pinned 
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -89,13 +87,4 @@ def test_the_domains_graph_serves_domain_a_prompts_from_the_tier_in_domain_b(tin
         assert not left, f"processes left after SIGINT: {left}\n" + run.text()
         assert not list(Path("/dev/shm").glob(f"maru-*{work.name}*")), "a pool region was left"
     finally:
-        children |= descendants(run.proc.pid)
-        if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGINT)
-            try:
-                run.proc.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                run.proc.kill()
-        for pid in children:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        run.stop(work, seen=children)

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,28 @@ class GraphRun:
 
     def text(self) -> str:
         return "".join(self.output)
+
+    def stop(
+        self, work: Path | None, *, keep_logs: bool = False, seen: Iterable[int] = (), timeout: float = 120
+    ) -> None:
+        """Stop the graph as a user does (Ctrl-C; SIGKILL after `timeout`), then SIGKILL every
+        process of it still alive - its descendants now and `seen` (processes seen earlier, which a
+        dead runner no longer parents) - and remove its work dir `work`, unless `keep_logs`."""
+        members = set(seen) | descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in members:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if work is not None and keep_logs:
+            print(f"[e2e] logs kept in {work / 'logs'}")
+        elif work is not None:
+            shutil.rmtree(work, ignore_errors=True)
 
     def wait_line(self, pattern: str, timeout: float) -> re.Match[str]:
         """The first line (from the start of the output) matching `pattern`."""
@@ -210,17 +233,7 @@ def test_graph_run_restarts_what_dies_and_loses_no_request(tiny_model: Path) -> 
     finally:
         if blocker is not None:
             blocker.close()
-        if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGINT)
-            try:
-                run.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                run.proc.kill()
-        for pid in children | descendants(run.proc.pid):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        if work is not None:
-            shutil.rmtree(work, ignore_errors=True)
+        run.stop(work, seen=children)
 
 
 def shm_files(inodes: set[int]) -> list[Path]:

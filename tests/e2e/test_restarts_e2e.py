@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import token_prompt
 from tests.e2e.router_probe_client import RouterProbe
 from tests.e2e.streaming_load import Load
-from tests.e2e.test_graph_run import alive, cmdline, descendants
+from tests.e2e.test_graph_run import cmdline, descendants
 from tests.e2e.test_graph_supervision import GraphRun, environ_of, migrations, worker_leaders
 from tests.waiting import wait_until
 
@@ -187,15 +186,4 @@ def test_rolling_restart_dead_worker_and_router_restart_lose_nothing(tiny_model:
     finally:
         if probe is not None:
             probe.stop()
-        children = descendants(run.proc.pid)
-        if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGINT)
-            try:
-                run.proc.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                run.proc.kill()
-        for pid in children | descendants(run.proc.pid):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        if work is not None:
-            shutil.rmtree(work, ignore_errors=True)
+        run.stop(work, timeout=180)
