@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 
 from harness import alternated, percentile
+from maru_dynamo.graphs.client import aiter_events
 from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph, supervise
 from maru_dynamo.graphs.spec import GraphSpec, load_graph
 from maru_vllm.launch import ProcessGroup
@@ -71,11 +72,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
+        async for event in aiter_events(resp):
+            if ttft is None and any(c.get("text") for c in event.get("choices") or []):
                 ttft = time.perf_counter() - t0
     if ttft is None:
         raise RuntimeError("a stream ended without a token")

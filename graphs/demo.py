@@ -19,12 +19,11 @@ Then it prints the pool's status and stops everything.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-import urllib.request
 from typing import Any
 
+from maru_dynamo.graphs.client import cached_tokens, get_json, stream_events
 from maru_vllm.launch import ProcessGroup
 
 
@@ -46,28 +45,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _post(url: str, payload: dict[str, Any]) -> tuple[dict[str, Any], float]:
     """A streamed completion: ({"text", "usage"}, seconds to its first token). The time to the
     first token is what a prompt's prefill - or its load from a cache - costs the user."""
-    body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     ttft: float | None = None
     text: list[str] = []
     usage: dict[str, Any] = {}
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            for choice in event.get("choices") or []:
-                # a byte-level token can be part of a UTF-8 character: an event with no text yet
-                ttft = time.perf_counter() - t0 if ttft is None else ttft
-                text.append(choice.get("text") or "")
-            usage = event.get("usage") or usage
-    return {"text": "".join(text), "usage": usage}, (ttft if ttft is not None else time.perf_counter() - t0)
-
-
-def _cached(out: dict[str, Any]) -> int:
-    return int(((out.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    for at, event in stream_events(url, {**payload, "stream_options": {"include_usage": True}}):
+        for choice in event.get("choices") or []:
+            # a byte-level token can be part of a UTF-8 character: an event with no text yet
+            ttft = at - t0 if ttft is None else ttft
+            text.append(choice.get("text") or "")
+        usage = event.get("usage") or usage
+    return {"text": "".join(text), "usage": usage}, (ttft if ttft is not None else time.monotonic() - t0)
 
 
 def _selected_worker(log_text: str, after: int) -> int | None:
@@ -102,11 +90,11 @@ def run_demo(args: argparse.Namespace) -> int:
         prompt = [rng.randrange(32, 127) for _ in range(args.prompt_tokens)]
         body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
 
-        first, t_first = _post(f"{url}/v1/completions", body)
+        first, t_first = _post(url, body)
         worker_a = _selected_worker(frontend.log_text(), 0)
         print(
             f"\n[demo] 1. router sent the {len(prompt)}-token prompt to worker {worker_a}: first token after "
-            f"{t_first:.2f}s (its prefill), cached_tokens={_cached(first)}"
+            f"{t_first:.2f}s (its prefill), cached_tokens={cached_tokens(first)}"
         )
 
         pool_address = next(
@@ -120,25 +108,26 @@ def run_demo(args: argparse.Namespace) -> int:
             stats = c.stats()
         print(f"[demo] 2. the pool now holds {stats['objects']} chunk objects from it")
 
-        health = json.loads(urllib.request.urlopen(f"{url}/health", timeout=10).read())
+        health = get_json(f"{url}/health", timeout=10)
         ids = sorted({i["instance_id"] for i in health.get("instances", []) if i.get("endpoint") == "generate"})
         worker_b = next(i for i in ids if i != worker_a)
         on_b = {**body, "nvext": {"backend_instance_id": worker_b}}
-        second, t_second = _post(f"{url}/v1/completions", on_b)
+        second, t_second = _post(url, on_b)
         same = second["text"] == first["text"]
         print(
-            f"[demo] 3. the same prompt on worker {worker_b}, which never saw it: cached_tokens={_cached(second)} "
+            f"[demo] 3. the same prompt on worker {worker_b}, which never saw it: "
+            f"cached_tokens={cached_tokens(second)} "
             f"(loaded from the pool), first token after {t_second:.2f}s, same output: {same}"
         )
         print(f"[demo]    output: {second['text']!r}")
-        _, t_local = _post(f"{url}/v1/completions", on_b)
+        _, t_local = _post(url, on_b)
         print(
             f"[demo]    recompute-to-load: the prefill took {t_first / t_second:.1f}x as long as the pool hit "
             f"that replaced it; a hit in worker {worker_b}'s own prefix cache now takes {t_local:.2f}s"
         )
         with PoolClient.connect(pool_address) as c:
             print("\n[demo] pool status:\n" + format_status(c.stats()))
-        return 0 if same and _cached(second) > 0 else 1
+        return 0 if same and cached_tokens(second) > 0 else 1
     finally:
         stop_graph(group)
         if not args.keep_logs:

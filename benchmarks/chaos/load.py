@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
+
+from maru_dynamo.graphs.client import DONE, aiter_events
 
 COMPLETED, TRUNCATED, FAILED = "completed", "truncated", "failed"
 FIRST_TOKEN_ID, LAST_TOKEN_ID = 32, 126  # printable bytes: one token each in the fixture models
@@ -103,33 +104,6 @@ def judge(status: int | None, tokens: int, finish: str | None, done: bool, error
     return TRUNCATED
 
 
-def _parse_event(line: str) -> dict[str, Any] | str | None:
-    """One SSE line -> its JSON object, "[DONE]", or None for anything else."""
-    if not line.startswith("data:"):
-        return None
-    data = line[len("data:") :].strip()
-    if data == "[DONE]":
-        return data
-    try:
-        parsed = json.loads(data)
-    except ValueError:
-        return {"error": f"unparsable event {data[:80]!r}"}
-    return parsed if isinstance(parsed, dict) else {"error": f"unexpected event {data[:80]!r}"}
-
-
-async def _sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
-    """The stream's lines, split at b"\\n" only: generated text may hold any other line break
-    (\\x1c, \\x85, U+2028 ...), which str.splitlines - and so httpx's aiter_lines - would cut at."""
-    buffer = b""
-    async for data in resp.aiter_bytes():
-        buffer += data
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            yield line.rstrip(b"\r").decode(errors="replace")
-    if buffer:
-        yield buffer.decode(errors="replace")
-
-
 async def stream_completion(
     client: httpx.AsyncClient, cfg: LoadConfig, index: int, prompt: list[int], extra: dict[str, Any] | None = None
 ) -> RequestResult:
@@ -161,12 +135,9 @@ async def stream_completion(
             if status != 200:
                 error = (await resp.aread()).decode(errors="replace")[:200]
             else:
-                async for line in _sse_lines(resp):
-                    event = _parse_event(line)
-                    if event == "[DONE]":
+                async for event in aiter_events(resp):
+                    if event is DONE:
                         done = True
-                        continue
-                    if not isinstance(event, dict):
                         continue
                     if "error" in event:
                         error = str(event["error"])[:200]

@@ -1,4 +1,4 @@
-"""Streaming completions of a known length, sent back to back from a few threads (stdlib only).
+"""Streaming completions of a known length, sent back to back from a few threads (`graphs.client`).
 
 Each request asks for exactly `max_tokens` tokens (``ignore_eos``, greedy, one logprob each) and
 is judged by what the client received: complete means HTTP 200, `max_tokens` tokens in the
@@ -12,12 +12,12 @@ to (nothing listens: a frontend restarting) reached nothing; `Load` can send it 
 from __future__ import annotations
 
 import dataclasses
-import json
+import http.client
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
+
+from maru_dynamo.graphs import client
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,43 +50,35 @@ def stream_completion(url: str, model: str, prompt: list[int], max_tokens: int, 
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
-        "stream": True,
         "stream_options": {"include_usage": True},
         "logprobs": 1,
     }
-    req = urllib.request.Request(
-        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-    )
     start = time.monotonic()
     status: int | None = None
     tokens, chunks, usage, finish, done, error = 0, 0, None, None, False, None
     refused = False
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status = resp.status
-            for raw in resp:
-                line = raw.decode(errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    continue
-                event = json.loads(data)
-                if "error" in event:
-                    error = str(event["error"])[:300]
-                for choice in event.get("choices") or []:
-                    if choice.get("text") is not None:
-                        chunks += 1
-                        tokens += len((choice.get("logprobs") or {}).get("tokens") or [])
-                    finish = choice.get("finish_reason") or finish
-                if event.get("usage"):
-                    usage = int(event["usage"].get("completion_tokens") or 0)
-    except urllib.error.HTTPError as exc:
-        status, error = exc.code, exc.read().decode(errors="replace")[:300]
-    except (OSError, ValueError) as exc:
+        with client.Stream(url, body, timeout) as stream:
+            status = stream.status
+            if status != 200:
+                error = stream.body()
+            else:
+                for _, event in stream.events():
+                    if event is client.DONE:
+                        done = True
+                        continue
+                    if "error" in event:
+                        error = str(event["error"])[:300]
+                    for choice in event.get("choices") or []:
+                        if choice.get("text") is not None:
+                            chunks += 1
+                            tokens += len((choice.get("logprobs") or {}).get("tokens") or [])
+                        finish = choice.get("finish_reason") or finish
+                    if event.get("usage"):
+                        usage = int(event["usage"].get("completion_tokens") or 0)
+    except (OSError, ValueError, http.client.HTTPException) as exc:
         error = f"{type(exc).__name__}: {exc}"[:300]
-        refused = isinstance(getattr(exc, "reason", exc), ConnectionRefusedError)
+        refused = isinstance(exc, ConnectionRefusedError)
     return StreamResult(status, tokens, chunks, usage, finish, done, error, start, time.monotonic(), refused)
 
 
