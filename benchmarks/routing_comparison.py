@@ -2,8 +2,8 @@
 """Routing comparison on a prefix-sharing chat workload: round-robin vs. KV routing on the
 engines' own KV events vs. KV routing that also sees the Maru pool.
 
-Four configurations, each on a fresh frontend and two workers pinned to one core each (plus a
-fresh pool service where the workers use one; one nats-server is shared by all):
+Four configurations, each a fresh graph run by `graphs/run.py` (`graph_spec`: a pool service,
+the frontend and two workers, each pinned to a core of its own; one nats-server shared by all):
 
 * ``round-robin`` - ``--router-mode round-robin`` over Maru workers: the pool alone, with a
   router that knows nothing about prefixes.
@@ -82,20 +82,14 @@ Size: one benchmark: its workload, the graph per configuration and the report.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
-import http.client
 import json
 import re
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -103,7 +97,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from maru_dynamo.components import commands  # noqa: E402
+from maru_dynamo.graphs import run as graph_run  # noqa: E402
+from maru_dynamo.graphs.client import Stream  # noqa: E402
+from maru_dynamo.graphs.spec import parse_graph  # noqa: E402
 from maru_vllm.fixtures.workload import Workload, WorkloadSpec, build_workload  # noqa: E402
 from maru_vllm.launch import (  # noqa: E402
     ManagedProcess,
@@ -111,7 +107,6 @@ from maru_vllm.launch import (  # noqa: E402
     stack,
 )
 from maru_vllm.launch.engine_metrics import EngineCounters, read_counters, running_requests  # noqa: E402
-from maru_vllm.launch.ports import free_system_port  # noqa: E402
 from maru_vllm.routing import POOL_TIER_WEIGHT  # noqa: E402
 
 CHUNK_TOKENS = 256
@@ -233,55 +228,23 @@ class ConfigResult:
 
 
 # -- one configuration -----------------------------------------------------------------------------
-def _get(url: str) -> bytes | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.read()
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return None
-
-
-def _generate_instances(url: str) -> int:
-    body = _get(f"{url}/health")
-    try:
-        health = json.loads(body) if body else {}
-    except ValueError:
-        return 0
-    instances = health.get("instances") if isinstance(health, dict) else None
-    return len(
-        {i.get("instance_id") for i in instances or [] if isinstance(i, dict) and i.get("endpoint") == "generate"}
-    )
-
-
 class WindowError(RuntimeError):
     """A request finished before the next one was routed: the in-flight window was not held."""
 
 
-class _Stream:
-    """A streaming completion held open (in flight on its worker) until `close()` cancels it.
+def _hold(base_url: str, payload: dict[str, object]) -> Stream:
+    """A streaming completion held open (in flight on its worker) until its `close()` cancels it.
 
     The client reads only the response headers; the engine keeps decoding (``max_tokens`` large,
     ``ignore_eos``) and the router keeps counting the request's blocks as active load until the
     connection is closed, which cancels the request in Dynamo and vLLM.
     """
-
-    def __init__(self, base_url: str, payload: dict[str, object]) -> None:
-        host, port = base_url.removeprefix("http://").split(":")
-        self.conn = http.client.HTTPConnection(host, int(port), timeout=600)
-        self.conn.request(
-            "POST", "/v1/completions", body=json.dumps(payload), headers={"content-type": "application/json"}
-        )
-        self.resp = self.conn.getresponse()
-        if self.resp.status != 200:
-            raise RuntimeError(f"completion failed: HTTP {self.resp.status}: {self.resp.read()[:500]!r}")
-
-    def close(self) -> None:
-        try:
-            self.conn.sock and self.conn.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.conn.close()
-        self.resp.close()
+    stream = Stream(base_url, payload)
+    if stream.status != 200:
+        body = stream.body(500)
+        stream.close()
+        raise RuntimeError(f"completion failed: HTTP {stream.status}: {body!r}")
+    return stream
 
 
 def _wait_running(metric_urls: Sequence[str], want: int, name: str, index: int, timeout: float = 10.0) -> None:
@@ -310,18 +273,28 @@ def _selected_lines(frontend: ManagedProcess) -> list[str]:
     return [line for line in text.splitlines() if "Selected worker" in line]
 
 
-def _stop_all(group: ProcessGroup) -> None:
-    """Frontend, then both workers at once, then the pool: SIGTERM, SIGKILL after 10 s."""
-    procs = list(reversed(group.processes))
-    workers = [p for p in procs if p.name.startswith("worker")]
-    for p in procs:
-        if p.name == "frontend":
-            p.stop(STOP_GRACE_S)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(workers))) as ex:
-        list(ex.map(lambda p: p.stop(STOP_GRACE_S), workers))
-    for p in procs:
-        if p.name != "frontend" and p not in workers:
-            p.stop(STOP_GRACE_S)
+def graph_spec(
+    config: RoutingConfig, nats_url: str, *, window: int, workers: int = 2, host_weight: float = POOL_TIER_WEIGHT
+) -> dict[str, object]:
+    """The graph of `config`: `workers` workers (Maru or plain), each pinned to a core of its own by
+    the runner, on the shared nats-server `nats_url`.
+
+    Window > 1 keeps requests decoding; streaming every token of them would take the cores the
+    next request's prefill needs, so the engines hand their output over every STREAM_INTERVAL
+    tokens. The frontend's host-tier weight only counts where the workers announce the pool.
+    """
+    args = ["--max-model-len", str(MAX_MODEL_LEN)]
+    if window > 1:
+        args += ["--stream-interval", str(STREAM_INTERVAL)]
+    if config.pool and not config.pool_events:
+        args.append("--no-maru-pool-events")
+    return {
+        "name": "routing-" + re.sub(r"[^a-z0-9-]+", "-", config.name),  # a DNS label, as graph names are
+        "nats": {"url": nats_url},
+        "pool": {"name": "kv", "size": "512M", "chunk_tokens": CHUNK_TOKENS},
+        "frontend": {"router_mode": config.router_mode, "pool_tier_weight": host_weight},
+        "workers": [{"name": "worker", "replicas": workers, "engine": "maru" if config.pool else "vllm", "args": args}],
+    }
 
 
 def run_config(
@@ -338,76 +311,27 @@ def run_config(
     workers: int = 2,
     log: Callable[[str], None] = print,
 ) -> ConfigResult:
-    """Start pool, frontend and workers for `config`, send `workload`, stop everything."""
+    """Run `config`'s graph (`graph_spec`, through graphs/run.py), send `workload`, stop everything."""
     run_dir = work_dir / config.name
-    logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    pool_name = f"rc{uuid.uuid4().hex[:8]}"
-    sock = Path(tempfile.gettempdir()) / f"maru-{pool_name}.sock"
-    region = Path(f"/dev/shm/maru-{pool_name}")
-    address = f"unix://{sock}"
-    env = stack.StackEnv(discovery_dir=run_dir / "discovery", nats_url=nats_url)
+    spec = parse_graph(graph_spec(config, nats_url, window=window, workers=workers, host_weight=host_weight))
+    plan = graph_run.build_plan(spec, model=model, work_dir=run_dir)
     group = ProcessGroup()
+    supervisor = graph_run.supervise(plan, group, out=log)
     try:
-        if config.pool:
-            pool = stack.PoolProcess(
-                pool_name, "512M", logs / "pool.log", listen=[address], nats=nats_url, path=region, env=env.build()
-            )
-            group.add(pool)
-            pool.serve()
-
-        metric_ports = [free_system_port() for _ in range(workers)]
-        # Window > 1 keeps requests decoding; streaming every token of them would take the cores the
-        # next request's prefill needs, so the engines hand their output over every STREAM_INTERVAL tokens.
-        stream_args = ["--stream-interval", str(STREAM_INTERVAL)] if window > 1 else []
-        worker_procs = []
-        for i in range(workers):
-            core = stack.cpu_thread_for(i)
-            wenv = env.build(cpu_thread=core, DYN_SYSTEM_PORT=str(metric_ports[i]))
-            if config.pool:
-                argv = commands.maru_worker_command(
-                    model,
-                    address,
-                    pool_name,
-                    [
-                        "--maru-chunk-tokens",
-                        str(CHUNK_TOKENS),
-                        *([] if config.pool_events else ["--no-maru-pool-events"]),
-                        "--max-model-len",
-                        str(MAX_MODEL_LEN),
-                        "--enforce-eager",
-                        *stream_args,
-                    ],
-                )
-                proc = ManagedProcess(f"worker{i}", argv, log_path=logs / f"worker{i}.log", env=wenv, cpus=[core])
-            else:
-                proc = commands.dynamo_vllm_worker(
-                    f"worker{i}", model, wenv, logs, max_model_len=MAX_MODEL_LEN, extra_args=stream_args, cpus=[core]
-                )
-            worker_procs.append(group.start(proc))
-        frontend, url = stack.dynamo_frontend(
-            env.build(), logs, router_mode=config.router_mode, extra_args=config.frontend_args(host_weight)
-        )
-        group.start(frontend)
-
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not (model.encode() in (_get(f"{url}/v1/models") or b"") and _generate_instances(url) >= workers):
-            for p in group:
-                if not p.alive():
-                    raise RuntimeError(f"{p.name} exited before the stack was ready")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"stack not ready after {READY_TIMEOUT_S:.0f}s\n{group.log_tails(20)}")
-            time.sleep(0.5)
-        metric_urls = [f"http://{stack.LOOPBACK}:{p}/metrics" for p in metric_ports]
-        for w, murl in zip(worker_procs, metric_urls):
-            w.wait_for_http(murl, timeout=120)
-            if config.pool_events:
-                w.wait_for_log(r"pool '\S+' synced at seq", timeout=120)
+        graph_run.start_graph(plan, group, timeout=READY_TIMEOUT_S, supervisor=supervisor)
+        url = plan.url
+        procs = {p.name: p for p in group.processes}
+        frontend = procs["frontend"]
+        metric_urls = [w.metrics_url for w in plan.workers if w.metrics_url]
+        for w, murl in zip(plan.workers, metric_urls):
+            procs[w.name].wait_for_http(murl, timeout=120)
+            if config.pool and config.pool_events:
+                procs[w.name].wait_for_log(r"pool '\S+' synced at seq", timeout=120)
         log(f"[{config.name}] ready: {url}")
 
         start = [read_counters(u) for u in metric_urls]
         before = start
-        open_streams: list[_Stream] = []
+        open_streams: list[Stream] = []
         records: list[RequestRecord] = []
         n_lines = 0
         for req in workload:
@@ -417,7 +341,7 @@ def run_config(
             _wait_running(metric_urls, len(open_streams), config.name, req.index)
             # Window 1: a short completion. Window > 1: decode until cancelled (as long as the model allows).
             decode = max_tokens or (MAX_TOKENS if window == 1 else MAX_MODEL_LEN - len(req))
-            stream = _Stream(
+            stream = _hold(
                 url,
                 {
                     "model": model,
@@ -472,9 +396,10 @@ def run_config(
         log(f"[{config.name}] failed; last log lines:\n{group.log_tails(40)}")
         raise
     finally:
-        _stop_all(group)
-        region.unlink(missing_ok=True)
-        sock.unlink(missing_ok=True)
+        graph_run.stop_graph(group, STOP_GRACE_S, supervisor=supervisor)
+        group.stop_all()
+        for region in plan.pool_regions:
+            region.unlink(missing_ok=True)
 
 
 def run_comparison(

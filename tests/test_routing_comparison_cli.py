@@ -27,3 +27,21 @@ def test_bad_values_are_named_with_what_is_allowed(args: list[str], message: str
     res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
     assert message in res.stderr, res.stderr
+
+
+def test_every_configuration_is_a_graph_the_runner_plans(tmp_path: Path) -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    import routing_comparison as rc
+    from maru_dynamo.graphs import run as graph_run
+    from maru_dynamo.graphs.spec import parse_graph
+
+    for config in rc.CONFIGS:
+        spec = parse_graph(rc.graph_spec(config, "nats://127.0.0.1:4222", window=3))
+        plan = graph_run.build_plan(spec, model="m", work_dir=tmp_path / spec.name)
+        assert not any(p.name == "nats-server" for p in plan.processes)  # the comparison's shared one
+        workers = plan.workers
+        assert len(workers) == 2 and all(w.metrics_url for w in workers), workers
+        argv = [" ".join(w.argv) for w in workers]
+        assert all(("maru_worker" in a) == config.pool for a in argv), argv
+        assert all(("--no-maru-pool-events" in a) == (config.pool and not config.pool_events) for a in argv)
+        assert all("--stream-interval 256" in a for a in argv)
