@@ -314,7 +314,7 @@ def run_config(
     """Run `config`'s graph (`graph_spec`, through graphs/run.py), send `workload`, stop everything."""
     run_dir = work_dir / config.name
     spec = parse_graph(graph_spec(config, nats_url, window=window, workers=workers, host_weight=host_weight))
-    plan = graph_run.build_plan(spec, model=model, work_dir=run_dir)
+    plan = graph_run.build_plan(spec, model=model, work_dir=run_dir, pin_workers=True)
     group = ProcessGroup()
     supervisor = graph_run.supervise(plan, group, out=log)
     try:

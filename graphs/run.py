@@ -119,8 +119,15 @@ def _with_defaults(args: tuple[str, ...]) -> list[str]:
     return out
 
 
-def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | None = None) -> Plan:
-    """Every process of `spec` with its command line and environment (nothing is started)."""
+def build_plan(
+    spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | None = None, pin_workers: bool = False
+) -> Plan:
+    """Every process of `spec` with its command line and environment (nothing is started).
+
+    A pool is planned only where a Maru worker uses it (plain `vllm` workers have none). Each
+    worker's process tree is pinned to its engine's core where the cores are too few for two per
+    engine (`stack.worker_cpus`), or always with `pin_workers` (benchmarks that must not depend
+    on the machine's size)."""
     py = sys.executable
     logs = work_dir / "logs"
     http_port = http_port or free_port()
@@ -161,7 +168,10 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
 
     pool_addresses: dict[str | None, str] = {}
     regions: list[Path] = []
+    pooled = {w.domain for w in spec.workers if w.engine != "vllm"}
     for domain in spec.domains or (None,):
+        if domain not in pooled:
+            continue
         pool_name = spec.pool_name_of(domain)
         socket = work_dir / f"pool-{pool_name}.sock"
         pool_addresses[domain] = f"unix://{socket}"
@@ -214,7 +224,7 @@ def build_plan(spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | 
                 name,
                 argv,
                 env,
-                cpus=stack.worker_cpus(engine, engines),
+                cpus=(stack.cpu_thread_for(engine),) if pin_workers else stack.worker_cpus(engine, engines),
                 metrics_url=metrics,
             )
             engine += 1

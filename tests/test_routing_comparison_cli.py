@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +38,10 @@ def test_every_configuration_is_a_graph_the_runner_plans(tmp_path: Path) -> None
 
     for config in rc.CONFIGS:
         spec = parse_graph(rc.graph_spec(config, "nats://127.0.0.1:4222", window=3))
-        plan = graph_run.build_plan(spec, model="m", work_dir=tmp_path / spec.name)
+        plan = graph_run.build_plan(spec, model="m", work_dir=tmp_path / spec.name, pin_workers=True)
         assert not any(p.name == "nats-server" for p in plan.processes)  # the comparison's shared one
+        assert any(p.name == "pool" for p in plan.processes) == config.pool  # plain workers: no pool at all
+        assert [w.cpus for w in plan.workers] == [(0,), (1 % (os.cpu_count() or 1),)]  # one core each, any machine
         workers = plan.workers
         assert len(workers) == 2 and all(w.metrics_url for w in workers), workers
         argv = [" ".join(w.argv) for w in workers]
