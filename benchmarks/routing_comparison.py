@@ -2,8 +2,9 @@
 """Routing comparison on a prefix-sharing chat workload: round-robin vs. KV routing on the
 engines' own KV events vs. KV routing that also sees the Maru pool.
 
-Four configurations, each a fresh graph run by `graphs/run.py` (`graph_spec`: a pool service,
-the frontend and two workers, each pinned to a core of its own; one nats-server shared by all):
+Four configurations, each a fresh graph run by `graphs/run.py` (`graph_spec`: the frontend, two
+workers, each pinned to a core of its own, and a pool service where the workers use one; one
+nats-server shared by all):
 
 * ``round-robin`` - ``--router-mode round-robin`` over Maru workers: the pool alone, with a
   router that knows nothing about prefixes.
