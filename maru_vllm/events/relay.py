@@ -131,8 +131,8 @@ class KvEventRelay:
         """`hwm`: messages the socket from vLLM queues; `downstream_hwm`: batches the pipe to
         Dynamo's publisher holds before the relay keeps them, `max_unsent_bytes`: bytes of
         batches the relay keeps at most (see `downstream`; with a pool, at least a snapshot page,
-        `SNAPSHOT_PAGE_BYTES`, or every full announcement after a drop overruns it again); a resync waits at most
-        `max_page_wait_s` for the pipe before it reads its next page anyway;
+        `SNAPSHOT_PAGE_BYTES`, or every full announcement after a drop overruns it again); a
+        resync waits at most `max_page_wait_s` for the pipe before it reads its next page anyway;
         `max_announced_chunks`: the announce cap (see module docstring; None: no cap)."""
         if downstream_hwm < 1:
             raise ValueError(f"downstream_hwm={downstream_hwm}: must be >= 1")
