@@ -8,13 +8,12 @@ dead one with a new process.
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 import urllib.error
-import urllib.request
 from typing import Any
 
+from maru_dynamo.graphs.client import get_json, post_json
 from maru_dynamo.graphs.run import Plan, instance_file
 from maru_vllm.disagg.view import RoleView
 from maru_vllm.launch import ManagedProcess, ProcessGroup
@@ -57,8 +56,7 @@ class GraphView:
     # -- frontend --------------------------------------------------------------------------------
     def _generate_rows(self) -> list[dict[str, Any]]:
         try:
-            with urllib.request.urlopen(f"{self.plan.url}/health", timeout=3) as resp:
-                health = json.loads(resp.read())
+            health = get_json(f"{self.plan.url}/health", timeout=3)
         except (urllib.error.URLError, OSError, ValueError):
             return []
         rows = health.get("instances") if isinstance(health, dict) else None
@@ -71,8 +69,7 @@ class GraphView:
     def role_view(self) -> RoleView:
         """The graph's roles as the frontend lists them (`maru_vllm.disagg.view`)."""
         try:
-            with urllib.request.urlopen(f"{self.plan.url}/health", timeout=3) as resp:
-                return RoleView.from_health(json.loads(resp.read()))
+            return RoleView.from_health(get_json(f"{self.plan.url}/health", timeout=3))
         except (urllib.error.URLError, OSError, ValueError):
             return RoleView.from_health({})
 
@@ -94,12 +91,8 @@ class GraphView:
         body: dict[str, Any] = {"model": self.plan.model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
         if instance is not None:
             body["nvext"] = {"backend_instance_id": instance}
-        req = urllib.request.Request(
-            f"{self.plan.url}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
-        )
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                out = json.loads(resp.read())
+            out = post_json(f"{self.plan.url}/v1/completions", body, timeout=timeout)
         except (urllib.error.URLError, OSError, ValueError):
             return None
         return out if isinstance(out, dict) and out.get("choices") else None
