@@ -38,7 +38,8 @@ import httpx
 
 from harness import alternated, percentile
 from maru_dynamo.graphs.client import aiter_events
-from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph, supervise
+from maru_dynamo.graphs.plan import build_plan, resolve_model
+from maru_dynamo.graphs.run import new_work_dir, start_graph, stop_graph, supervise
 from maru_dynamo.graphs.spec import GraphSpec, load_graph
 from maru_vllm.launch import ProcessGroup
 

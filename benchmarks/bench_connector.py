@@ -38,7 +38,6 @@ import random
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,7 @@ from maru_vllm.launch import (  # noqa: E402
     free_port,
     stack,
 )
+from maru_vllm.launch.engine_metrics import scrape  # noqa: E402
 from profile_load import checksum_algorithms, print_profile, profile_load  # noqa: E402
 
 CORE_A, CORE_B = 0, 1  # cold engines and both servers on one core, hit engines on the other
@@ -72,7 +72,7 @@ def completion(url: str, model: str, prompt: list[int]) -> tuple[float, int]:
 
 
 def metrics(url: str, prefix: str = "vllm:maru_connector_") -> dict[str, float]:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    text = scrape(f"{url}/metrics")
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(prefix) and "{" in line:

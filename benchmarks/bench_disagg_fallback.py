@@ -33,7 +33,6 @@ import shutil
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -92,7 +91,8 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def run_mode(mode: str, args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
-    from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph
+    from maru_dynamo.graphs.plan import build_plan, resolve_model
+    from maru_dynamo.graphs.run import new_work_dir, start_graph, stop_graph
     from maru_dynamo.graphs.spec import load_graph, resolve_graph_path
     from maru_vllm.launch import ProcessGroup
 
@@ -157,7 +157,7 @@ def passed_on(plan: Any) -> dict[str, int]:
     """Per role, the requests of the load so far that the other role's stand-ins passed on to a
     worker of that role (`maru_disagg_forwarded_requests_total` on the workers' /metrics)."""
     from maru_vllm.disagg import other_role
-    from maru_vllm.launch.engine_metrics import metric_total
+    from maru_vllm.launch.engine_metrics import metric_total, scrape
 
     out: dict[str, int] = {}
     for worker in plan.workers:
@@ -165,8 +165,7 @@ def passed_on(plan: Any) -> dict[str, int]:
         if worker.metrics_url is None or role not in ("prefill", "decode"):
             continue
         try:
-            with urllib.request.urlopen(worker.metrics_url, timeout=10) as resp:
-                text = resp.read().decode()
+            text = scrape(worker.metrics_url, timeout=10)
         except OSError:
             continue  # a stopped worker
         stood_in = other_role(role)

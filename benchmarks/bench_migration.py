@@ -50,10 +50,11 @@ sys.path.insert(0, str(REPO))
 
 from harness import alternated  # noqa: E402 - benchmarks/ is on sys.path when a script runs
 from maru_dynamo.graphs import client  # noqa: E402
+from maru_dynamo.graphs import plan as graph_plan  # noqa: E402
 from maru_dynamo.graphs import run as graph_run  # noqa: E402
 from maru_dynamo.graphs.spec import load_graph, resolve_graph_path  # noqa: E402
 from maru_vllm.launch import ProcessGroup  # noqa: E402
-from maru_vllm.launch.engine_metrics import EngineCounters, read_counters, running_requests  # noqa: E402
+from maru_vllm.launch.engine_metrics import EngineCounters, read_counters, running_requests, scrape  # noqa: E402
 
 CHUNK_TOKENS = 256
 
@@ -92,8 +93,7 @@ def ttft(url: str, model: str, prompt: list[int]) -> float:
 
 def migration_seconds(url: str) -> tuple[float, float]:
     """The frontend's model_migration_duration_seconds (sum, count) over every label."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    text = scrape(f"{url}/metrics", timeout=10)
     total = count = 0.0
     for line in text.splitlines():
         if line.startswith("#"):
@@ -124,14 +124,10 @@ def probe_new_requests(url: str, model: str, seconds: float, rng: random.Random)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         body = {"model": model, "prompt": fresh_prompt(rng, 64), "max_tokens": 4, "temperature": 0}
-        req = urllib.request.Request(
-            f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-        )
         start = time.monotonic()
         try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                resp.read()
-                status = resp.status
+            client.post_json(f"{url}/v1/completions", body, timeout=120)
+            status = 200
         except urllib.error.HTTPError as exc:
             status = exc.code
         except OSError:
@@ -145,8 +141,8 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         spec = load_graph(resolve_graph_path("agg"))
-        self.model = graph_run.resolve_model(args.model)
-        self.plan = graph_run.build_plan(spec, model=self.model, work_dir=graph_run.new_work_dir())
+        self.model = graph_plan.resolve_model(args.model)
+        self.plan = graph_plan.build_plan(spec, model=self.model, work_dir=graph_run.new_work_dir())
         self.group = ProcessGroup()
         self.metrics = {p.name: p.metrics_url for p in self.plan.workers if p.metrics_url}
         self.rng = random.Random(args.seed)

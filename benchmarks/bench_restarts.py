@@ -309,7 +309,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
-    from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph, supervise
+    from maru_dynamo.graphs.plan import build_plan, resolve_model
+    from maru_dynamo.graphs.run import new_work_dir, start_graph, stop_graph, supervise
     from maru_dynamo.graphs.spec import load_graph, resolve_graph_path
     from maru_vllm.launch import ProcessGroup
     from maru_vllm.pool.region import parse_size

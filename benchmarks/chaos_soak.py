@@ -170,7 +170,8 @@ def drain(view: GraphView, timeout: float) -> dict[str, Any]:
 
 
 def run_soak(args: argparse.Namespace, spec: Any, log: Any = print) -> dict[str, Any]:
-    from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph, supervise
+    from maru_dynamo.graphs.plan import build_plan, resolve_model
+    from maru_dynamo.graphs.run import new_work_dir, start_graph, stop_graph, supervise
     from maru_vllm.launch import ProcessFailed, ProcessGroup
 
     model = resolve_model(args.model or spec.model)

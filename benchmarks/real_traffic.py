@@ -50,7 +50,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -205,16 +204,14 @@ def nats_counters(varz_url: str | None) -> tuple[int, int]:
     """(messages, bytes) nats-server has received so far; (0, 0) without a monitoring URL."""
     if varz_url is None:
         return 0, 0
-    with urllib.request.urlopen(varz_url, timeout=10) as resp:
-        doc = json.loads(resp.read())
+    doc = client.get_json(varz_url, timeout=10)
     return int(doc.get("in_msgs", 0)), int(doc.get("in_bytes", 0))
 
 
 def _metric_sum(url: str, name: str) -> float:
-    from maru_vllm.launch.engine_metrics import metric_total
+    from maru_vllm.launch.engine_metrics import metric_total, scrape
 
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        return metric_total(resp.read().decode(errors="replace"), name)
+    return metric_total(scrape(url), name)
 
 
 LOAD_COUNTERS = ("bytes_loaded", "load_seconds", "chunks_loaded", *(f"load_{p}_seconds" for p in LOAD_PARTS))
@@ -329,6 +326,7 @@ def run_config(
     rate: float = 0.0,
 ) -> Run:
     """A fresh graph for `cfg`, warm-up, probes, AIPerf replay, counters; the graph is stopped after."""
+    from maru_dynamo.graphs import plan as graph_plan
     from maru_dynamo.graphs import run as graph_run
     from maru_dynamo.graphs.spec import parse_graph
     from maru_vllm.launch import ProcessGroup
@@ -355,7 +353,7 @@ def run_config(
         pool_size=bed.pool_size,
     )
     spec = parse_graph(graph, f"<{cfg.name}>")
-    plan, varz = with_nats_monitoring(graph_run.build_plan(spec, model=bed.model, work_dir=gdir))
+    plan, varz = with_nats_monitoring(graph_plan.build_plan(spec, model=bed.model, work_dir=gdir))
     supervisor = graph_run.supervise(plan, group, out=log)
     try:
         graph_run.start_graph(plan, group, supervisor=supervisor)
@@ -741,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrafficError as exc:
         print(f"real_traffic.py: error: {exc}", file=sys.stderr)
         return 2
-    from maru_dynamo.graphs.run import resolve_model
+    from maru_dynamo.graphs.plan import resolve_model
 
     model = resolve_model(args.model)
     if not Path(model).is_dir():

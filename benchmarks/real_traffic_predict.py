@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_args = real_traffic._parser().parse_args(doc["argv"])
     _, _, traffics = real_traffic._validate(run_args)
     cal = msgspec.convert(doc["calibration"], Calibration)
-    from maru_dynamo.graphs.run import resolve_model
+    from maru_dynamo.graphs.plan import resolve_model
 
     model = resolve_model(run_args.model)
     with tempfile.TemporaryDirectory(prefix="maru-predict-") as tmp:

@@ -19,7 +19,6 @@ import json
 import math
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import numpy as np
 
 from harness import min_time
 from maru_vllm.fixtures.calibration import Calibration, write_calibration
+from maru_vllm.launch.engine_metrics import scrape
 from maru_vllm.whatif.spec import kv_bytes_per_token_of_model
 
 COUNTERPART = {"plain-rr": "round-robin", "plain-kv": "kv-gpu", "maru-pool": "kv-pool"}
@@ -37,8 +37,7 @@ def cache_config(metrics_url: str) -> tuple[int, int]:
     """(block size in tokens, KV-cache blocks) of one engine, from ``vllm:cache_config_info``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(metrics_url, timeout=30) as resp:
-        text = resp.read().decode(errors="replace")
+    text = scrape(metrics_url)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "vllm:cache_config_info":

@@ -98,6 +98,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from maru_dynamo.graphs import plan as graph_plan  # noqa: E402
 from maru_dynamo.graphs import run as graph_run  # noqa: E402
 from maru_dynamo.graphs.client import Stream  # noqa: E402
 from maru_dynamo.graphs.spec import parse_graph  # noqa: E402
@@ -315,7 +316,7 @@ def run_config(
     """Run `config`'s graph (`graph_spec`, through graphs/run.py), send `workload`, stop everything."""
     run_dir = work_dir / config.name
     spec = parse_graph(graph_spec(config, nats_url, window=window, workers=workers, host_weight=host_weight))
-    plan = graph_run.build_plan(spec, model=model, work_dir=run_dir, pin_workers=True)
+    plan = graph_plan.build_plan(spec, model=model, work_dir=run_dir, pin_workers=True)
     group = ProcessGroup()
     supervisor = graph_run.supervise(plan, group, out=log)
     try:

@@ -18,11 +18,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
-import json
 import math
 import random
 import time
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -127,8 +125,7 @@ class RatioProbe:
 
 def generate_instances(url: str) -> list[int]:
     """The instance ids of the workers serving `generate`, from the frontend's /health."""
-    with urllib.request.urlopen(f"{url}/health", timeout=10) as resp:
-        health = json.loads(resp.read())
+    health = client.get_json(f"{url}/health", timeout=10)
     return sorted({int(i["instance_id"]) for i in health.get("instances", []) if i.get("endpoint") == "generate"})
 
 

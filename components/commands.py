@@ -9,12 +9,11 @@ Each runs with this interpreter, so it runs the venv's vLLM and Dynamo whatever 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from maru_vllm.launch.argv import kv_events_args
 from maru_vllm.launch.ports import free_port
-from maru_vllm.launch.process import ManagedProcess
 
 POOL_COMPONENT = "maru_dynamo.components.pool"  # the pool service as a graph component (no `serve`)
 POOL_COMPONENT_ENTRY = ("-m", POOL_COMPONENT)  # `entry` of `maru_vllm.launch.stack.pool_command`
@@ -54,25 +53,3 @@ def vllm_worker_command(model: str | Path, kv_events_port: int | None = None) ->
         str(model),
         *kv_events_args(kv_events_port or free_port()),
     ]
-
-
-def dynamo_vllm_worker(
-    name: str,
-    model: str | Path,
-    env: Mapping[str, str],
-    log_dir: Path,
-    *,
-    max_model_len: int = 4096,
-    kv_events_port: int | None = None,
-    extra_args: Sequence[str] = (),
-    cpus: Sequence[int] | None = None,
-) -> ManagedProcess:
-    """A plain `dynamo.vllm` worker (through our text-only entry point); `cpus` pins it."""
-    argv = [
-        *vllm_worker_command(model, kv_events_port),
-        "--max-model-len",
-        str(max_model_len),
-        "--enforce-eager",
-        *extra_args,
-    ]
-    return ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env, cpus=cpus)

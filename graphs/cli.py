@@ -78,18 +78,19 @@ def _load(name: str) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from maru_dynamo.graphs import plan as graph_plan
     from maru_dynamo.graphs import run as runner
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = _load(args.graph)
     try:
-        model = runner.resolve_model(args.model or spec.model, build=not args.dry_run)
+        model = graph_plan.resolve_model(args.model or spec.model, build=not args.dry_run)
         work_dir = runner.new_work_dir()
-        plan = runner.build_plan(spec, model=model, work_dir=work_dir, http_port=args.http_port)
+        plan = graph_plan.build_plan(spec, model=model, work_dir=work_dir, http_port=args.http_port)
     except ValueError as exc:
         sys.exit(f"maru-dynamo graph run: error: {exc}")
     if args.dry_run:
-        print(runner.format_plan(plan))
+        print(graph_plan.format_plan(plan))
         work_dir.rmdir()
         return 0
     return runner.run_plan(plan, keep_logs=args.keep_logs, out=lambda line: print(line, flush=True))

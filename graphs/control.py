@@ -44,7 +44,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from maru_dynamo.graphs.run import Plan, frontend_instances, instance_file, worker_lifecycle_grace
+from maru_dynamo.graphs.plan import Plan, instance_file
+from maru_dynamo.graphs.run import frontend_instances, worker_lifecycle_grace
 from maru_vllm.launch.lifecycle import INSTANCE_FILE_ENV, read_instance_file
 from maru_vllm.launch.process import ProcessGroup
 from maru_vllm.launch.supervisor import Supervisor

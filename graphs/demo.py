@@ -68,7 +68,8 @@ def _selected_worker(log_text: str, after: int) -> int | None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph
+    from maru_dynamo.graphs.plan import build_plan, resolve_model
+    from maru_dynamo.graphs.run import new_work_dir, start_graph, stop_graph
     from maru_dynamo.graphs.spec import load_graph, resolve_graph_path
     from maru_vllm.pool import PoolClient
     from maru_vllm.pool.cli import format_status

@@ -11,7 +11,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from maru_dynamo.graphs.run import DISCOVERY_DIR, build_plan, instance_file, out_of_discovery
+from maru_dynamo.graphs.plan import DISCOVERY_DIR, build_plan, instance_file
+from maru_dynamo.graphs.run import out_of_discovery
 from maru_dynamo.graphs.spec import load_graph, resolve_graph_path
 from maru_vllm.launch.file_discovery import instance_files, remove_instance
 from maru_vllm.launch.lifecycle import INSTANCE_FILE_ENV, write_instance_file

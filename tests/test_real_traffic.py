@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_dynamo.graphs.run import build_plan
+from maru_dynamo.graphs.plan import build_plan
 from maru_dynamo.graphs.spec import GraphSpecError, parse_graph
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -33,12 +33,12 @@ def test_bad_values_are_named_with_what_is_allowed(args: list[str], message: str
 def test_every_configuration_is_a_graph_the_runner_plans(tmp_path: Path) -> None:
     sys.path.insert(0, str(SCRIPT.parent))
     import routing_comparison as rc
-    from maru_dynamo.graphs import run as graph_run
+    from maru_dynamo.graphs import plan as graph_plan
     from maru_dynamo.graphs.spec import parse_graph
 
     for config in rc.CONFIGS:
         spec = parse_graph(rc.graph_spec(config, "nats://127.0.0.1:4222", window=3))
-        plan = graph_run.build_plan(spec, model="m", work_dir=tmp_path / spec.name, pin_workers=True)
+        plan = graph_plan.build_plan(spec, model="m", work_dir=tmp_path / spec.name, pin_workers=True)
         assert not any(p.name == "nats-server" for p in plan.processes)  # the comparison's shared one
         assert any(p.name == "pool" for p in plan.processes) == config.pool  # plain workers: no pool at all
         assert [w.cpus for w in plan.workers] == [(0,), (1 % (os.cpu_count() or 1),)]  # one core each, any machine

@@ -14,7 +14,7 @@ import urllib.error
 from typing import Any
 
 from maru_dynamo.graphs.client import get_json, post_json
-from maru_dynamo.graphs.run import Plan, instance_file
+from maru_dynamo.graphs.plan import Plan, instance_file
 from maru_vllm.disagg.view import RoleView
 from maru_vllm.launch import ManagedProcess, ProcessGroup
 from maru_vllm.launch.lifecycle import read_instance_file

@@ -47,7 +47,6 @@ import shutil
 import signal
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,17 +58,11 @@ from chaos.samplers import Sampler, shm_left, shm_listing
 from chaos_soak import drain  # benchmarks/ is on sys.path (the scripts put it there)
 from harness import alternated, spread
 from maru_dynamo.graphs.control import ControlError, RollingRestart
-from maru_dynamo.graphs.run import (
-    build_plan,
-    frontend_instances,
-    new_work_dir,
-    resolve_model,
-    start_graph,
-    stop_graph,
-    supervise,
-)
+from maru_dynamo.graphs.plan import build_plan, resolve_model
+from maru_dynamo.graphs.run import frontend_instances, new_work_dir, start_graph, stop_graph, supervise
 from maru_dynamo.graphs.spec import GraphSpec, load_graph, resolve_graph_path
 from maru_vllm.launch import ProcessGroup
+from maru_vllm.launch.engine_metrics import scrape
 from maru_vllm.launch.lifecycle import GRACE_ENV
 
 BLOCK_TOKENS = 128  # vLLM's block size on these engines
@@ -79,8 +72,7 @@ POOL_PROMPT_TOKENS = 3 * 256 + 1  # three pool chunks, six KV blocks
 def migrations(url: str) -> float:
     """The frontend's count of requests moved to another worker (new and ongoing)."""
     try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
+        text = scrape(f"{url}/metrics", timeout=10)
     except OSError:
         return 0.0
     return sum(

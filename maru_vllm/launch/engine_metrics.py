@@ -48,9 +48,15 @@ def _parse(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
             yield sample.name, sample.labels, sample.value
 
 
-def _samples(url: str, timeout: float) -> list[tuple[str, dict[str, str], float]]:
+def scrape(url: str, timeout: float = 30.0) -> str:
+    """The Prometheus exposition text at `url` (an engine's, the frontend's or the pool's
+    /metrics); URLError / OSError when it does not answer."""
     with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return list(_parse(resp.read().decode(errors="replace")))
+        return resp.read().decode(errors="replace")
+
+
+def _samples(url: str, timeout: float) -> list[tuple[str, dict[str, str], float]]:
+    return list(_parse(scrape(url, timeout)))
 
 
 def metric_total(text: str, name: str) -> float:

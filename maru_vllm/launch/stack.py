@@ -246,27 +246,3 @@ def vllm_openai_server(
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     proc = ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env, cpus=cpus)
     return proc, f"http://{LOOPBACK}:{port}"
-
-
-def dynamo_frontend(
-    env: Mapping[str, str],
-    log_dir: Path,
-    *,
-    port: int | None = None,
-    router_mode: str = "kv",
-    extra_args: Sequence[str] = (),
-) -> tuple[ManagedProcess, str]:
-    port = port or free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "dynamo.frontend",
-        "--http-host",
-        LOOPBACK,
-        "--http-port",
-        str(port),
-        "--router-mode",
-        router_mode,
-        *extra_args,
-    ]
-    return ManagedProcess("frontend", argv, log_path=log_dir / "frontend.log", env=env), f"http://{LOOPBACK}:{port}"

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_dynamo.components import commands
-from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port, stack
+from maru_vllm.launch import ProcessGroup, free_port, stack
 from maru_vllm.pool import PoolClient
 from tests.cleanup import stop_leaving_nothing
 from tests.waiting import wait_until
@@ -120,22 +119,3 @@ def wait_engines(group: ProcessGroup, urls: dict[str, str]) -> None:
     by_name = {p.name: p for p in group}
     for name, url in urls.items():
         by_name[name].wait_for_http(f"{url}/v1/models", timeout=300)
-
-
-def maru_worker(
-    name: str,
-    model: Path,
-    env: dict[str, str],
-    log_dir: Path,
-    pool: stack.PoolProcess,
-    extra_args: list[str] | None = None,
-) -> ManagedProcess:
-    """A Maru worker component (`dynamo.vllm` + MaruKVConnector + pool events for the router)."""
-    return ManagedProcess(
-        name,
-        commands.maru_worker_command(
-            model, pool.address, pool.pool_name, ["--max-model-len", "4096", "--enforce-eager", *(extra_args or [])]
-        ),
-        log_path=log_dir / f"{name}.log",
-        env=env,
-    )

@@ -1,7 +1,8 @@
 """Disaggregated serving through the Maru pool, on the real stack.
 
-nats-server, the pool service (--nats), Dynamo's frontend (--router-mode kv), one prefill Maru
-worker (`--disaggregation-mode prefill`, storing inline, core 0) and one decode Maru worker
+The graph a user runs, `graphs/disagg.yaml`, planned and started by graphs/run.py: nats-server,
+the pool service (--nats), Dynamo's frontend (--router-mode kv), one prefill Maru worker
+(`--disaggregation-mode prefill`, storing inline, core 0) and one decode Maru worker
 (`--disaggregation-mode decode`, core 1). The prefill worker stores the prompt's chunks in the
 pool; Dynamo hands the decode worker an empty `kv_transfer_params` (Maru is a cache-mediated PD
 connector, `maru_dynamo.components.dynamo_pd`), and the decode worker's connector loads the chunks
@@ -9,8 +10,8 @@ by block hash while it schedules the same prompt. Each worker stands in for the 
 that role has no worker (`maru_vllm.disagg`): the checks below run once the graph is
 disaggregated, i.e. once no worker serves both roles.
 
-Reference: a plain vLLM OpenAI server (no connector) with the decode worker's environment on the
-decode worker's core (one OpenMP thread: greedy output and logprobs are bit-exact only with the
+Reference, run before the graph starts: a plain vLLM OpenAI server (no connector) on the decode
+worker's core (one OpenMP thread: greedy output and logprobs are bit-exact only with the
 same thread count). A 769-token prompt has three 256-token chunks; a pool load leaves one token
 to compute, exactly the work of the reference's own local prefix hit (its second request), so
 logprobs must match that bit for bit (as float32), and the text must match its cold run too.
@@ -37,13 +38,12 @@ from pathlib import Path
 
 import pytest
 
-from maru_dynamo.components import commands
 from maru_dynamo.graphs.client import cached_tokens, completion
 from maru_vllm.launch import ManagedProcess, ProcessGroup, stack
-from maru_vllm.launch.engine_metrics import metric_total
-from maru_vllm.launch.ports import free_system_port
+from maru_vllm.launch.engine_metrics import metric_total, scrape
 from maru_vllm.pool import PoolClient
-from tests.e2e.conftest import CHUNK, start_pool, stored_chunks, token_prompt
+from tests.e2e import planned_graph
+from tests.e2e.conftest import CHUNK, stored_chunks, token_prompt
 from tests.e2e.test_disagg_roles import disaggregated, sees_live
 from tests.waiting import wait_until
 
@@ -52,27 +52,19 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 PROMPT_LEN = 3 * CHUNK + 1  # 769 tokens: three loadable chunks, one token left to compute
 MAX_TOKENS = 8
 PREFILL_CORE, DECODE_CORE = 0, 1
+PREFILL, DECODE = "worker:prefill-0", "worker:decode-0"  # graphs/disagg.yaml's workers
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def maru_worker(
-    name: str, model: Path, env: dict[str, str], log_dir: Path, *, pool_address: str, pool_name: str, mode: str
-) -> ManagedProcess:
-    argv = commands.maru_worker_command(
-        model, pool_address, pool_name, ["--disaggregation-mode", mode, "--max-model-len", "4096", "--enforce-eager"]
-    )
-    return ManagedProcess(name, argv, log_path=log_dir / f"{name}.log", env=env)
+def metrics(url: str) -> str:
+    return scrape(url, timeout=10)
 
 
-def metrics(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        return resp.read().decode()
-
-
-def wait_metric(port: int, name: str, at_least: float, timeout: float = 30.0) -> str:
+def wait_metric(url: str, name: str, at_least: float, timeout: float = 30.0) -> str:
     """The worker's /metrics once `name` reaches `at_least` (stats arrive with engine outputs)."""
     deadline = time.monotonic() + timeout
     while True:
-        text = metrics(port)
+        text = metrics(url)
         if metric_total(text, name) >= at_least or time.monotonic() > deadline:
             return text
         time.sleep(0.5)
@@ -139,48 +131,34 @@ def serve_when_ready(url: str, model: Path, worker_logs: list[ManagedProcess], t
 
 @pytest.mark.timeout(1500)
 def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
-    tiny_model: Path, procs: ProcessGroup, log_dir: Path, tmp_path: Path, nats
+    tiny_model: Path, procs: ProcessGroup, log_dir: Path, tmp_path: Path
 ) -> None:
-    _, nats_url = nats
-    pool = start_pool(procs, log_dir, f"pd{uuid.uuid4().hex[:8]}", extra=["--nats", nats_url])
-    env_factory = stack.StackEnv(discovery_dir=tmp_path / "discovery", nats_url=nats_url)
     prompt = token_prompt(21, PROMPT_LEN)
     prompt_miss = token_prompt(22, PROMPT_LEN)
 
-    # Prefill worker (core 0) and frontend boot while the reference runs on core 1.
-    prefill_port = free_system_port()
-    prefill = maru_worker(
-        "prefill",
-        tiny_model,
-        env_factory.build(cpu_thread=PREFILL_CORE, DYN_SYSTEM_PORT=str(prefill_port)),
-        log_dir,
-        pool_address=pool.address,
-        pool_name=pool.pool_name,
-        mode="prefill",
-    )
-    procs.start(prefill)
-    frontend, url = stack.dynamo_frontend(env_factory.build(), log_dir)
-    procs.start(frontend)
-
-    ref_proc, ref_url = stack.vllm_openai_server(
-        "reference", tiny_model, env_factory.build(cpu_thread=DECODE_CORE), log_dir
-    )
-    procs.start(ref_proc)
-    ref_proc.wait_for_http(f"{ref_url}/v1/models", timeout=400)
-    ref_cold = ask(ref_url, tiny_model, prompt)
-    ref_warm = ask(ref_url, tiny_model, prompt)  # local prefix hit: 768 cached, 1 computed
+    # The reference first, alone, on the decode worker's core (in a group of its own: `procs`
+    # holds the graph, which must have no stopped process in it).
+    ref_env = stack.StackEnv(discovery_dir=tmp_path / "ref-discovery").build(cpu_thread=DECODE_CORE)
+    with ProcessGroup() as ref_group:
+        ref_proc, ref_url = stack.vllm_openai_server("reference", tiny_model, ref_env, log_dir)
+        ref_group.start(ref_proc)
+        ref_proc.wait_for_http(f"{ref_url}/v1/models", timeout=400)
+        ref_cold = ask(ref_url, tiny_model, prompt)
+        ref_warm = ask(ref_url, tiny_model, prompt)  # local prefix hit: 768 cached, 1 computed
+        ref_miss = ask(ref_url, tiny_model, prompt_miss)
+        assert ref_proc.stop() is not None
     assert cached_tokens(ref_cold) == 0 and cached_tokens(ref_warm) == 3 * CHUNK
-    ref_miss = ask(ref_url, tiny_model, prompt_miss)
     assert cached_tokens(ref_miss) == 0
-    assert ref_proc.stop() is not None
     print("reference:", repr(text(ref_cold)), logprobs(ref_warm))
 
-    decode_port = free_system_port()
-    decode_env = env_factory.build(cpu_thread=DECODE_CORE, DYN_SYSTEM_PORT=str(decode_port))
-    decode = maru_worker(
-        "decode", tiny_model, decode_env, log_dir, pool_address=pool.address, pool_name=pool.pool_name, mode="decode"
-    )
-    procs.start(decode)
+    # The graph users run (graphs/disagg.yaml): prefill on core 0, decode on core 1.
+    plan = planned_graph.plan(ROOT / "graphs" / "disagg.yaml", tiny_model, tmp_path / "graph")
+    assert [stack.cpu_thread_for(i) for i in (0, 1)] == [PREFILL_CORE, DECODE_CORE]
+    graph = planned_graph.start(plan, procs)
+    url, frontend, pool_address = graph.url, graph["frontend"], graph.pool_address()
+    prefill, decode = graph[PREFILL], graph[DECODE]
+    prefill_metrics, decode_metrics = plan.process(PREFILL).metrics_url, plan.process(DECODE).metrics_url
+    assert prefill_metrics and decode_metrics
     serve_when_ready(url, tiny_model, [prefill, decode], timeout=400)
     # Disaggregated, and the prefill worker's decode stand-in passes what it gets on to the decode worker.
     wait_until(lambda: disaggregated(url) and sees_live(prefill.log_text(), "decode"), 60, what="disaggregated")
@@ -188,11 +166,11 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     # The frontend found the prefill worker (component "prefill", WorkerType.Prefill).
     assert "Prefill worker detected" in frontend.log_text()
 
-    before = pool_stats(pool.address)
-    decode_before = metrics(decode_port)
+    before = pool_stats(pool_address)
+    decode_before = metrics(decode_metrics)
     n_selected = len(selections(frontend))
     out = ask(url, tiny_model, prompt)
-    after = pool_stats(pool.address)
+    after = pool_stats(pool_address)
     print("disagg:", repr(text(out)), logprobs(out), "usage:", out["usage"])
     # One request, routed to the prefill worker and then to the decode worker.
     frontend.wait_until(lambda: len(selections(frontend)) >= n_selected + 2, 10, "two Selected worker lines")
@@ -201,16 +179,16 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     assert len({r["request_id"] for r in routed}) == 1, routed
 
     # The prefill worker stored the prompt's three full chunks; the decode worker stores nothing.
-    assert sorted(stored_chunks(pool.address, prompt, range(3))) == [0, 1, 2]
+    assert sorted(stored_chunks(pool_address, prompt, range(3))) == [0, 1, 2]
     assert after["stores"] - before["stores"] == 3, (before, after)
     # ... and the decode worker found and loaded them (the prefill worker had nothing to load).
     assert after["hits"] - before["hits"] >= 3, (before, after)
     hits_name = "vllm:external_prefix_cache_hits_total"
     loaded_name = "vllm:maru_connector_chunks_loaded_total"
-    dm = wait_metric(decode_port, loaded_name, metric_total(decode_before, loaded_name) + 3)
+    dm = wait_metric(decode_metrics, loaded_name, metric_total(decode_before, loaded_name) + 3)
     decode_loaded = metric_total(dm, loaded_name) - metric_total(decode_before, loaded_name)
     decode_external_hits = metric_total(dm, hits_name) - metric_total(decode_before, hits_name)
-    pm = metrics(prefill_port)
+    pm = metrics(prefill_metrics)
     print(
         f"pool: stores +{after['stores'] - before['stores']} hits +{after['hits'] - before['hits']}; "
         f"decode: chunks loaded +{decode_loaded}, external prefix-cache hit tokens +{decode_external_hits}; "
@@ -232,21 +210,20 @@ def test_decode_loads_prefill_kv_from_pool_and_matches_aggregated(
     # A decode worker that cannot reach the pool still answers: local prefill, same output.
     assert decode.stop() is not None
     missing = f"unix:///tmp/maru-absent-{uuid.uuid4().hex[:8]}.sock"
-    decode2 = maru_worker(
-        "decode-nopool", tiny_model, decode_env, log_dir, pool_address=missing, pool_name=pool.pool_name, mode="decode"
-    )
-    procs.start(decode2)
+    argv = list(plan.process(DECODE).argv)
+    argv[argv.index("--maru-pool-address") + 1] = missing
+    decode2 = graph.start(DECODE, name="worker:decode-nopool", argv=tuple(argv))  # same port, env, core
     serve_when_ready(url, tiny_model, [prefill, decode2])
     wait_until(lambda: disaggregated(url) and sees_live(prefill.log_text(), "decode"), 60, what="disaggregated")
-    before = pool_stats(pool.address)
-    d2_before = metrics(decode_port)
+    before = pool_stats(pool_address)
+    d2_before = metrics(decode_metrics)
     out_miss = ask(url, tiny_model, prompt_miss)
-    after = pool_stats(pool.address)
+    after = pool_stats(pool_address)
     # The prefill worker still stored the chunks; the decode worker could not fetch them.
-    assert sorted(stored_chunks(pool.address, prompt_miss, range(3))) == [0, 1, 2]
+    assert sorted(stored_chunks(pool_address, prompt_miss, range(3))) == [0, 1, 2]
     assert after["hits"] == before["hits"], (before, after)
     d2 = wait_metric(
-        decode_port, "vllm:prompt_tokens_total", metric_total(d2_before, "vllm:prompt_tokens_total") + PROMPT_LEN
+        decode_metrics, "vllm:prompt_tokens_total", metric_total(d2_before, "vllm:prompt_tokens_total") + PROMPT_LEN
     )
     assert metric_total(d2, loaded_name) == 0
     assert metric_total(d2, hits_name) == 0

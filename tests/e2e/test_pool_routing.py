@@ -1,15 +1,16 @@
 """Pool-aware routing with real Maru workers: Dynamo's KV router sees the pool for every worker.
 
-A graph of nats-server, the pool (publishing events on NATS), Dynamo's frontend in KV-router
-mode and two Maru workers (MaruKVConnector + the pool event relay), on the tiny model. Prompts
-of 769 byte tokens have 6 full KV blocks = 3 pool chunks, so a worker that holds a prompt in
-its own cache shows 6 device blocks and a peer that can load it from the pool shows 6
-host-tier blocks. Requests are pinned to a worker with Dynamo's `nvext.backend_instance_id`.
+A graph (planned and started by graphs/run.py) of nats-server, the pool (publishing events on
+NATS), Dynamo's frontend in KV-router mode and two Maru workers (MaruKVConnector + the pool event
+relay), on the tiny model. Prompts of 769 byte tokens have 6 full KV blocks = 3 pool chunks, so
+a worker that holds a prompt in its own cache shows 6 device blocks and a peer that can load it
+from the pool shows 6 host-tier blocks. Requests are pinned to a worker with Dynamo's `nvext.backend_instance_id`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ import pytest
 from maru_dynamo.graphs.client import cached_tokens, completion
 from maru_vllm.launch import ManagedProcess, ProcessGroup, stack
 from maru_vllm.pool import PoolClient
-from tests.e2e.conftest import maru_worker, start_pool, token_prompt
+from tests.e2e import planned_graph
+from tests.e2e.conftest import token_prompt
 from tests.e2e.router_probe_client import RouterProbe, selected_lines
 
 pytestmark = [pytest.mark.e2e]
@@ -26,28 +28,27 @@ BLOCKS = 6  # full blocks of a 769-token prompt (block size 128)
 PROMPT_LEN = 3 * 256 + 1
 
 
-class Graph:
-    def __init__(
-        self,
-        group: ProcessGroup,
-        env: stack.StackEnv,
-        log_dir: Path,
-        model: Path,
-        pool: stack.PoolProcess,
-        nats: ManagedProcess,
-        frontend: ManagedProcess,
-        url: str,
-        probe: RouterProbe,
-    ) -> None:
-        self.group, self.env, self.log_dir, self.model = group, env, log_dir, model
-        self.pool, self.nats, self.frontend, self.url, self.probe = pool, nats, frontend, url, probe
-        self.workers: dict[str, ManagedProcess] = {}
+GRAPH = {
+    "name": "pool-routing",
+    "model": "tiny",
+    "nats": {},
+    "pool": {"name": "kv", "size": "256M", "chunk_tokens": 256},
+    "frontend": {"router_mode": "kv", "pool_tier_weight": 0.75},
+    # worker-c is held back: the late joiner of the last test.
+    "workers": [{"name": "worker-a"}, {"name": "worker-b"}, {"name": "worker-c"}],
+}
+LATE_JOINER = "worker:worker-c-0"
 
-    def start_worker(self, name: str, core: int) -> ManagedProcess:
-        w = maru_worker(name, self.model, self.env.build(cpu_thread=core), self.log_dir, self.pool)
-        self.group.start(w)
-        self.workers[name] = w
-        return w
+
+class Graph:
+    def __init__(self, started: planned_graph.StartedGraph, probe: RouterProbe) -> None:
+        self.started, self.probe = started, probe
+        self.url, self.model = started.url, started.model
+        self.frontend, self.nats = started["frontend"], started["nats-server"]
+        self.pool_address = started.pool_address()
+
+    def worker(self, name: str) -> ManagedProcess:
+        return self.started[f"worker:{name}-0"]
 
     def wait_workers(self, count: int, timeout: float = 300.0) -> list[int]:
         """Wait until the router knows `count` workers; return their ids."""
@@ -58,7 +59,7 @@ class Graph:
 
     def ask(self, prompt: list[int], worker_id: int | None = None) -> dict:
         extra = {"nvext": {"backend_instance_id": worker_id}} if worker_id is not None else {}
-        return completion(self.url, str(self.model), prompt, max_tokens=6, logprobs=1, **extra)
+        return completion(self.url, self.model, prompt, max_tokens=6, logprobs=1, **extra)
 
     def routed_to(self, prompt: list[int]) -> tuple[dict, int]:
         """Send through the router; return the response and the worker it selected."""
@@ -71,23 +72,11 @@ class Graph:
 
 
 @pytest.fixture(scope="module")
-def graph(
-    module_procs: ProcessGroup, module_log_dir: Path, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
-) -> Graph:
-    tmp = tmp_path_factory.mktemp("routing")
-    nats, nats_url = stack.nats_server(module_log_dir)
-    module_procs.start(nats).wait_for_log(stack.NATS_READY_PATTERN, timeout=30)
-    pool = start_pool(module_procs, module_log_dir, f"rt{tmp.name[-6:]}", extra=["--nats", nats_url])
-    env = stack.StackEnv(discovery_dir=tmp / "discovery", nats_url=nats_url)
-    frontend, url = stack.dynamo_frontend(
-        env.build(), module_log_dir, extra_args=["--router-host-cache-hit-weight", "0.75"]
-    )
-    probe = RouterProbe(env.build(), module_log_dir / "probe.log")
-    g = Graph(module_procs, env, module_log_dir, tiny_model, pool, nats, frontend, url, probe)
-    g.start_worker("worker-a", 0)
-    g.start_worker("worker-b", 1)
-    module_procs.start(frontend)
-    frontend.wait_for_http(f"{url}/v1/models", timeout=300, accept=lambda b: str(tiny_model).encode() in b)
+def graph(module_procs: ProcessGroup, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Graph]:
+    work = tmp_path_factory.mktemp("routing")
+    started = planned_graph.start(planned_graph.plan(GRAPH, tiny_model, work), module_procs, hold=[LATE_JOINER])
+    probe = RouterProbe(started.env(), work / "logs" / "probe.log")
+    g = Graph(started, probe)
     probe.wait_ready()
     g.wait_workers(2)
     yield g
@@ -113,13 +102,13 @@ def test_removing_the_chunks_from_the_pool_removes_the_credit(graph: Graph) -> N
     _, served_by = graph.routed_to(prompt)
     peer = next(w for w in graph.wait_workers(2) if w != served_by)
     assert graph.probe.wait_for(prompt, lambda v: v.get(peer, (0, 0, 0))[1] == BLOCKS)[peer][1] == BLOCKS
-    with PoolClient.connect(graph.pool.address) as c:
+    with PoolClient.connect(graph.pool_address) as c:
         mine = [o for o in c.snapshot() if _chunk_of(o, prompt)]
         assert len(mine) == 3
         for o in mine:
             assert c.remove([bytes.fromhex(o["key"])], namespace=o["namespace"]) == 1
     view = graph.probe.wait_for(prompt, lambda v: v.get(peer, (9, 9, 9))[1] == 0)
-    with PoolClient.connect(graph.pool.address) as c:
+    with PoolClient.connect(graph.pool_address) as c:
         left = [o["meta"].get("chunk") for o in c.snapshot() if _chunk_of(o, prompt)]
         stats = c.stats()
     assert view[peer] == (0, 0, 0), (left, stats["stores"], stats["objects"], served_by, peer)
@@ -170,7 +159,7 @@ def test_prompt_sharing_part_of_a_chunk_is_credited_exactly_the_blocks_it_loads(
 
     # Reference: the serving worker's local prefix-cache hit on the same 5 blocks. The peer has
     # stored Q's own chunk 2 meanwhile; take it out so the reference uses no pool KV at all.
-    with PoolClient.connect(graph.pool.address) as c:
+    with PoolClient.connect(graph.pool_address) as c:
         mine = [o for o in c.snapshot() if _chunk_of(o, partial) and o["meta"]["chunk"] == 2]
         assert len(mine) == 1
         assert c.remove([bytes.fromhex(mine[0]["key"])], namespace=mine[0]["namespace"]) == 1
@@ -183,16 +172,16 @@ def test_prompt_sharing_part_of_a_chunk_is_credited_exactly_the_blocks_it_loads(
 
 def test_late_joiner_is_credited_and_takes_over_from_the_pool(graph: Graph) -> None:
     # Only worker-b is left to serve P; then worker-c joins, worker-b stops, and c serves P.
-    assert graph.workers["worker-a"].stop(grace_s=30) == 0  # a graceful stop
+    assert graph.worker("worker-a").stop(grace_s=30) == 0  # a graceful stop
     (survivor,) = graph.wait_workers(1)
     prompt = token_prompt(35, PROMPT_LEN)
     first, served_by = graph.routed_to(prompt)
     assert served_by == survivor
-    graph.start_worker("worker-c", 0)
+    graph.started.start(LATE_JOINER)
     joiner = next(w for w in graph.wait_workers(2) if w != survivor)
     view = graph.probe.wait_for(prompt, lambda v: v.get(joiner, (0, 0, 0))[1] == BLOCKS)
     assert view[joiner] == (0, BLOCKS, BLOCKS)
-    assert graph.workers["worker-b"].stop(grace_s=30) == 0
+    assert graph.worker("worker-b").stop(grace_s=30) == 0
     assert graph.wait_workers(1) == [joiner]
     out, served_by = graph.routed_to(prompt)
     assert served_by == joiner

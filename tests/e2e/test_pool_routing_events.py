@@ -1,10 +1,11 @@
 """Dynamo's KV router credits a worker with the pool's blocks at the host tier, and drops the
 credit when the pool drops the blocks.
 
-Real processes: nats-server, the pool service (--nats), Dynamo's frontend (--router-mode kv),
-ONE dynamo.vllm worker started through `install_pool_event_relay` (no Maru connector: the test
-itself puts chunks into the pool, with metadata carrying the block hashes vLLM computes for a
-prompt), and a `router_probe` (a second KvRouter) that reports per-tier overlap without routing.
+Real processes, a one-worker graph planned and started by graphs/run.py: nats-server, the pool
+service (--nats), Dynamo's frontend (--router-mode kv), and as its worker ONE dynamo.vllm started
+through `install_pool_event_relay` (no Maru connector: the test itself puts chunks into the pool,
+with metadata carrying the block hashes vLLM computes for a prompt); and a `router_probe` (a
+second KvRouter) that reports per-tier overlap without routing.
 
 * prompt A's chunks are in the pool before the worker starts (the relay's snapshot path),
   prompt B's are put while it runs (the live event path);
@@ -20,7 +21,6 @@ from __future__ import annotations
 import random
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,10 @@ import pytest
 
 from maru_dynamo.graphs.client import completion
 from maru_vllm.events.vllm_format import external_hash
-from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port, stack
+from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port
 from maru_vllm.launch.argv import kv_events_args
 from maru_vllm.pool import PoolClient
+from tests.e2e import planned_graph
 from tests.e2e.router_probe_client import RouterProbe, selected_lines
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -129,17 +130,26 @@ class VllmEventTap:
         self._ctx.destroy(linger=0)
 
 
+GRAPH = {
+    "name": "pool-events",
+    "model": "tiny",
+    "nats": {},
+    "pool": {"name": "events", "size": "256M"},
+    "frontend": {"router_mode": "kv"},
+    "workers": [{"name": "worker"}],  # its process is WORKER_BOOT: the relay without the connector
+}
+WORKER = "worker:worker-0"
+ENGINE_ARGS = ("--max-model-len", "4096", "--enforce-eager")
+
+
 @pytest.mark.timeout(900)
 def test_router_credits_pool_blocks_at_host_tier(
-    tiny_model: Path, procs: ProcessGroup, log_dir: Path, tmp_path: Path, nats, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path, procs: ProcessGroup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, nats_url = nats
-    pool_name = f"ev{uuid.uuid4().hex[:8]}"
-    pool_proc = stack.PoolProcess(
-        pool_name, "256M", log_dir / "pool.log", listen=[f"unix:///tmp/maru-{pool_name}.sock"], nats=nats_url
-    )
-    procs.add(pool_proc)
-    address = pool_proc.serve().address
+    plan = planned_graph.plan(GRAPH, tiny_model, tmp_path)
+    # The pool first, so that prompt A's chunks are in it before the worker starts.
+    graph = planned_graph.start(plan, procs, hold=[WORKER, "frontend"], wait=False)
+    address = graph.pool_address()
     pool = PoolClient.connect(address)
     namespace = f"kv:{tiny_model.name}:e2e-events"
 
@@ -166,33 +176,20 @@ def test_router_credits_pool_blocks_at_host_tier(
         },
     )
 
-    env_factory = stack.StackEnv(discovery_dir=tmp_path / "discovery", nats_url=nats_url)
     kv_port = free_port()
-    worker_env = env_factory.build(cpu_thread=0, MARU_TEST_POOL_NAME=pool_name, MARU_TEST_POOL_ADDRESS=address)
-    worker = ManagedProcess(
-        "worker",
-        [
-            sys.executable,
-            "-c",
-            WORKER_BOOT,
-            "--model",
-            str(tiny_model),
-            "--max-model-len",
-            "4096",
-            "--enforce-eager",
-            *kv_events_args(kv_port),
-        ],
-        log_path=log_dir / "worker.log",
-        env=worker_env,
+    planned = plan.process(WORKER)
+    worker = graph.start(
+        WORKER,
+        argv=(sys.executable, "-c", WORKER_BOOT, "--model", str(tiny_model), *ENGINE_ARGS, *kv_events_args(kv_port)),
+        env={**planned.env, "MARU_TEST_POOL_NAME": plan.spec.pool_name_of(None), "MARU_TEST_POOL_ADDRESS": address},
     )
-    frontend, url = stack.dynamo_frontend(env_factory.build(), log_dir)
-    procs.start(worker)
-    procs.start(frontend)
+    frontend = graph.start("frontend")
+    url = graph.url
     frontend.wait_for_http(f"{url}/v1/models", timeout=300, accept=lambda body: str(tiny_model).encode() in body)
     worker.wait_for_log(r"Dynamo subscribed to the KV event relay", timeout=60)
     worker.wait_for_log(r"pool '\S+' synced at seq", timeout=60)
     tap = VllmEventTap(f"tcp://127.0.0.1:{kv_port}")
-    probe = RouterProbe(env_factory.build(), log_dir / "probe.log")
+    probe = RouterProbe(graph.env(), tmp_path / "logs" / "probe.log")
     try:
         probe.wait_ready()
         keys_b = put_prompt_chunks(pool, namespace, prompt_b, hashes_b)  # live event path

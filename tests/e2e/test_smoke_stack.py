@@ -1,4 +1,5 @@
-"""The real stack runs here: vLLM (CPU), Dynamo frontend + worker, nats-server + nats-py."""
+"""The real stack runs here: vLLM (CPU), Dynamo frontend + worker (a graph of plain `dynamo.vllm`
+started through graphs/run.py), nats-server + nats-py."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from maru_dynamo.components import commands
 from maru_dynamo.graphs.client import completion, get_json, post_json
 from maru_vllm.launch import ProcessGroup, stack
+from tests.e2e import planned_graph
 
 pytestmark = [pytest.mark.e2e]
 
@@ -28,16 +29,19 @@ def test_vllm_cpu_greedy_is_repeatable(tiny_model: Path, procs: ProcessGroup, lo
     assert first["choices"][0]["logprobs"]["tokens"] == second["choices"][0]["logprobs"]["tokens"]
 
 
-def test_dynamo_frontend_and_worker_serve(
-    tiny_model: Path, procs: ProcessGroup, log_dir: Path, tmp_path: Path, nats
-) -> None:
-    _, nats_url = nats
-    env_factory = stack.StackEnv(discovery_dir=tmp_path / "discovery", nats_url=nats_url)
-    worker = commands.dynamo_vllm_worker("worker", tiny_model, env_factory.build(cpu_thread=0), log_dir)
-    frontend, url = stack.dynamo_frontend(env_factory.build(), log_dir)
-    procs.start(worker)
-    procs.start(frontend)
-    frontend.wait_for_http(f"{url}/v1/models", timeout=240, accept=lambda body: str(tiny_model).encode() in body)
+PLAIN_GRAPH = {
+    "name": "smoke",
+    "model": "tiny",
+    "nats": {},
+    "frontend": {"router_mode": "kv"},
+    "workers": [{"name": "worker", "engine": "vllm"}],  # plain dynamo.vllm, no pool
+}
+
+
+def test_dynamo_frontend_and_worker_serve(tiny_model: Path, procs: ProcessGroup, tmp_path: Path) -> None:
+    graph = planned_graph.start(planned_graph.plan(PLAIN_GRAPH, tiny_model, tmp_path), procs)
+    url, frontend = graph.url, graph["frontend"]
+    assert [p.name for p in procs.processes] == ["nats-server", "worker:worker-0", "frontend"]  # and no pool
     models = get_json(f"{url}/v1/models")
     assert [m["id"] for m in models["data"]] == [str(tiny_model)]
 

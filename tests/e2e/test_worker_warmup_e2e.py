@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.graphs.client import post_json
-from maru_dynamo.graphs.run import build_plan, new_work_dir, resolve_model, start_graph, stop_graph, supervise
+from maru_dynamo.graphs.plan import build_plan, resolve_model
+from maru_dynamo.graphs.run import new_work_dir, start_graph, stop_graph, supervise
 from maru_dynamo.graphs.spec import load_graph
 from maru_vllm.launch import ProcessGroup
 from maru_vllm.pool import PoolClient

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.graphs import control
-from maru_dynamo.graphs.run import Plan, build_plan
+from maru_dynamo.graphs.plan import Plan, build_plan
 from maru_dynamo.graphs.spec import load_graph, resolve_graph_path
 from maru_vllm.launch import ManagedProcess, ProcessGroup
 from maru_vllm.launch.supervisor import Supervisor
