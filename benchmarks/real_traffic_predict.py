@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """The what-if again on a recorded `real_traffic.py` run, e.g. after a change to the what-if.
 
-``python benchmarks/real_traffic_predict.py RUNS.json [--json RESULTS.json]``: RUNS.json is the
-run's ``--detail-json`` (it keeps the run's arguments and calibration); each rate's traffic is
-built again from those arguments and replayed by `maru-dynamo whatif` with the same calibration,
-worker KV cache and pool, and printed beside the real figures; ``--json`` rewrites the run's
-``--json`` file's ``whatif`` entries with the new predictions.
+``python benchmarks/real_traffic_predict.py RUNS.json [--json RESULTS.json] [--load-gbps G]``:
+RUNS.json is the run's ``--detail-json`` (it keeps the run's arguments and calibration); each
+rate's traffic is built again from those arguments and replayed by `maru-dynamo whatif` with the
+same calibration, worker KV cache and pool, and printed beside the real figures; ``--json``
+rewrites the run's ``--json`` file's ``whatif`` entries with the new predictions.
+``--load-gbps`` replays with pool loads at G GB/s instead of the measured speed: what a faster
+data path would change (a large G: loads for free).
 """
 
 from __future__ import annotations
@@ -34,11 +36,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="the what-if again, on a recorded real_traffic.py run")
     ap.add_argument("detail", type=Path, help="the run's --detail-json file")
     ap.add_argument("--json", type=Path, default=None, help="also rewrite this --json file's 'whatif' entries")
+    ap.add_argument("--load-gbps", type=float, default=None, help="pool loads at this speed (default: as measured)")
     args = ap.parse_args(argv)
+    if args.load_gbps is not None and not args.load_gbps > 0:
+        ap.error(f"--load-gbps {args.load_gbps:g}: want a speed above 0 GB/s")
+    if args.load_gbps is not None and args.json is not None:
+        ap.error("--load-gbps is a what-if of another data path: it does not rewrite the run's --json")
     doc = json.loads(args.detail.read_text())
     run_args = real_traffic._parser().parse_args(doc["argv"])
     _, _, traffics = real_traffic._validate(run_args)
     cal = msgspec.convert(doc["calibration"], Calibration)
+    if args.load_gbps is not None:
+        cal = msgspec.structs.replace(cal, load_gbps=args.load_gbps)
     from maru_dynamo.graphs.plan import resolve_model
 
     model = resolve_model(run_args.model)

@@ -348,6 +348,13 @@ def test_predict_replays_the_whatif_on_a_recorded_run(tmp_path: Path, capsys: py
     by = {(r["config"], r["rate"]): r["whatif"]["prefill_tokens"] for r in rewritten}
     assert by[("maru-pool", 2.0)] <= by[("plain-kv", 2.0)]
 
+    # --load-gbps: the replay's pool loads at another speed, said in its header; never 0.
+    assert P.main([str(detail), "--load-gbps", "64"]) == 0
+    assert "pool loads 64 GB/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        P.main([str(detail), "--load-gbps", "0"])
+    assert "--load-gbps 0: want a speed above 0 GB/s" in capsys.readouterr().err
+
 
 def _fake_sweep(
     monkeypatch: pytest.MonkeyPatch, failures: dict[int, int], configs: int = 2, rates: int = 2, repeats: int = 2
