@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     from maru_dynamo.components.text_only import install_text_only_stand_ins
 
     install_text_only_stand_ins()  # before anything imports vLLM / Dynamo
+    from maru_vllm.launch.rpc_dir import use_private_rpc_dir
+
+    use_private_rpc_dir()  # vLLM's IPC socket files: in a dir of this worker's, removed at exit
     from maru_vllm.launch.hash_seed import GRAPH_HASH_SEED, check_hash_seed
 
     try:

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.graphs.client import completion
-from maru_vllm.launch import stack
+from maru_vllm.launch import rpc_dir, stack
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,6 +104,10 @@ def test_graph_run_serves_and_stops_cleanly(tiny_model: Path) -> None:
         children = descendants(proc.pid)
         # nats-server, the pool, 2 workers (each with its engine core), the frontend
         assert len(children) >= 5, children
+        # Each worker's vLLM IPC socket files are in a directory of its own ...
+        leaders = [p for p in children if "maru_dynamo.components.maru_worker" in cmdline(p) and os.getpgid(p) == p]
+        rpc_dirs = [Path(tempfile.gettempdir()) / f"{rpc_dir.PREFIX}{pid}" for pid in leaders]
+        assert len(rpc_dirs) == 2 and all(any(d.iterdir()) for d in rpc_dirs), rpc_dirs
         region = Path(f"/dev/shm/maru-kv-{work.name}")
         assert region.exists()
         if stack.worker_cpus(0, 2) is not None:
@@ -126,6 +131,7 @@ def test_graph_run_serves_and_stops_cleanly(tiny_model: Path) -> None:
         assert "[graph] SIGINT: stopping" in "".join(output) and "[graph] stopped" in "".join(output)
         assert not region.exists(), "the pool's region was not removed"
         assert not work.exists(), "the work dir was not removed after a clean stop"
+        assert not [d for d in rpc_dirs if d.exists()], "the workers' IPC socket dirs were left behind"  # ... gone
     finally:
         if proc.poll() is None:
             proc.kill()
