@@ -216,5 +216,7 @@ def test_a_stopped_killed_or_restarted_master_costs_only_the_tier(domains: Domai
     pins = b.acquire(fresh, NS)
     assert all(p is not None and bytes(p.data) == stored[k] for p, k in zip(pins, fresh))
     b.release(pins)
+    # A generous bound: beside other heavy work on the machine, settling after the outages has
+    # taken longer than 30 s (alone the whole test takes ~18 s).
     for c in (a, b):
-        wait_until(lambda c=c: _settled(c), timeout=30, what="nothing pinned or reserved after the outages")
+        wait_until(lambda c=c: _settled(c), timeout=120, what="nothing pinned or reserved after the outages")
