@@ -156,6 +156,30 @@ def test_what_is_still_running_when_the_grace_period_ends_is_left_to_migration(d
     assert 0.3 <= lifecycle.report.seconds < 5
 
 
+class LateArrival(FakeEngine):
+    """Nothing runs at the stop's first look; then a request a frontend routed before it saw the
+    worker leave discovery arrives at +0.3 s and runs until +0.8 s."""
+
+    def __init__(self) -> None:
+        super().__init__(running=0, finish_s=0.0)
+        self.first: float | None = None
+
+    def get_num_unfinished_requests(self) -> int:
+        now = time.monotonic()
+        self.first = self.first or now
+        self.done_at = self.first + 0.8
+        return 1 if self.first + 0.3 <= now < self.done_at else 0
+
+
+def test_a_request_that_arrives_after_the_stop_began_finishes_here(dynamo_main: Any) -> None:
+    lifecycle = WorkerLifecycle(grace_s=20)
+    engine = LateArrival()
+    events = _stop_with_sigterm(dynamo_main, lifecycle, engine)
+    at = dict(events)
+    assert engine.done_at is not None and at["shutdown event"] >= engine.done_at  # not cut off: not migrated
+    assert lifecycle.report is not None and lifecycle.report.left == 0
+
+
 def test_the_hook_refuses_a_signal_handler_of_another_shape(dynamo_main: Any) -> None:
     def other(loop: Any, runtime: Any) -> None:
         pass

@@ -10,11 +10,12 @@ frontend migrates to another worker (request migration) - and shuts the runtime 
 down.
 
 `install_worker_lifecycle` keeps that handler and gives it a drain callback in place of the fixed
-sleep: once unregistered, the worker waits until no request runs on its engine, for at most the
-grace period (`DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS`, 20 s by default here, 0 to 30). A
-request that finishes within it finishes where it is, with no migration and no recompute; only
-what is left is migrated. The engine's shutdown then closes MaruKVConnector, whose store writer
-commits the stores still queued (`StoreWriter.close`), and the process exits 0.
+sleep: once unregistered, the worker waits until nothing has run on its engine for a quiet second
+(a frontend that has not yet seen the worker leave discovery may still route a request to it),
+for at most the grace period (`DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS`, 20 s by default here, 0
+to 30). A request that finishes within it finishes where it is, with no migration and no
+recompute; only what is left is migrated. The engine's shutdown then closes MaruKVConnector,
+whose store writer commits the stores still queued (`StoreWriter.close`), and the process exits 0.
 
 **Identity.** With `MARU_WORKER_INSTANCE_FILE` set (the local graph runner sets it per worker),
 the worker writes its Dynamo instance id there as it registers. A supervisor that sees the
@@ -43,6 +44,8 @@ DEFAULT_GRACE_S = 20.0
 # Dynamo 1.6.1 awaits a drain callback for at most this long (`_DEFAULT_DRAIN_TIMEOUT_SECS`).
 MAX_GRACE_S = 30.0
 POLL_S = 0.1
+# A stopping worker is drained once nothing has run on it for this long (within the grace period).
+QUIET_S = 1.0
 
 _SIGNAL_PARAMS = ("loop", "runtime", "endpoints", "shutdown_event", "grace_period_s", "drain_callback")
 _REGISTER_PARAMS = ("model_input", "model_type", "generate_endpoint", "config", "engine_client", "vllm_config")
@@ -79,10 +82,13 @@ class DrainReport:
 class WorkerLifecycle:
     """What `install_worker_lifecycle` hooks in: the engines to drain, the instance to announce."""
 
-    def __init__(self, grace_s: float, instance_file: Path | None = None, poll_s: float = POLL_S) -> None:
+    def __init__(
+        self, grace_s: float, instance_file: Path | None = None, poll_s: float = POLL_S, quiet_s: float = QUIET_S
+    ) -> None:
         self.grace_s = grace_s
         self.instance_file = instance_file
         self.poll_s = poll_s
+        self.quiet_s = quiet_s
         self.engines: list[Any] = []  # vLLM AsyncLLM clients of the worker
         self.report: DrainReport | None = None
 
@@ -97,7 +103,10 @@ class WorkerLifecycle:
         return total
 
     async def drain(self) -> None:
-        """Wait until nothing runs, at most `grace_s` (Dynamo awaits this after unregistering)."""
+        """Wait until nothing has run for `quiet_s`, at most `grace_s` (Dynamo awaits this after
+        unregistering). The quiet window catches requests a frontend routed here in the moment
+        before it saw the worker leave discovery: they arrive after the stop began, and end here
+        instead of being migrated."""
         start = time.monotonic()
         at_stop = left = self.running()
         logger.info(
@@ -105,7 +114,15 @@ class WorkerLifecycle:
             at_stop,
             self.grace_s,
         )
-        while left > 0 and time.monotonic() - start < self.grace_s:
+        quiet_since = start if left == 0 else None
+        while time.monotonic() - start < self.grace_s:
+            now = time.monotonic()
+            if left > 0:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= self.quiet_s:
+                break
             await asyncio.sleep(self.poll_s)
             left = self.running()
         took = time.monotonic() - start
