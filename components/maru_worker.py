@@ -20,6 +20,13 @@ Options of its own (all others go to dynamo.vllm):
   --maru-announce-max-chunks N
                              announce at most N pool chunks to the router, the pool's most
                              recently used (default: every chunk of this worker's model)
+  --maru-tier2-credit         also announce the cluster's tier-2 chunks (other domains' prompts in the
+                             Mooncake Store under the pools) to the router at the disk tier, weighed
+                             by --router-disk-cache-hit-weight (default off; $MARU_TIER2_CREDIT=1 turns
+                             it on). What it changes: docs/whatif.md, "Beyond one domain"
+  --maru-tier2-credit-max-chunks N
+                             with it, credit at most N tier-2 chunks (default 16384; the least
+                             recently announced are withdrawn first)
   --maru-chunk-tokens N      tokens per pool object (default 256)
   --no-maru-pool-events      keep the pool connector but do not announce the pool's blocks to the
                              router (it then sees vLLM's own events only; for comparisons)
@@ -50,7 +57,7 @@ import sys
 import time
 from pathlib import Path
 
-from maru_vllm.events.types import DEFAULT_MEDIUM, POOL_MEDIUMS
+from maru_vllm.events.types import DEFAULT_MEDIUM, DEFAULT_TIER2_CREDIT_CHUNKS, POOL_MEDIUMS
 from maru_vllm.launch.argv import flag_value, has_flag, kv_events_args
 from maru_vllm.launch.handoff import run_module_then_exit
 from maru_vllm.launch.ports import free_port
@@ -63,6 +70,8 @@ DISAGG_MODES = ("prefill", "decode")
 
 logger = logging.getLogger(__name__)
 
+TIER2_CREDIT_ENV = "MARU_TIER2_CREDIT"  # "1": --maru-tier2-credit unless --no-maru-tier2-credit
+
 
 def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(our options, the dynamo.vllm argv with connector and KV-event configs filled in)."""
@@ -72,6 +81,12 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--maru-pool-token-file", default=None)
     p.add_argument("--maru-event-medium", default=DEFAULT_MEDIUM, choices=POOL_MEDIUMS)
     p.add_argument("--maru-announce-max-chunks", type=int, default=None, metavar="N")
+    p.add_argument(
+        "--maru-tier2-credit",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get(TIER2_CREDIT_ENV, "").lower() in ("1", "true", "yes", "on"),
+    )
+    p.add_argument("--maru-tier2-credit-max-chunks", type=int, default=DEFAULT_TIER2_CREDIT_CHUNKS, metavar="N")
     p.add_argument("--maru-chunk-tokens", type=int, default=256)
     p.add_argument("--maru-pool-events", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--maru-warmup", action=argparse.BooleanOptionalAction, default=True)
@@ -81,6 +96,11 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise SystemExit(
             f"maru_worker: --maru-announce-max-chunks {ours.maru_announce_max_chunks}: must be a number of "
             "chunks >= 1 (leave it out to announce every chunk)"
+        )
+    if ours.maru_tier2_credit_max_chunks < 1:
+        raise SystemExit(
+            f"maru_worker: --maru-tier2-credit-max-chunks {ours.maru_tier2_credit_max_chunks}: must be a "
+            "number of chunks >= 1"
         )
     rest = list(rest)
     if not has_flag(rest, "--kv-transfer-config", "--kv_transfer_config"):
@@ -205,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
             pool_token=token,
             medium=ours.maru_event_medium,
             max_announced_chunks=ours.maru_announce_max_chunks,
+            tier2_credit_max_chunks=ours.maru_tier2_credit_max_chunks if ours.maru_tier2_credit else None,
         )
     from maru_dynamo.components.dynamo_pd import DynamoPdApiError, register_maru_pd_protocol
 

@@ -11,6 +11,7 @@ events at medium `CPU_PINNED` (Dynamo's host tier, weighted by the frontend's
 * `pool_view`   - the per-worker set of announced pool chunks; diffs against snapshots
 * `announced_order` - with an announce cap: the announced chunks in use order
 * `nats_source` - the pool's NATS events, gap/restart/outage detection and snapshot resync
+* `tier2_credit` - opt-in: the cluster's tier-2 chunks announced at the disk tier (capped view)
 * `relay`       - ZMQ in (vLLM) + pool events -> one sequenced ZMQ stream out (to Dynamo)
 * `downstream`  - the relay's flow-controlled, gap-free sends to Dynamo's publisher
 * `dynamo_hook` - the worker-side hook below (pinned to ai-dynamo 1.6.1)
@@ -30,6 +31,7 @@ Worker-side hook, called by `components/maru_worker.py` in the worker process be
         namespace_prefix: str | None = None, # or: any namespace with this prefix
         probe_interval_s: float = 10.0,      # idle check for pool restarts / missed events
         max_announced_chunks: int | None = None,  # announce at most this many pool objects (most recently used)
+        tier2_credit_max_chunks: int | None = None,  # also the tier-2's chunks at DISK, at most this many (None: off)
     ) -> RelayInstallation                   # .relays (one per DP rank, once Dynamo set up), .uninstall()
 
 Namespace choice: MaruKVConnector's namespace (`kv:<model>:<digest of the KV layout>`) is

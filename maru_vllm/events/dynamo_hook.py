@@ -33,6 +33,7 @@ from typing import Any
 from maru_vllm.events.nats_source import PoolSourceConfig
 from maru_vllm.events.pool_view import NamespaceFilter
 from maru_vllm.events.relay import KvEventRelay, RelayThread
+from maru_vllm.events.tier2_credit import Tier2CreditConfig
 from maru_vllm.events.types import DEFAULT_MEDIUM
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class PoolEventRelayOptions:
     namespace: str | None = None
     namespace_prefix: str | None = None
     max_announced_chunks: int | None = None  # the relay's announce cap (None: every pool object)
+    tier2_credit_max_chunks: int | None = None  # tier-2 credit at the disk tier, at most this many chunks (None: off)
 
 
 @dataclasses.dataclass
@@ -111,6 +113,7 @@ def install_pool_event_relay(
     namespace_prefix: str | None = None,
     probe_interval_s: float = 10.0,
     max_announced_chunks: int | None = None,
+    tier2_credit_max_chunks: int | None = None,
 ) -> RelayInstallation:
     """Make the `dynamo.vllm` worker that runs next in this process announce the pool's blocks.
 
@@ -118,12 +121,15 @@ def install_pool_event_relay(
     same process. See the module docstring for the mechanism and `maru_vllm.events` for the
     meaning of each argument. Raises `DynamoVersionError` for any Dynamo but 1.6.1, and
     RuntimeError when the seam is not where 1.6.1 has it, ValueError for a cap below 1. Calling
-    it again replaces the options.
+    it again replaces the options. `tier2_credit_max_chunks`: announce the cluster's tier-2 chunks
+    at the disk tier, at most that many (`events.tier2_credit`; None: not).
     """
     global _installed
     check_dynamo_version()
     if max_announced_chunks is not None and max_announced_chunks < 1:
         raise ValueError(f"max_announced_chunks={max_announced_chunks}: must be >= 1 (or None: no cap)")
+    if tier2_credit_max_chunks is not None and tier2_credit_max_chunks < 1:
+        raise ValueError(f"tier2_credit_max_chunks={tier2_credit_max_chunks}: must be >= 1 (or None: off)")
     nats_url = nats_url or os.environ.get("NATS_SERVER") or "nats://127.0.0.1:4222"
     source = PoolSourceConfig(
         nats_url=nats_url,
@@ -132,7 +138,9 @@ def install_pool_event_relay(
         pool_token=pool_token,
         probe_interval_s=probe_interval_s,
     )
-    opts = PoolEventRelayOptions(source, medium, namespace, namespace_prefix, max_announced_chunks)
+    opts = PoolEventRelayOptions(
+        source, medium, namespace, namespace_prefix, max_announced_chunks, tier2_credit_max_chunks
+    )
     import dynamo.vllm.main as dm
 
     original = dm.setup_kv_event_publisher
@@ -164,7 +172,13 @@ def install_pool_event_relay(
         _installed.stop_relays()
     _installed = inst
     atexit.register(_stop_at_exit, inst)
-    logger.info("pool event relay installed: pool %r via %s, medium %s", pool_name, nats_url, medium)
+    logger.info(
+        "pool event relay installed: pool %r via %s, medium %s%s",
+        pool_name,
+        nats_url,
+        medium,
+        f", tier-2 credit at DISK (at most {tier2_credit_max_chunks} chunks)" if tier2_credit_max_chunks else "",
+    )
     return inst
 
 
@@ -206,6 +220,9 @@ def _start_relay(inst: RelayInstallation, vllm_config: Any, upstream: str, dp_ra
     if inst.thread is None:
         inst.thread = RelayThread()
     pool_cfg = dataclasses.replace(opts.source, snapshot_namespace=filt.single_namespace)
+    tier2 = None
+    if opts.tier2_credit_max_chunks is not None:
+        tier2 = Tier2CreditConfig(opts.source.nats_url, opts.tier2_credit_max_chunks)
 
     async def make() -> KvEventRelay:
         relay = KvEventRelay(
@@ -217,6 +234,7 @@ def _start_relay(inst: RelayInstallation, vllm_config: Any, upstream: str, dp_ra
             data_parallel_rank=dp_rank,
             topic=topic,
             max_announced_chunks=opts.max_announced_chunks,
+            tier2=tier2,
         )
         await relay.start()
         return relay

@@ -27,6 +27,8 @@
   reads do not reach the relay, so once N objects were withdrawn it resyncs again, which
   brings back what the pool has used most recently. What a resync costs and what
   the router holds then grow with N, not with the pool.
+* Tier-2 credit (`tier2`, off by default): the cluster's tier-2 chunks of this worker's
+  namespaces, announced at the disk tier (`tier2_credit`), in the same stream.
 * Flow control (`downstream.DownstreamPipe`): the pipe to Dynamo's publisher holds at most
   `downstream_hwm` batches; what it refuses waits in the relay, in order, up to
   `max_unsent_bytes`, and a resync reads its next snapshot page only once nothing waits. Pool
@@ -60,6 +62,7 @@ from maru_vllm.events.downstream import DownstreamPipe, Lost, SendStats
 from maru_vllm.events.nats_source import PoolEventSource, PoolSourceConfig
 from maru_vllm.events.packed_chunks import ChunkStores
 from maru_vllm.events.pool_view import NamespaceFilter, PoolView
+from maru_vllm.events.tier2_credit import Tier2Credit, Tier2CreditConfig
 from maru_vllm.events.types import (
     DEFAULT_MEDIUM,
     KNOWN_MEDIUMS,
@@ -127,13 +130,15 @@ class KvEventRelay:
         max_page_wait_s: float = 30.0,
         reannounce_after_s: tuple[float, ...] = (3.0, 10.0),
         max_announced_chunks: int | None = None,
+        tier2: Tier2CreditConfig | None = None,
     ) -> None:
         """`hwm`: messages the socket from vLLM queues; `downstream_hwm`: batches the pipe to
         Dynamo's publisher holds before the relay keeps them, `max_unsent_bytes`: bytes of
         batches the relay keeps at most (see `downstream`; with a pool, at least a snapshot page,
         `SNAPSHOT_PAGE_BYTES`, or every full announcement after a drop overruns it again); a
         resync waits at most `max_page_wait_s` for the pipe before it reads its next page anyway;
-        `max_announced_chunks`: the announce cap (see module docstring; None: no cap)."""
+        `max_announced_chunks`: the announce cap (see module docstring; None: no cap); `tier2`:
+        tier-2 credit (None: off)."""
         if downstream_hwm < 1:
             raise ValueError(f"downstream_hwm={downstream_hwm}: must be >= 1")
         if pool is not None and max_unsent_bytes < SNAPSHOT_PAGE_BYTES:
@@ -182,6 +187,15 @@ class KvEventRelay:
         self._reannounce_after_s = reannounce_after_s
         self._reannounce_timers: list[asyncio.TimerHandle] = []
         self._resyncs = 0
+        self.tier2: Tier2Credit | None = None
+        if tier2 is not None:
+            self.tier2 = Tier2Credit(
+                tier2,
+                namespaces,
+                block_size,
+                lambda out: self._announce(out, tier2.medium),
+                lambda oid: oid in self.view,
+            )
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> str:
@@ -213,6 +227,8 @@ class KvEventRelay:
                 self._pool_cfg, self._on_pool_snapshot, self._on_pool_event, ready=self._downstream_ready
             )
             await self.source.start()
+        if self.tier2 is not None:
+            self.tier2.start()
         logger.info(
             "KV event relay: vLLM %s + pool %s -> %s (pool blocks at medium %s)",
             self.upstream,
@@ -227,6 +243,8 @@ class KvEventRelay:
             timer.cancel()
         if self.source is not None:
             await self.source.stop()
+        if self.tier2 is not None:
+            await self.tier2.stop()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -299,8 +317,12 @@ class KvEventRelay:
         if self.source is not None and (self.view.block_count or self.view.resyncing):
             self.stats.full_announcements += 1
             self.source.request_resync(full=True)
+        if self.tier2 is not None:
+            self.tier2.reannounce()
 
     def _on_pool_snapshot(self, snap: PoolSnapshot) -> None:
+        if self.tier2 is not None:
+            self.tier2.pool_stored(o.oid for o in snap.objects)
         self._announce(self.view.resync(snap))
         if snap.last:
             self._trim_when_sent = True
@@ -331,6 +353,8 @@ class KvEventRelay:
         self._announce_everything()
 
     def _on_pool_event(self, ev: PoolEvent) -> None:
+        if self.tier2 is not None and ev.type == "stored":
+            self.tier2.pool_stored((ev.obj.oid,))
         self._announce(self.view.apply(ev))
         cap = self.view.max_objects
         if cap is not None and self.view.cap_withdrawals >= cap and self.source is not None:
@@ -339,33 +363,35 @@ class KvEventRelay:
             self.source.request_resync()
 
     # -- output ----------------------------------------------------------------------------
-    def _announce(self, announcements: Sequence[Announcement | ChunkStores]) -> None:
-        """Send announcements as KVEventBatches of at most MAX_BATCH_BLOCKS blocks each (a resync
-        of 10^6 chunks must not become one gigabyte-sized message for Dynamo's publisher)."""
+    def _announce(self, announcements: Sequence[Announcement | ChunkStores], medium: str | None = None) -> None:
+        """Send announcements (at `medium`, default the pool's) as KVEventBatches of at most
+        MAX_BATCH_BLOCKS blocks each (a resync of 10^6 chunks must not become one gigabyte-sized
+        message for Dynamo's publisher)."""
         batch: list[Announcement | ChunkStores] = []
         blocks = 0
         for a in _split(announcements):
             if batch and blocks + _blocks_of(a) > MAX_BATCH_BLOCKS:
-                self._announce_batch(batch)
+                self._announce_batch(batch, medium)
                 batch, blocks = [], 0
             batch.append(a)
             blocks += _blocks_of(a)
             if blocks >= MAX_BATCH_BLOCKS:
-                self._announce_batch(batch)
+                self._announce_batch(batch, medium)
                 batch, blocks = [], 0
         if batch:
-            self._announce_batch(batch)
+            self._announce_batch(batch, medium)
 
-    def _announce_batch(self, announcements: list[Announcement | ChunkStores]) -> None:
+    def _announce_batch(self, announcements: list[Announcement | ChunkStores], medium: str | None = None) -> None:
+        medium = medium or self.medium
         try:
-            payload = vf.encode_announcements(announcements, self.medium, data_parallel_rank=self.dp_rank)
+            payload = vf.encode_announcements(announcements, medium, data_parallel_rank=self.dp_rank)
         except Exception:
             logger.exception("could not encode pool KV events")
             return
         self.stats.pool_batches += 1
         logger.debug(
             "announcing pool blocks at %s: %s",
-            self.medium,
+            medium,
             ", ".join(f"{type(a).__name__}x{_blocks_of(a)}" for a in announcements),
         )
         blocks = 0
@@ -377,8 +403,8 @@ class KvEventRelay:
                 removed += a.block_hashes
             else:
                 self.stats.pool_blocks_stored += _blocks_of(a)
-        if self._open:
-            self._pipe.send(payload, pool=True, removed=removed)
+        if self._open:  # a lost removal is withdrawn again at the pool's medium; tier-2 ones by re-announcing
+            self._pipe.send(payload, pool=True, removed=removed if medium == self.medium else ())
         elif self._held_pool_blocks + blocks <= self._max_held_pool_blocks and not self._announce_on_join:
             self._held_pool.append(payload)
             self._held_pool_blocks += blocks

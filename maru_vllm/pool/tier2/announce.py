@@ -9,8 +9,16 @@ message of another tier (another master address) or from this pool itself is ign
 that does not decode is dropped with a debug line: announcements are hints, never trusted with
 bytes (a fetch verifies what it reads).
 
+A `stored` entry of a put carries the object's chunk metadata (`chunk_codec.ChunkMeta`: block
+hashes, parent hash, token ids, block size, LoRA, rank) when it has some, so a worker's event
+relay can announce another domain's tier-2 chunks to its router (`events.tier2_credit`); pools
+ignore it. Entries without it (`gone`, directory answers, pools of an older version) still
+decode, and an older reader ignores the trailing field.
+
 Publishing never blocks the service: entries queue (at most `max_queue`, the oldest dropped)
-and a background task sends them in batches.
+and a background task sends them in batches of at most `BATCH` entries and `MAX_MESSAGE_BYTES`
+encoded bytes (NATS refuses messages over its max payload, 1 MiB by default); an entry that alone
+exceeds that goes without its metadata.
 """
 
 from __future__ import annotations
@@ -23,24 +31,41 @@ from typing import Annotated, Any
 
 import msgspec
 
-from maru_vllm.pool.messages import MAX_KEY, MAX_NAMESPACE
+from maru_vllm.pool import chunk_codec
+from maru_vllm.pool.chunk_codec import ChunkMeta
+from maru_vllm.pool.messages import MAX_KEY, MAX_NAMESPACE, MessageError
 from maru_vllm.pool.nats_link import NatsLink
 
 logger = logging.getLogger(__name__)
 
 KEYS_SUBJECT = "maru.tier2.keys"
 DIRECTORY_SUBJECT = "maru.tier2.directory"
-BATCH = 512  # entries per published message
+BATCH = 512  # entries per published message, at most
+META_QUEUE = 4096  # queued entries past which new ones wait without their metadata (bounds the queue's memory)
+MAX_MESSAGE_BYTES = 768 << 10  # encoded bytes per published message, at most (NATS's default max payload: 1 MiB)
 DIRECTORY_REPLY = 8192  # entries in one directory answer (well under NATS's 1 MiB default payload)
 
 
 class Tier2Entry(msgspec.Struct, array_like=True):
-    """One object: namespace, key, payload bytes, bytes in the tier (encoded)."""
+    """One object: namespace, key, payload bytes, bytes in the tier (encoded), and the chunk
+    metadata it was committed with (None: not announced, or not a MaruKVConnector chunk)."""
 
     ns: Annotated[str, msgspec.Meta(max_length=MAX_NAMESPACE)]
     key: Annotated[bytes, msgspec.Meta(max_length=MAX_KEY)]
     size: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
     tier_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
+    meta: ChunkMeta | None = None
+
+
+def chunk_meta_of(meta: bytes | None) -> ChunkMeta | None:
+    """The `ChunkMeta` of a pool object's stored metadata (binary or JSON); None when it has none
+    or it is not MaruKVConnector chunk metadata."""
+    if not meta:
+        return None
+    try:
+        return chunk_codec.decode_chunk_meta(meta)
+    except (MessageError, ValueError):
+        return None
 
 
 class Tier2Announcement(msgspec.Struct):
@@ -58,6 +83,32 @@ class DirectoryRequest(msgspec.Struct):
 _encode = msgspec.msgpack.Encoder().encode
 _decode_announcement = msgspec.msgpack.Decoder(Tier2Announcement).decode
 _decode_request = msgspec.msgpack.Decoder(DirectoryRequest).decode
+_HEADER_SLACK = 1024  # bytes of a message besides its entries (tier, pool, incarnation, array headers)
+
+
+def decode_announcement(data: bytes) -> Tier2Announcement:
+    """A message on `KEYS_SUBJECT`; msgspec.DecodeError / ValidationError when it is not one."""
+    return _decode_announcement(data)
+
+
+def take_batch(queue: collections.deque[Tier2Entry], budget: int) -> tuple[list[Tier2Entry], int]:
+    """Entries from the front of `queue` whose encodings fit `budget` bytes, at most `BATCH`;
+    (entries, bytes). An entry too large for any message (`MAX_MESSAGE_BYTES`) goes without its
+    metadata; one that does not fit what is left of `budget` waits for the next batch."""
+    out: list[Tier2Entry] = []
+    used = 0
+    while queue and len(out) < BATCH:
+        size = len(_encode(queue[0]))
+        if size > MAX_MESSAGE_BYTES - _HEADER_SLACK:
+            big = queue[0]
+            queue[0] = Tier2Entry(big.ns, big.key, big.size, big.tier_size)
+            continue
+        if used + size > budget:
+            break
+        out.append(queue.popleft())
+        used += size
+    return out, used
+
 
 OnEntries = Callable[[list[Tier2Entry], list[Tier2Entry]], None]
 
@@ -98,6 +149,8 @@ class Tier2Announcer:
         await self._link.stop(1.0)
 
     def stored(self, entry: Tier2Entry) -> None:
+        if entry.meta is not None and len(self._stored) >= META_QUEUE:  # NATS is slow or down: keys only
+            entry = Tier2Entry(entry.ns, entry.key, entry.size, entry.tier_size)
         self._stored.append(entry)
         self._wake.set()
 
@@ -120,13 +173,11 @@ class Tier2Announcer:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            msg = Tier2Announcement(
-                self.tier,
-                self.pool,
-                self.incarnation,
-                [self._stored.popleft() for _ in range(min(BATCH, len(self._stored)))],
-                [self._gone.popleft() for _ in range(min(BATCH, len(self._gone)))],
-            )
+            gone, used = take_batch(self._gone, MAX_MESSAGE_BYTES - _HEADER_SLACK)
+            stored, _ = take_batch(self._stored, max(0, MAX_MESSAGE_BYTES - _HEADER_SLACK - used))
+            if not stored and not gone:
+                continue  # cannot happen: an empty budget takes nothing, and the next round has all of it
+            msg = Tier2Announcement(self.tier, self.pool, self.incarnation, stored, gone)
             try:
                 await self._link.nc.publish(KEYS_SUBJECT, _encode(msg))
                 self.published += len(msg.stored) + len(msg.gone)

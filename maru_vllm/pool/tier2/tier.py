@@ -49,7 +49,7 @@ from maru_vllm.pool.breaker import PoolBreaker
 from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.objects import payload_checksum
 from maru_vllm.pool.tier2 import codec
-from maru_vllm.pool.tier2.announce import Tier2Announcer, Tier2Entry
+from maru_vllm.pool.tier2.announce import Tier2Announcer, Tier2Entry, chunk_meta_of
 from maru_vllm.pool.tier2.directory import Tier2Directory
 from maru_vllm.pool.tier2.interface import LocalObject, Tier2Error, Tier2Host, Tier2Store
 
@@ -317,7 +317,7 @@ class Tier2:
         self.counters["put_bytes"] += size
         self.directory.add(obj.ns, obj.key, len(obj.payload), size)
         if self.announcer is not None:
-            self.announcer.stored(Tier2Entry(obj.ns, obj.key, len(obj.payload), size))
+            self.announcer.stored(Tier2Entry(obj.ns, obj.key, len(obj.payload), size, chunk_meta_of(obj.meta)))
 
     # -- fetches --------------------------------------------------------------------------------
     async def _fetch(self, ns: str, key: bytes) -> None:
