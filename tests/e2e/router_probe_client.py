@@ -72,11 +72,28 @@ class RouterProbe:
             for r in rows
         }
 
-    def wait_for(self, tokens: list[int], predicate: Any, timeout: float = 60.0) -> dict[int, tuple[int, int, int]]:
-        """Poll tiers_by_worker until `predicate(view)` holds; return the last view either way."""
+    def extensions_by_worker(self, tokens: list[int]) -> dict[int, tuple[int, int, int]]:
+        """worker_id -> (device_blocks, host_pinned_extension_blocks, disk_extension_blocks): the
+        blocks each tier adds beyond the tiers above it (Dynamo scores a block once, at the first
+        tier that continues the prefix)."""
+        rows = self.scores(tokens).get("workers") or []
+        return {
+            int(r["worker_id"]): (
+                int(r.get("device_blocks") or 0),
+                int(r.get("host_pinned_extension_blocks") or 0),
+                int(r.get("disk_extension_blocks") or 0),
+            )
+            for r in rows
+        }
+
+    def wait_for(
+        self, tokens: list[int], predicate: Any, timeout: float = 60.0, read: Any = None
+    ) -> dict[int, tuple[int, int, int]]:
+        """Poll `read(tokens)` (default tiers_by_worker) until `predicate(view)` holds; return the
+        last view either way."""
         deadline = time.monotonic() + timeout
         while True:
-            view = self.tiers_by_worker(tokens)
+            view = (read or self.tiers_by_worker)(tokens)
             if predicate(view) or time.monotonic() > deadline:
                 return view
             time.sleep(0.5)

@@ -47,7 +47,8 @@ def test_a_chunk_is_announced_with_its_blocks_tokens_and_parent_and_withdrawn_wh
     out = v.stored([entry(1, 0), entry(1, 1)], lambda oid: False)
     assert stored_blocks(out) == [ext(1, b) for b in range(4)]
     first, second = out
-    assert first.parent_block_hash is None and list(first.token_ids) == sum(chunk_meta(1, 0)["token_ids"], [])
+    assert first.parent_block_hash is None
+    assert list(first.token_ids) == [t for b in chunk_meta(1, 0)["token_ids"] for t in b]
     assert second.parent_block_hash == ext(1, 1)
     assert v.stored([entry(1, 1)], lambda oid: False) == []  # announced again by another pool: nothing new
     assert removed_blocks(v.gone([entry(1, 1, meta=False)])) == [ext(1, 2), ext(1, 3)]

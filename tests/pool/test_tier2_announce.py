@@ -58,7 +58,8 @@ def test_old_format_entries_still_decode_and_old_readers_ignore_the_metadata():
 
 
 def test_a_malformed_metadata_field_fails_the_message_not_the_reader():
-    raw = msgspec.msgpack.encode({"tier": "t", "pool": "p", "incarnation": "i", "stored": [["ns", b"k", 1, 2, {"v": 99}]]})
+    bad_entry = ["ns", b"k", 1, 2, {"v": 99}]
+    raw = msgspec.msgpack.encode({"tier": "t", "pool": "p", "incarnation": "i", "stored": [bad_entry]})
     try:
         A.decode_announcement(raw)
     except (msgspec.ValidationError, msgspec.DecodeError):
