@@ -312,10 +312,12 @@ def run_config(
     max_tokens: int | None = None,
     workers: int = 2,
     log: Callable[[str], None] = print,
+    graph: dict[str, object] | None = None,
 ) -> ConfigResult:
-    """Run `config`'s graph (`graph_spec`, through graphs/run.py), send `workload`, stop everything."""
+    """Run `config`'s graph (`graph_spec`, or `graph` when given: another graph of `workers` workers
+    on `nats_url`; through graphs/run.py), send `workload`, stop everything."""
     run_dir = work_dir / config.name
-    spec = parse_graph(graph_spec(config, nats_url, window=window, workers=workers, host_weight=host_weight))
+    spec = parse_graph(graph or graph_spec(config, nats_url, window=window, workers=workers, host_weight=host_weight))
     plan = graph_plan.build_plan(spec, model=model, work_dir=run_dir, pin_workers=True)
     group = ProcessGroup()
     supervisor = graph_run.supervise(plan, group, out=log)

@@ -40,6 +40,10 @@
 
 `KvEventRelay` lives on an asyncio loop; `RelayThread` runs such a loop in a daemon thread
 for code (like Dynamo's synchronous set-up function) that is not on a loop of ours.
+
+Size: the relay's inputs (vLLM's stream, the pool's view, the tier-2 credit) share one output
+stream, one sequence counter and one flow control; the views and the pipe live in modules of
+their own, what is left here is their ordering into that one stream.
 """
 
 from __future__ import annotations
