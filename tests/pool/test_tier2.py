@@ -124,6 +124,43 @@ def test_an_object_stored_in_one_domain_is_fetched_by_another(domains: Domains):
     assert "maru_pool_tier2_hits_total" in body and "maru_pool_tier2_up" in body
 
 
+def test_a_put_is_announced_with_its_chunk_metadata(domains: Domains):
+    """What a worker's tier-2 credit reads: the put's key announcement carries the ChunkMeta the
+    client committed (binary, as the connector commits it)."""
+    from maru_vllm.pool import chunk_codec
+    from tests.events.helpers import chunk_meta
+
+    meta = msgspec.convert(chunk_meta(9, 0), chunk_codec.ChunkMeta)
+    heard: list[Tier2Entry] = []
+
+    async def listen_while_putting() -> None:
+        import nats
+
+        nc = await nats.connect(domains.nats_url)
+        both = asyncio.Event()
+
+        async def on(msg) -> None:
+            heard.extend(msgspec.msgpack.decode(msg.data, type=Tier2Announcement).stored)
+            if len(heard) >= 2:
+                both.set()
+
+        await nc.subscribe(KEYS_SUBJECT, cb=on)
+        await nc.flush()
+        a = domains.client(0)
+        assert a.put(b"with-meta", os.urandom(4096), namespace=NS, meta=chunk_codec.encode(meta))
+        assert a.put(b"without", os.urandom(4096), namespace=NS, meta={"key": "x"})
+        try:
+            await asyncio.wait_for(both.wait(), 30)
+        finally:
+            await nc.close()
+
+    asyncio.run(listen_while_putting())
+    by_key = {e.key: e for e in heard}
+    assert set(by_key) == {b"with-meta", b"without"}, heard
+    assert by_key[b"with-meta"].meta == meta
+    assert by_key[b"without"].meta is None  # not a connector chunk: keys only
+
+
 def _metrics_port(p: PoolProcess) -> int:
     m = wait_until(lambda: __import__("re").search(r"metrics port (\d+)", p.output()), timeout=10, what="metrics")
     return int(m.group(1))
