@@ -18,7 +18,7 @@ in the tier.
   announced at all. (Once withdrawn, a chunk is not announced at disk again when the pool
   evicts it later; a re-announcement from the tier would.)
 * Memory is bounded: at most `max_chunks` chunks (each with its token ids, which a
-  re-announcement needs: ~4 bytes per token); past that the least recently announced chunk is
+  re-announcement needs: ~1.6 KiB per 256-token chunk); past that the least recently announced chunk is
   withdrawn, counted (`cap_dropped`) and logged once per 10^4.
 * It starts empty: a worker that starts late credits what the pools put from then on (the
   pools' directory answers carry keys only).

@@ -32,7 +32,7 @@ KNOWN_MEDIUMS = ("GPU", *POOL_MEDIUMS)
 DEFAULT_MEDIUM = "CPU_PINNED"
 #: Dynamo's disk tier (weighted with --router-disk-cache-hit-weight): where tier-2 credit announces.
 TIER2_MEDIUM = "DISK"
-#: How many tier-2 chunks a worker credits at most by default (`tier2_credit`; ~1 KiB of token ids each).
+#: How many tier-2 chunks a worker credits at most by default (`tier2_credit`; ~1.6 KiB each at 256 tokens).
 DEFAULT_TIER2_CREDIT_CHUNKS = 16384
 
 #: A pool event or snapshot that does not have the documented structure.
