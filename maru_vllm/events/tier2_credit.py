@@ -13,13 +13,13 @@ in the tier.
   master and announce what it lost), when the cap makes room, and when this worker's own pool
   stores it: Dynamo's router scores each block once, at the best tier that holds it after the
   blocks before it (device, then host, then disk), so a chunk the pool announces at the host
-  tier gains nothing at disk, and announcing it at both would leave two stores of one block
-  for one removal. A chunk whose announcement arrives while the pool holds it is not
-  announced at all. (Once withdrawn, a chunk is not announced at disk again when the pool
-  evicts it later; a re-announcement from the tier would.)
+  tier gains nothing at disk; and Dynamo's publisher counts stores per block, so a block stored
+  at both tiers could keep its credit past the pool's one removal. A chunk whose announcement
+  arrives while the pool holds it is not announced at all. (Once withdrawn, a chunk is not
+  announced at disk again when the pool evicts it later; a new announcement from the tier is.)
 * Memory is bounded: at most `max_chunks` chunks (each with its token ids, which a
-  re-announcement needs: ~1.6 KiB per 256-token chunk); past that the least recently announced chunk is
-  withdrawn, counted (`cap_dropped`) and logged once per 10^4.
+  re-announcement needs: ~1.6 KiB per 256-token chunk); past that the least recently
+  announced chunk is withdrawn, counted (`cap_dropped`) and logged once per 10^4.
 * It starts empty: a worker that starts late credits what the pools put from then on (the
   pools' directory answers carry keys only).
 * Entries without metadata (a pool of an older version, a chunk that is not MaruKVConnector's)
