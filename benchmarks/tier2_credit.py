@@ -13,9 +13,11 @@ prefilled and its events had `--settle-s`). The router's disk weight is Dynamo's
 Measured per run: the worker each request went to (the one whose prompt counter grew: one per
 frontend `Selected worker` line, whose `disk_blocks` past its `host_pinned_blocks` say the disk
 tier credited it), and the prefill tokens computed. Between two runs, the decisions that
-differ. Dynamo breaks ties between equally good workers at random, so two runs of the same
-setting differ too: off vs off and on vs on are the noise floor, and credit changes routing only
-where off vs on differs by more.
+differ, the two workers matched up between the runs (the domains are alike: a first request,
+a tie, that went to the other worker only swaps the workers' names). Dynamo breaks ties between
+equally good workers at random, so two runs of the same setting differ too: off vs off and on
+vs on are the noise floor, and credit changes routing only where off vs on differs by more;
+the prefill ratio says whether for the better.
 
 Usage: python benchmarks/tier2_credit.py [--window 3] [--settle-s 1.0] [--routes] [--json]
 (run under `flock -x /tmp/maru-heavy.lock`: four graph runs, ~2 min each on 2 cores).
@@ -78,8 +80,14 @@ def disk_credited(line: str) -> bool:
 
 
 def differing(a: rc.ConfigResult, b: rc.ConfigResult) -> int:
-    """Requests the two runs sent to different workers."""
-    return sum(1 for x, y in zip(a.requests, b.requests) if x.worker != y.worker)
+    """Requests the two runs sent to different workers, the workers matched up between the runs
+    as best they can be: the two domains are alike, so a run whose first request (a tie: nothing
+    is cached yet) went to the other worker is the same routing with the workers' names swapped."""
+    n = max(len(a.workers), len(b.workers), 2)
+    pairs = [(x.worker, y.worker) for x, y in zip(a.requests, b.requests)]
+    return min(
+        sum(1 for x, y in pairs if x is None or y is None or x != perm[y]) for perm in itertools.permutations(range(n))
+    )
 
 
 @dataclasses.dataclass
@@ -132,10 +140,13 @@ class Comparison:
             f"{self.noise} ({self.noise / n:.3f}); prefill computed on / off = {on / off:.3f} "
             f"({on:.0f} / {off:.0f} tokens)"
         )
-        rows.append(
-            "=> tier-2 credit "
-            + ("changes routing beyond the noise floor" if self.changes_routing else "changes no routing beyond chance")
-        )
+        if not self.changes_routing:
+            verdict = "changes no routing beyond chance"
+        else:
+            verdict = "changes routing beyond the noise floor, " + (
+                "computing less prefill" if on < off else "computing no less prefill"
+            )
+        rows.append(f"=> tier-2 credit {verdict}")
         return "\n".join(rows)
 
 

@@ -40,6 +40,9 @@ def test_decisions_off_vs_on_count_only_beyond_the_noise_floor() -> None:
     assert cmp.changes_routing
     same = tc.Comparison([("off", _result(off1)), ("on", _result(off1)), ("off", _result(off2)), ("on", _result(off2))])
     assert not same.changes_routing  # off vs on differ only as much as two runs of one setting
+    mirrored = [1 - w for w in on1]  # the first tie fell the other way: the same routing, workers renamed
+    assert tc.differing(_result(on1), _result(mirrored)) == 0
+    assert tc.differing(_result(off1), _result(mirrored)) == 1
 
 
 def test_disk_credit_is_read_from_the_selected_worker_line() -> None:
