@@ -198,7 +198,6 @@ class KvEventRelay:
                 namespaces,
                 block_size,
                 lambda out: self._announce(out, tier2.medium),
-                lambda oid: oid in self.view,
             )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -325,8 +324,6 @@ class KvEventRelay:
             self.tier2.reannounce()
 
     def _on_pool_snapshot(self, snap: PoolSnapshot) -> None:
-        if self.tier2 is not None:
-            self.tier2.pool_stored(o.oid for o in snap.objects)
         self._announce(self.view.resync(snap))
         if snap.last:
             self._trim_when_sent = True
@@ -357,8 +354,6 @@ class KvEventRelay:
         self._announce_everything()
 
     def _on_pool_event(self, ev: PoolEvent) -> None:
-        if self.tier2 is not None and ev.type == "stored":
-            self.tier2.pool_stored((ev.obj.oid,))
         self._announce(self.view.apply(ev))
         cap = self.view.max_objects
         if cap is not None and self.view.cap_withdrawals >= cap and self.source is not None:

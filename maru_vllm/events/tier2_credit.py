@@ -10,13 +10,13 @@ in the tier.
 
 * A chunk is withdrawn when a pool announces it `gone` (missing or corrupt in the tier, or
   dropped after the tier's master restarted: the pools check their keys against a restarted
-  master and announce what it lost), when the cap makes room, and when this worker's own pool
-  stores it: Dynamo's router scores each block once, at the best tier that holds it after the
-  blocks before it (device, then host, then disk), so a chunk the pool announces at the host
-  tier gains nothing at disk; and Dynamo's publisher counts stores per block, so a block stored
-  at both tiers could keep its credit past the pool's one removal. A chunk whose announcement
-  arrives while the pool holds it is not announced at all. (Once withdrawn, a chunk is not
-  announced at disk again when the pool evicts it later; a new announcement from the tier is.)
+  master and announce what it lost) and when the cap makes room.
+* It is announced whether or not this worker's pool holds it too. Dynamo's router scores each
+  block of a prompt once, at the best tier that continues the prefix (device, then host, then
+  disk: a chunk the pool announces at the host tier gains nothing at disk), and it keeps a
+  block's tiers apart: a removal at the host tier leaves the block's disk-tier store, which
+  then credits it again (`tests/e2e/test_pool_routing_events.py` checks both on Dynamo 1.6.1).
+  So a chunk the pool evicts while the tier still holds it keeps its disk credit.
 * Memory is bounded: at most `max_chunks` chunks (each with its token ids, which a
   re-announcement needs: ~1.6 KiB per 256-token chunk); past that the least recently
   announced chunk is withdrawn, counted (`cap_dropped`) and logged once per 10^4.
@@ -85,7 +85,6 @@ class Tier2CreditView:
         self._chunks: collections.OrderedDict[ObjectId, PoolChunk] = collections.OrderedDict()  # oldest first
         self._blocks: collections.Counter[ExternalHash] = collections.Counter()  # announced blocks, over chunks
         self.cap_dropped = 0  # chunks withdrawn to stay within max_chunks
-        self.skipped_held = 0  # chunks not announced because this worker's pool holds them
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -97,9 +96,8 @@ class Tier2CreditView:
     def block_count(self) -> int:
         return len(self._blocks)
 
-    def stored(self, entries: Iterable[Tier2Entry], held: Callable[[ObjectId], bool]) -> list[Announcement]:
-        """Announce the chunks of `entries` that are this worker's, unless `held(oid)` (the
-        worker's pool has the object and announces it at the host tier)."""
+    def stored(self, entries: Iterable[Tier2Entry]) -> list[Announcement]:
+        """Announce the chunks of `entries` that are this worker's (its namespaces, its block size)."""
         out: list[Announcement] = []
         for e in entries:
             if e.meta is None or not self.namespaces.accepts(e.ns):
@@ -107,9 +105,6 @@ class Tier2CreditView:
             oid = (e.ns, e.key.hex())
             if oid in self._chunks:
                 self._chunks.move_to_end(oid)
-                continue
-            if held(oid):
-                self.skipped_held += 1
                 continue
             chunk = PoolChunk.from_meta(e.meta, self.int_hashes)
             if chunk is None or (self.block_size is not None and chunk.block_size != self.block_size):
@@ -139,7 +134,7 @@ class Tier2CreditView:
         return out
 
     def withdraw(self, oid: ObjectId) -> list[Announcement]:
-        """Withdraw one chunk (gone from the tier, or now held by this worker's pool)."""
+        """Withdraw one chunk (gone from the tier)."""
         chunk = self._chunks.pop(oid, None)
         return self._uncount(chunk) if chunk is not None else []
 
@@ -219,11 +214,8 @@ class Tier2Follower:
 
 
 class Tier2Credit:
-    """A relay's tier-2 credit: the follower, the view, and what goes to the relay's stream.
-
-    `announce(announcements)` sends them at `cfg.medium`; `held(oid)` says whether the worker's
-    pool view announces that object at the host tier.
-    """
+    """A relay's tier-2 credit: the follower, the view, and what goes to the relay's stream
+    (`announce(announcements)` sends them at `cfg.medium`)."""
 
     def __init__(
         self,
@@ -231,13 +223,11 @@ class Tier2Credit:
         namespaces: NamespaceFilter,
         block_size: int | None,
         announce: Callable[[list[Announcement]], None],
-        held: Callable[[ObjectId], bool],
         name: str = "maru-tier2-credit",
     ) -> None:
         self.cfg = cfg
         self.view = Tier2CreditView(namespaces, block_size, cfg.max_chunks)
         self._announce = announce
-        self._held = held
         self.follower = Tier2Follower(cfg.nats_url, name, self.on_entries)
 
     def start(self) -> None:
@@ -247,16 +237,7 @@ class Tier2Credit:
         await self.follower.stop()
 
     def on_entries(self, stored: list[Tier2Entry], gone: list[Tier2Entry]) -> None:
-        out = self.view.gone(gone) + self.view.stored(stored, self._held)
-        if out:
-            self._announce(out)
-
-    def pool_stored(self, oids: Iterable[ObjectId]) -> None:
-        """The worker's pool view is about to announce these objects at the host tier: withdraw
-        them from the disk tier first."""
-        if not len(self.view):
-            return
-        out = [a for oid in oids if oid in self.view for a in self.view.withdraw(oid)]
+        out = self.view.gone(gone) + self.view.stored(stored)
         if out:
             self._announce(out)
 

@@ -13,17 +13,23 @@ second KvRouter) that reports per-tier overlap without routing.
   `Selected worker ... host_pinned_blocks=4`;
 * vLLM's own KV events for A carry exactly the block hashes the test computed;
 * pool chunks chained on blocks the engine holds extend its prefix at the host tier;
-* after `PoolClient.remove`, the host credit is gone (A keeps its device blocks).
+* after `PoolClient.remove`, the host credit is gone (A keeps its device blocks);
+* with tier-2 credit on (the worker's relay follows `maru.tier2.keys`, where the test announces
+  chunks as a foreign pool would), Dynamo scores a block the worker holds at the host and the
+  disk tier once, at the host tier; removing it from the pool leaves its disk-tier credit, and
+  the tier's `gone` withdraws that; a prefix continues from the host tier into the disk tier.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from maru_dynamo.graphs.client import completion
@@ -31,6 +37,8 @@ from maru_vllm.events.vllm_format import external_hash
 from maru_vllm.launch import ManagedProcess, ProcessGroup, free_port
 from maru_vllm.launch.argv import kv_events_args
 from maru_vllm.pool import PoolClient
+from maru_vllm.pool.chunk_codec import ChunkMeta
+from maru_vllm.pool.tier2.announce import KEYS_SUBJECT, Tier2Announcement, Tier2Entry
 from tests.e2e import planned_graph
 from tests.e2e.router_probe_client import RouterProbe, selected_lines
 
@@ -47,7 +55,8 @@ install_text_only_stand_ins()
 from maru_vllm.events import install_pool_event_relay
 from maru_vllm.launch.handoff import run_module_as_main
 install_pool_event_relay(pool_name=os.environ["MARU_TEST_POOL_NAME"],
-                         pool_address=os.environ["MARU_TEST_POOL_ADDRESS"], probe_interval_s=2.0)
+                         pool_address=os.environ["MARU_TEST_POOL_ADDRESS"], probe_interval_s=2.0,
+                         tier2_credit_max_chunks=64)
 run_module_as_main("dynamo.vllm", sys.argv[1:])
 """
 
@@ -78,11 +87,9 @@ def vllm_block_hashes(tokens: list[int], monkeypatch: pytest.MonkeyPatch) -> lis
             kcu.NONE_HASH, kcu._NONE_HASH_SEED = old
 
 
-def put_prompt_chunks(
-    pool: PoolClient, namespace: str, tokens: list[int], hashes: list[bytes], chunks: range | None = None
-) -> list[bytes]:
-    """Store the prompt's chunks like MaruKVConnector does (key, metadata); return the keys."""
-    keys = []
+def prompt_chunks(tokens: list[int], hashes: list[bytes], chunks: range | None = None) -> list[tuple[bytes, dict]]:
+    """(key, metadata) of the prompt's chunks as MaruKVConnector commits them."""
+    out = []
     for c in chunks if chunks is not None else range(len(hashes) // CHUNK_BLOCKS):
         blocks = range(c * CHUNK_BLOCKS, (c + 1) * CHUNK_BLOCKS)
         meta = {
@@ -95,10 +102,40 @@ def put_prompt_chunks(
             "lora_name": None,
             "rank": 0,
         }
-        key = hashes[blocks[-1]] + b"/r0"
+        out.append((hashes[blocks[-1]] + b"/r0", meta))
+    return out
+
+
+def put_prompt_chunks(
+    pool: PoolClient, namespace: str, tokens: list[int], hashes: list[bytes], chunks: range | None = None
+) -> list[bytes]:
+    """Store the prompt's chunks like MaruKVConnector does (key, metadata); return the keys."""
+    keys = []
+    for key, meta in prompt_chunks(tokens, hashes, chunks):
         assert pool.put(key, b"\0" * 4096, namespace=namespace, meta=meta)
         keys.append(key)
     return keys
+
+
+def announce_tier2(nats_url: str, namespace: str, stored=(), gone=()) -> None:
+    """Announce chunks on `maru.tier2.keys` as another domain's pool does after a put (or a miss)."""
+
+    async def send() -> None:
+        import nats
+
+        nc = await nats.connect(nats_url)
+        msg = Tier2Announcement(
+            "127.0.0.1:1",
+            "other-domain",
+            "0",
+            [Tier2Entry(namespace, k, 4096, 4200, msgspec.convert(m, ChunkMeta)) for k, m in stored],
+            [Tier2Entry(namespace, k) for k, _ in gone],
+        )
+        await nc.publish(KEYS_SUBJECT, msgspec.msgpack.encode(msg))
+        await nc.flush()
+        await nc.close()
+
+    asyncio.run(send())
 
 
 class VllmEventTap:
@@ -220,6 +257,33 @@ def test_router_credits_pool_blocks_at_host_tier(
         assert probe.wait_tiers(long_a, (n, n, 0)) == (n, n, 0)
         line = route_and_read_selection(frontend, url, tiny_model, prompt_b)
         assert "host_pinned_blocks=0 " in line + " ", line
+
+        # Tier-2 credit: a block at the host and the disk tier counts once, at the host tier;
+        # each tier's removal is its own. (device, host-tier extension, disk-tier extension):
+        nats_url = graph.env()["NATS_SERVER"]
+        tiers = probe.extensions_by_worker
+        prompt_c = token_prompt(3, n * BLOCK + 40)
+        chunks_c = prompt_chunks(prompt_c, vllm_block_hashes(prompt_c, monkeypatch))
+        keys_c = put_prompt_chunks(pool, namespace, prompt_c, vllm_block_hashes(prompt_c, monkeypatch))
+        assert list(probe.wait_for(prompt_c, lambda v: list(v.values()) == [(0, n, 0)], read=tiers).values()) == [
+            (0, n, 0)
+        ]
+        announce_tier2(nats_url, namespace, stored=chunks_c)
+        time.sleep(3)  # the disk-tier stores reach the router (the removal below shows they did)
+        assert list(tiers(prompt_c).values()) == [(0, n, 0)]  # not counted twice
+        assert pool.remove(keys_c, namespace=namespace) == len(keys_c)
+        view = probe.wait_for(prompt_c, lambda v: list(v.values()) == [(0, 0, n)], read=tiers)
+        assert list(view.values()) == [(0, 0, n)], view  # the host tier's removal left the disk tier's store
+        announce_tier2(nats_url, namespace, gone=chunks_c)
+        view = probe.wait_for(prompt_c, lambda v: list(v.values()) == [(0, 0, 0)], read=tiers)
+        assert list(view.values()) == [(0, 0, 0)], view
+        prompt_d = token_prompt(4, n * BLOCK + 40)  # its first chunk in the pool, the rest in the tier only
+        chunks_d = prompt_chunks(prompt_d, vllm_block_hashes(prompt_d, monkeypatch))
+        put_prompt_chunks(pool, namespace, prompt_d, vllm_block_hashes(prompt_d, monkeypatch), chunks=range(1))
+        announce_tier2(nats_url, namespace, stored=chunks_d[1:])
+        want = (0, CHUNK_BLOCKS, n - CHUNK_BLOCKS)
+        view = probe.wait_for(prompt_d, lambda v: list(v.values()) == [want], read=tiers)
+        assert list(view.values()) == [want], view  # the disk tier continues the host tier's prefix
     finally:
         probe.stop()
         tap.close()

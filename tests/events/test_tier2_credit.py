@@ -44,13 +44,13 @@ def removed_blocks(out) -> list:
 
 def test_a_chunk_is_announced_with_its_blocks_tokens_and_parent_and_withdrawn_when_gone():
     v = view()
-    out = v.stored([entry(1, 0), entry(1, 1)], lambda oid: False)
+    out = v.stored([entry(1, 0), entry(1, 1)])
     assert stored_blocks(out) == [ext(1, b) for b in range(4)]
     first, second = out
     assert first.parent_block_hash is None
     assert list(first.token_ids) == [t for b in chunk_meta(1, 0)["token_ids"] for t in b]
     assert second.parent_block_hash == ext(1, 1)
-    assert v.stored([entry(1, 1)], lambda oid: False) == []  # announced again by another pool: nothing new
+    assert v.stored([entry(1, 1)]) == []  # announced again by another pool: nothing new
     assert removed_blocks(v.gone([entry(1, 1, meta=False)])) == [ext(1, 2), ext(1, 3)]
     assert removed_blocks(v.gone([entry(1, 1, meta=False)])) == []  # gone twice
     assert len(v) == 1 and v.block_count == 2
@@ -59,19 +59,18 @@ def test_a_chunk_is_announced_with_its_blocks_tokens_and_parent_and_withdrawn_wh
 
 def test_what_is_not_this_workers_chunk_is_not_announced():
     v = view()
-    assert v.stored([entry(1, 0, ns="kv:other:1")], lambda oid: False) == []  # another model
-    assert v.stored([entry(1, 0, meta=False)], lambda oid: False) == []  # a pool without metadata
-    assert v.stored([entry(1, 0, block_size=BLOCK * 2)], lambda oid: False) == []  # another block size
-    assert v.stored([entry(1, 0)], lambda oid: oid == (NS, chunk_key(1, 0).hex())) == []  # the pool has it
-    assert v.skipped_held == 1 and len(v) == 0
+    assert v.stored([entry(1, 0, ns="kv:other:1")]) == []  # another model
+    assert v.stored([entry(1, 0, meta=False)]) == []  # a pool without metadata
+    assert v.stored([entry(1, 0, block_size=BLOCK * 2)]) == []  # another block size
+    assert len(v) == 0
 
 
 def test_the_cap_withdraws_the_least_recently_announced_and_counts_and_logs(caplog):
     v = view(cap=2)
-    v.stored([entry(1, 0), entry(2, 0)], lambda oid: False)
-    v.stored([entry(1, 0)], lambda oid: False)  # announced again: most recent now
+    v.stored([entry(1, 0), entry(2, 0)])
+    v.stored([entry(1, 0)])  # announced again: most recent now
     with caplog.at_level(logging.WARNING, logger="maru_vllm.events.tier2_credit"):
-        out = v.stored([entry(3, 0)], lambda oid: False)
+        out = v.stored([entry(3, 0)])
     assert stored_blocks(out) == [ext(3, 0), ext(3, 1)]
     assert removed_blocks(out) == [ext(2, 0), ext(2, 1)]
     assert len(v) == 2 and v.cap_dropped == 1 and v.block_count == 4
@@ -131,14 +130,15 @@ def test_the_relay_credits_other_domains_tier2_chunks_at_disk(pool_service, nats
         try:
             assert c.put(chunk_key(7, 0), b"x", namespace=NS, meta=chunk_meta(7, 0))
             down.wait(lambda d: at("CPU_PINNED", vf.BlockStored) == [ext(7, 0), ext(7, 1)], what="host store")
-            # withdrawn from the disk tier before the host tier's store: one store per block
-            assert sorted(at("DISK", vf.BlockRemoved)) == sorted([ext(7, b) for b in range(4)])
-            kinds = [(type(e).__name__, e.medium) for e in down.events()]
-            assert kinds.index(("BlockRemoved", "DISK"), 1) < kinds.index(("BlockStored", "CPU_PINNED"))
-            publish(stored=[entry(7, 0)])  # another pool puts what this pool holds: not at disk
+            # the disk tier keeps it: Dynamo scores it at the host tier while the pool holds it,
+            # and at the disk tier again once the pool evicts it
             down.pump(0.5)
-            assert at("DISK", vf.BlockStored) == [ext(7, b) for b in range(4)]
-            assert relay.tier2.view.skipped_held == 1
+            assert at("DISK", vf.BlockRemoved) == [ext(7, 2), ext(7, 3)]
+            assert (NS, chunk_key(7, 0).hex()) in relay.tier2.view
+            c.remove([chunk_key(7, 0)], namespace=NS)
+            down.wait(lambda d: at("CPU_PINNED", vf.BlockRemoved) == [ext(7, 0), ext(7, 1)], what="host removal")
+            down.pump(0.5)
+            assert at("DISK", vf.BlockRemoved) == [ext(7, 2), ext(7, 3)]
         finally:
             c.close()
     finally:
