@@ -530,9 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(wanted) - {c.name for c in CONFIGS}
     if unknown:
         ap.error(f"unknown configs: {', '.join(sorted(unknown))} (choose from {', '.join(c.name for c in CONFIGS)})")
-    from maru_vllm.fixtures import models
-
-    model = str(models.ensure_model(args.model_size)) if args.model_size in models.SPECS else args.model_size
+    model = graph_plan.resolve_model(args.model_size)
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print
     tmp = tempfile.mkdtemp(prefix="maru-routing-")
     try:

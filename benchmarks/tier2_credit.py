@@ -192,9 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.window < 1:
         ap.error(f"--window must be >= 1 (requests in flight at each routing decision), got {args.window}")
-    from maru_vllm.fixtures import models
+    from maru_dynamo.graphs.plan import resolve_model
 
-    model = str(models.ensure_model(args.model_size)) if args.model_size in models.SPECS else args.model_size
+    model = resolve_model(args.model_size)
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print
     tmp = tempfile.mkdtemp(prefix="maru-tier2-credit-")
     try:
