@@ -223,7 +223,7 @@ class PoolView:
         self._remember_raw(chunk)
         keys = [_block_key(h) for h in chunk.block_hashes]
         fresh = [self._blocks.add(k) == 0 for k in keys]
-        out: list[Announcement] = list(_runs(chunk, fresh))
+        out: list[Announcement] = list(stored_runs(chunk, fresh))
         if self.max_objects is not None:
             parent = 0 if chunk.parent_block_hash is None else _block_key(chunk.parent_block_hash)
             self._order.touch_chain(parent)  # the prefix this store is chained on was just used
@@ -358,7 +358,7 @@ class PoolView:
                         None,
                         int(cols.chunk_index[i]),
                     )
-                    out.extend(self._held_back(rs, chunk, _runs(chunk, fresh[i].tolist())))
+                    out.extend(self._held_back(rs, chunk, stored_runs(chunk, fresh[i].tolist())))
         return out
 
     def _withdrawn_before_store(self, keys: np.ndarray, fresh: np.ndarray) -> list[Announcement]:
@@ -410,7 +410,7 @@ class PoolView:
         fresh_list = fresh.tolist()
         i = 0
         for c, n in zip(chunks, sizes):
-            out.extend(self._held_back(rs, c, _runs(c, fresh_list[i : i + n])))
+            out.extend(self._held_back(rs, c, stored_runs(c, fresh_list[i : i + n])))
             i += n
         return out
 
@@ -450,7 +450,7 @@ class PoolView:
             logger.warning("pool namespace %r: %s", namespace, why)
 
 
-def _runs(chunk: PoolChunk, fresh: list[bool]) -> list[BlocksStored]:
+def stored_runs(chunk: PoolChunk, fresh: list[bool]) -> list[BlocksStored]:
     """BlocksStored for each run of consecutive `fresh` blocks of `chunk`, each chained on its parent."""
     out: list[BlocksStored] = []
     n = len(chunk.block_hashes)

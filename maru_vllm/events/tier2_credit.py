@@ -39,7 +39,7 @@ from typing import Any
 import msgspec
 
 from maru_vllm.events import vllm_format as vf
-from maru_vllm.events.pool_view import NamespaceFilter, _runs
+from maru_vllm.events.pool_view import NamespaceFilter, stored_runs
 from maru_vllm.events.types import (
     DEFAULT_TIER2_CREDIT_CHUNKS,
     TIER2_MEDIUM,
@@ -112,7 +112,7 @@ class Tier2CreditView:
             self._chunks[oid] = chunk
             fresh = [self._blocks[h] == 0 for h in chunk.block_hashes]
             self._blocks.update(chunk.block_hashes)
-            out.extend(_runs(chunk, fresh))
+            out.extend(stored_runs(chunk, fresh))
             while len(self._chunks) > self.max_chunks:
                 _, old = self._chunks.popitem(last=False)
                 out.extend(self._uncount(old))
@@ -155,7 +155,7 @@ class Tier2CreditView:
         for chunk in self._chunks.values():
             fresh = [h not in seen for h in chunk.block_hashes]
             seen.update(chunk.block_hashes)
-            out.extend(_runs(chunk, fresh))
+            out.extend(stored_runs(chunk, fresh))
         return out
 
     def _uncount(self, chunk: PoolChunk) -> list[Announcement]:
