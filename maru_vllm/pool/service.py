@@ -26,9 +26,10 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TextIO, cast
 
 import msgspec
 
@@ -720,6 +721,19 @@ def _refuse_live_socket(path: str) -> None:
     raise PoolError(f"another pool service is already listening on {path}")
 
 
+def announce_ready(addresses: list[str], stream: TextIO) -> None:
+    """Write one ready line per served address, each in a single ``write``.
+
+    A launcher usually sends stdout and stderr to one log file, and with
+    ``PYTHONUNBUFFERED`` ``print`` writes the text and its newline separately:
+    a log record from another thread could land between them and break the
+    line the launcher waits for.
+    """
+    for address in addresses:
+        stream.write(READY_LINE.format(address=address) + "\n")
+        stream.flush()
+
+
 async def serve(cfg: ServiceConfig, *, print_ready: bool = True) -> int:
     """Run until SIGINT/SIGTERM; the CLI entry point."""
     svc = PoolService(cfg)
@@ -730,8 +744,7 @@ async def serve(cfg: ServiceConfig, *, print_ready: bool = True) -> int:
         loop.add_signal_handler(sig, stop.set)
     logger.info("pool %s: event loop %s", cfg.name, type(loop).__module__.split(".")[0])
     if print_ready:
-        for a in served:
-            print(READY_LINE.format(address=a), flush=True)
+        announce_ready(served, sys.stdout)
         if svc.metrics_port is not None:
             logger.info("metrics port %d", svc.metrics_port)
     await stop.wait()

@@ -269,3 +269,27 @@ def test_meta_too_deep_to_encode_is_a_bad_request_not_an_internal_error(sockdir,
             with pytest.raises(PoolProtocolError, match=f"bad_request.*meta nests deeper than {MAX_META_DEPTH}"):
                 c.commit(res, [{"a": 1}])
             assert c.lookup([b"k"]) == [False]
+
+
+def test_ready_lines_are_whole_single_writes():
+    """A launcher reads the ready line from a log that other threads write to too; each line
+    must reach the stream in one write, newline included, so nothing can land inside it."""
+    from maru_vllm.pool.service import READY_LINE, announce_ready
+
+    class Recorder:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self):
+            self.writes.append(None)
+
+    stream = Recorder()
+    addresses = ["unix:///tmp/a.sock", "tcp://127.0.0.1:5000"]
+    announce_ready(addresses, stream)
+    texts = [w for w in stream.writes if w is not None]
+    assert texts == [READY_LINE.format(address=a) + "\n" for a in addresses]
+    assert stream.writes[-1] is None  # flushed after the last line
