@@ -94,7 +94,7 @@ def main() -> int:
                     expected_format=fmt,
                     write_behind=False,
                 )
-                side.register_kv_caches(kv, "FLASH_ATTN")
+                side.register_kv_caches(kv, "FLASH_ATTN", "LBHNC")  # the layout `big` has
                 if not registered:
                     side.host_registry = side.writer.host_registry = None
                 chunk_bytes = side.copier.chunk_nbytes(bpc)

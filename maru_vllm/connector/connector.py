@@ -182,7 +182,9 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     # ==== worker side ==========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker_side is not None
-        self.worker_side.register_kv_caches(kv_caches, _backend_name(self._vllm_config, kv_caches))
+        self.worker_side.register_kv_caches(
+            kv_caches, _backend_name(self._vllm_config, kv_caches), _kv_layout(self._vllm_config)
+        )
 
     @_contained(None, on_error="_fail_step_loads")
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -347,6 +349,14 @@ def _worker_rank() -> int:
         return pp.rank_in_group * tp.world_size + tp.rank_in_group
     except (AssertionError, ImportError, AttributeError):
         return 0
+
+
+def _kv_layout(vllm_config: Any) -> str | None:
+    """vLLM's resolved KV cache layout (a ``KVCacheLayout`` name), or None before it resolves one."""
+    try:
+        return str(vllm_config.cache_config.get_resolved_kv_cache_layout().name)
+    except (AttributeError, ValueError):
+        return None
 
 
 def _backend_name(vllm_config: Any, kv_caches: dict[str, torch.Tensor]) -> str | None:

@@ -65,9 +65,15 @@ class WorkerSide(ABC):
     """Moves KV between one worker's paged cache and the pool, as the step's metadata says."""
 
     @abstractmethod
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], backend_name: str | None) -> None:
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], backend_name: str | None, kv_layout: str | None = None
+    ) -> None:
         """Learn the caches' layout. An unsupported one leaves the side without a copier: every
-        planned load then fails (recomputed) and nothing is stored; the engine keeps serving."""
+        planned load then fails (recomputed) and nothing is stored; the engine keeps serving.
+
+        ``kv_layout`` is vLLM's resolved KV cache layout (a ``KVCacheLayout`` name such as
+        ``LBNHC``), or None where vLLM has not resolved one; LMCache's block kernel reads the
+        pages by it (heads and block tokens are indistinguishable from the shape alone)."""
 
     @abstractmethod
     def load(self, meta: MaruConnectorMetadata) -> None:

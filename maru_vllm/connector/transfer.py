@@ -157,8 +157,12 @@ class LMCacheBlockCopier:
         block_size: int,
         num_blocks: int,
         blocks_per_chunk: int,
+        kv_layout: str | None = None,
         name: str = "lmcache",
     ) -> None:
+        """``kv_layout``: vLLM's resolved layout (``KVCacheLayout`` name, e.g. ``LBNHC``). A fused
+        K/V page's head and token axes cannot be told apart by shape, so LMCache reads them by it;
+        None leaves LMCache's platform default (heads first on CPU, tokens first elsewhere)."""
         from lmcache import lmcache_native
         from lmcache.utils import EngineType
         from lmcache.v1.gpu_connector.kv_format.detection import detect_format
@@ -172,7 +176,12 @@ class LMCacheBlockCopier:
         layers = list(unique.values())
         self.device = layers[0].device
         self.dtype = layers[0].dtype
-        self.engine_format, self.paged = detect_format(layers, EngineType.VLLM)
+        hints: dict[str, Any] = {}
+        if kv_layout is not None:
+            from lmcache.integration.vllm.utils import translate_vllm_kv_cache_layout
+
+            hints["kv_layout"] = translate_vllm_kv_cache_layout(kv_layout)  # NotImplementedError: unsupported
+        self.engine_format, self.paged = detect_format(layers, EngineType.VLLM, hints)
         self.num_layers = len(layers)
         self.block_size = block_size
         self.chunk_tokens = block_size * blocks_per_chunk
@@ -310,6 +319,7 @@ def make_copier(
     block_size: int,
     num_blocks: int,
     blocks_per_chunk: int,
+    kv_layout: str | None = None,
 ) -> Copier:
     """The copier for these caches: LMCache's block kernel on CUDA when it resolved, else torch."""
     if codec.device.type == "cuda" and block_kernel_available(kernels):
@@ -320,5 +330,6 @@ def make_copier(
             block_size=block_size,
             num_blocks=num_blocks,
             blocks_per_chunk=blocks_per_chunk,
+            kv_layout=kv_layout,
         )
     return TorchPageCopier(codec)

@@ -102,7 +102,9 @@ class MaruWorkerSide(WorkerSide):
         self.failed_requests: set[str] = set()
         self.counters = TransferCounters()
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], backend_name: str | None) -> None:
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], backend_name: str | None, kv_layout: str | None = None
+    ) -> None:
         if next(iter(kv_caches.values())).device.type == "cpu":
             request_amx_permission()  # see cpu_amx: loads can make attention the first AMX user
         try:
@@ -124,6 +126,7 @@ class MaruWorkerSide(WorkerSide):
                 block_size=self.block_size,
                 num_blocks=codec.num_blocks,
                 blocks_per_chunk=self.blocks_per_chunk,
+                kv_layout=kv_layout,
             )
         except (ImportError, ValueError, RuntimeError, AttributeError, TypeError) as exc:
             logger.error(

@@ -86,11 +86,13 @@ class GroupedWorkerSide(WorkerSide):
         # Finished requests, by the groups whose writers released them.
         self._released: dict[str, set[int]] = {}
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], backend_name: str | None) -> None:
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], backend_name: str | None, kv_layout: str | None = None
+    ) -> None:
         for group, side in zip(self.groups, self.sides):
             layers = {name: kv_caches[name] for name in group.layer_names if name in kv_caches}
             if layers:
-                side.register_kv_caches(layers, backend_name)
+                side.register_kv_caches(layers, backend_name, kv_layout)
             # A group with no layer here keeps no codec: its loads fail and nothing is stored.
 
     # -- loads -----------------------------------------------------------------------------------

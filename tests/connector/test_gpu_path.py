@@ -20,6 +20,7 @@ from maru_vllm.connector import transfer
 from maru_vllm.connector.cuda_host import HOST_REGISTER_FLAGS, HostRegistry, buffer_address
 from maru_vllm.connector.layouts import KVCacheSet
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
+from maru_vllm.connector.page_layout import LayoutMismatch
 from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier, make_copier
 from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.pool import PoolClient
@@ -28,6 +29,7 @@ from tests.connector.worker_side import worker_side
 from tests.running_pool import running_pool
 
 L, NB, H, BS, C = 4, 16, 2, 8, 64  # layers, blocks, kv heads, block size, 2 * head size
+HND = "LBHNC"  # vLLM's name for the layout `caches` builds: [layer, block, head, token, K|V]
 BPC = 2
 NO_CUDA = "needs a CUDA device (none here): the CPU-tensor tests above cover the dispatch logic"
 
@@ -42,9 +44,14 @@ def caches(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn.attn": big[i] for i in range(L)}
 
 
-def block_copier(kv: dict[str, torch.Tensor], kernel=None) -> LMCacheBlockCopier:
+def block_copier(kv: dict[str, torch.Tensor], kernel=None, kv_layout: str = HND) -> LMCacheBlockCopier:
     return LMCacheBlockCopier(
-        kernel or lmcache_fallback.multi_layer_block_kv_transfer, kv, block_size=BS, num_blocks=NB, blocks_per_chunk=BPC
+        kernel or lmcache_fallback.multi_layer_block_kv_transfer,
+        kv,
+        block_size=BS,
+        num_blocks=NB,
+        blocks_per_chunk=BPC,
+        kv_layout=kv_layout,
     )
 
 
@@ -91,6 +98,23 @@ def test_fused_load_equals_chunk_by_chunk() -> None:
         block_copier(one).unpack(ids, o, skip_blocks=skip)
     block_copier(fused).unpack_many(items)
     assert all(torch.equal(one[k], fused[k]) for k in one)
+
+
+def test_block_kernel_reads_pages_by_the_layout_vllm_reports() -> None:
+    # Heads and block tokens swap places between vLLM's layouts and a page's shape cannot tell
+    # which is which: the object (token-major) must be the same whichever layout holds the KV.
+    hnd = caches(1)
+    nhd = {k: t.transpose(1, 2).contiguous() for k, t in hnd.items()}  # [block, token, head, K|V]
+    from_hnd, from_nhd, misread = (bytearray(block_copier(hnd).chunk_nbytes(BPC)) for _ in range(3))
+    block_copier(hnd, kv_layout=HND).pack([3, 4], memoryview(from_hnd))
+    block_copier(nhd, kv_layout="LBNHC").pack([3, 4], memoryview(from_nhd))
+    assert from_hnd == from_nhd
+    # The NHD pages read as if heads came first: the geometry is wrong, so the object is refused.
+    with pytest.raises(LayoutMismatch):
+        block_copier(nhd, kv_layout=HND).pack([3, 4], memoryview(misread))
+    # A layout LMCache's kernel cannot address (heads outermost) is refused, not misread.
+    with pytest.raises(NotImplementedError):
+        block_copier(hnd, kv_layout="LHBNC")
 
 
 class RecordingCompiledKernel:
@@ -244,6 +268,7 @@ def test_cuda_store_and_load_through_the_registered_region(pool: PoolProcess) ->
                 who="t",
                 use_lmcache_kernels=use_kernels,
                 enable_fused_load=use_kernels,
+                kv_layout=HND,
                 blocks_per_chunk=BPC,
                 expected_format=fmt,
             )

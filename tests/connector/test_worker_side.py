@@ -255,3 +255,18 @@ def test_corrupt_payload_is_a_miss_recomputed_and_removed_from_the_pool(pool: Po
     for name in a_kv:
         assert torch.equal(b_kv[name][10], a_kv[name][1])
     assert client.lookup([b"good/r0", b"bad/r0"], namespace=NS) == [True, False]
+
+
+def test_the_layout_handed_to_the_copier_is_the_one_vllm_resolved():
+    """LMCache's kernel reads pages by the layout vLLM resolved (a page's shape cannot tell heads
+    from tokens); before vLLM resolves one the connector hands none rather than a guess."""
+    from types import SimpleNamespace
+
+    from vllm.config import CacheConfig
+
+    from maru_vllm.connector.connector import _kv_layout
+
+    cfg = SimpleNamespace(cache_config=CacheConfig())
+    assert _kv_layout(cfg) is None
+    cfg.cache_config.kv_cache_layout = "NHD"  # what the engine core sets once it resolves it
+    assert _kv_layout(cfg) == "LBNHC"

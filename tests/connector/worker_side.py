@@ -25,10 +25,11 @@ def worker_side(
     who: str = "test",
     use_lmcache_kernels: bool = False,
     enable_fused_load: bool = False,
+    kv_layout: str | None = None,
     **options: Any,
 ) -> MaruWorkerSide:
-    """A `MaruWorkerSide` with `caches` registered (attention `backend`); `options` go to its
-    constructor (write_behind, blocks_per_chunk, expected_format)."""
+    """A `MaruWorkerSide` with `caches` registered (attention `backend`, vLLM's `kv_layout`);
+    `options` go to its constructor (write_behind, blocks_per_chunk, expected_format)."""
     side = MaruWorkerSide(
         namespace=namespace,
         rank=0,
@@ -39,7 +40,7 @@ def worker_side(
         enable_fused_load=enable_fused_load,
         **options,
     )
-    side.register_kv_caches(caches, backend)
+    side.register_kv_caches(caches, backend, kv_layout)
     return side
 
 
