@@ -223,6 +223,9 @@ class KVCacheSet:
             assert self._segments is not None
             digest = kernel.copy(flat.numpy(), self._segments.segments(block_ids, n), False)
             return None if digest is None else checksum_from_digest(digest)
+        if self.device.type != "cpu" and n:
+            self._staged_pack(block_ids, flat, n)
+            return None
         runs = block_runs(block_ids)
         dsts, srcs = [], []
         for buf, cache in self._pairs(flat, n):
@@ -288,6 +291,11 @@ class KVCacheSet:
                 else:
                     hasher.set_digest(digest)
             return
+        if self.device.type != "cpu" and n:
+            if hasher is not None:
+                hasher.update(flat.numpy().data)
+            self._staged_unpack(block_ids, flat, n, skip_blocks)
+            return
         runs = block_runs(block_ids)
         if hasher is None:
             dsts, srcs = [], []
@@ -306,6 +314,31 @@ class KVCacheSet:
                     srcs.append(buf[skip_blocks + pos : skip_blocks + pos + ln])
             _copy_all(dsts, srcs)
             hasher.update(raw[lo:hi])
+
+    def _staged_pack(self, block_ids: Sequence[int], flat: torch.Tensor, n: int) -> None:
+        """Device caches: gather the pages into one object-shaped buffer on the device, then one
+        contiguous copy to the host (a DMA when the region is registered). A copy per run and
+        layer straight into host memory would be a small transfer each, staged by the driver."""
+        stage = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
+        dsts, srcs = [], []
+        for buf, cache in self._pairs(stage, n):
+            for bid, pos, ln in block_runs(block_ids):
+                dsts.append(buf[pos : pos + ln])
+                srcs.append(cache[bid : bid + ln])
+        _copy_all(dsts, srcs)
+        flat.copy_(stage)
+
+    def _staged_unpack(self, block_ids: Sequence[int], flat: torch.Tensor, n: int, skip_blocks: int) -> None:
+        """Device caches: one contiguous copy of the object to the device, then a scatter of its
+        pages there. Returns once the host object has been read (the pins may go)."""
+        stage = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
+        stage.copy_(flat)
+        dsts, srcs = [], []
+        for buf, cache in self._pairs(stage, n):
+            for bid, pos, ln in block_runs(block_ids):
+                dsts.append(cache[bid : bid + ln])
+                srcs.append(buf[skip_blocks + pos : skip_blocks + pos + ln])
+        _copy_all(dsts, srcs)
 
     def _tiles(self, flat: torch.Tensor, n: int) -> list[tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]]:
         """The chunk cut into consecutive byte ranges of about ``TILE_BYTES`` (whole layers),

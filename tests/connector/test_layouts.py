@@ -427,3 +427,39 @@ def test_verifying_unpack_feeds_every_byte_in_order_and_copies_the_same(monkeypa
         assert _eq(b[name], c[name])
         for s, d in zip(src_ids[1:], dst_ids):
             assert _eq(b[name][d], a[name][s])
+
+
+@pytest.mark.parametrize("one_allocation", [True, False])
+def test_device_staged_copies_make_and_read_the_same_objects_as_page_copies(one_allocation):
+    """Caches on a GPU gather a chunk's pages into one device buffer and move it in one copy
+    (and the reverse for loads). The object must be byte for byte the page path's, whole or with
+    leading blocks skipped, or a chunk shared in part; run here on CPU tensors, where the same
+    code moves the same bytes (the CUDA test in test_gpu_path runs it on a GPU)."""
+    gen = torch.Generator().manual_seed(7)
+    layers = 3
+    if one_allocation:
+        big = torch.randn(layers, NB, H, BS, 2 * D, generator=gen).to(torch.bfloat16)
+        src = {f"l{i}": big[i] for i in range(layers)}
+    else:
+        src = {f"l{i}": torch.randn(NB, H, BS, 2 * D, generator=gen).to(torch.bfloat16) for i in range(layers)}
+    cs = KVCacheSet(src, BS, backend_name="CPU_ATTN")
+    ids = [5, 6, 2]
+    page = bytearray(cs.chunk_nbytes(len(ids)))
+    cs.pack(ids, memoryview(page))
+    staged = torch.zeros(len(page), dtype=torch.uint8)
+    cs._staged_pack(ids, staged, len(ids))
+    assert bytes(staged.numpy()) == bytes(page)
+
+    def fresh():
+        return {k: torch.zeros_like(v) for k, v in src.items()}
+
+    for dst_ids, skip, chunk in (([8, 9, 10], 0, None), ([11, 0], 1, None), ([4], 1, 3)):
+        by_pages, by_stage = fresh(), fresh()
+        KVCacheSet(by_pages, BS, backend_name="CPU_ATTN").unpack(
+            dst_ids, memoryview(page), skip_blocks=skip, chunk_blocks=chunk
+        )
+        KVCacheSet(by_stage, BS, backend_name="CPU_ATTN")._staged_unpack(
+            dst_ids, torch.frombuffer(bytearray(page), dtype=torch.uint8), chunk or skip + len(dst_ids), skip
+        )
+        assert all(torch.equal(by_pages[k], by_stage[k]) for k in src)
+        assert any(by_stage[k].abs().sum() > 0 for k in src)  # something was copied
