@@ -184,9 +184,12 @@ class KVCacheSet:
         parts.append(f"{count}*({prev})")
         return f"{_SIGNATURE_VERSION};layers={len(self.unique_layers)};" + ";".join(parts)
 
-    def _check(
+    def check_chunk(
         self, block_ids: Sequence[int], nbytes: int, what: str, skip_blocks: int = 0, chunk_blocks: int | None = None
     ) -> int:
+        """The blocks in a chunk of ``nbytes`` holding ``block_ids`` after ``skip_blocks`` (or
+        ``chunk_blocks`` of them); raises LayoutMismatch on a wrong size, IndexError on a block
+        id outside the caches, ValueError when the blocks do not fit the chunk."""
         n = len(block_ids) + skip_blocks if chunk_blocks is None else chunk_blocks
         if n < len(block_ids) + skip_blocks:
             raise ValueError(
@@ -217,7 +220,7 @@ class KVCacheSet:
         """:meth:`pack`, returning the payload's checksum (`objects.payload_checksum`) when the
         fused kernel computed it in the copy, else None (the pure path: the pool client hashes)."""
         flat = _byte_tensor(out, writable=True)
-        n = self._check(block_ids, flat.numel(), "pack")
+        n = self.check_chunk(block_ids, flat.numel(), "pack")
         kernel = self._kernel()
         if kernel is not None and n:
             assert self._segments is not None
@@ -278,7 +281,7 @@ class KVCacheSet:
         if skip_blocks < 0:
             raise ValueError(f"skip_blocks={skip_blocks} must be >= 0")
         flat = _byte_tensor(src, writable=False)
-        n = self._check(block_ids, flat.numel(), "unpack", skip_blocks, chunk_blocks)
+        n = self.check_chunk(block_ids, flat.numel(), "unpack", skip_blocks, chunk_blocks)
         kernel = self._kernel()
         fused_hash = isinstance(hasher, PayloadHasher) and hasher.fresh
         if kernel is not None and n and (hasher is None or fused_hash):
@@ -314,6 +317,20 @@ class KVCacheSet:
                     srcs.append(buf[skip_blocks + pos : skip_blocks + pos + ln])
             _copy_all(dsts, srcs)
             hasher.update(raw[lo:hi])
+
+    def staged_pack(self, block_ids: Sequence[int], out: Any) -> None:
+        """:meth:`pack` for caches on a device, always through one buffer there (see below)."""
+        flat = _byte_tensor(out, writable=True)
+        n = self.check_chunk(block_ids, flat.numel(), "pack")
+        if n:
+            self._staged_pack(block_ids, flat, n)
+
+    def staged_unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0) -> None:
+        """:meth:`unpack` (no hasher) for caches on a device, through one buffer there."""
+        flat = _byte_tensor(src, writable=False)
+        n = self.check_chunk(block_ids, flat.numel(), "unpack", skip_blocks)
+        if n:
+            self._staged_unpack(block_ids, flat, n, skip_blocks)
 
     def _staged_pack(self, block_ids: Sequence[int], flat: torch.Tensor, n: int) -> None:
         """Device caches: gather the pages into one object-shaped buffer on the device, then one

@@ -35,6 +35,7 @@ from maru_vllm.connector.copier import Copier, WholeChunk
 from maru_vllm.connector.kernels import LMCacheKernels, resolve_lmcache_kernels
 from maru_vllm.connector.layouts import KVCacheSet
 from maru_vllm.connector.page_layout import LayoutMismatch
+from maru_vllm.connector.payload_digests import PayloadDigests
 from maru_vllm.pool.objects import checksum_from_digest
 
 logger = logging.getLogger(__name__)
@@ -92,13 +93,14 @@ class TorchPageCopier:
             self.unpack(block_ids, src, skip_blocks=skip)
 
     def unpack_whole_many(self, items: Sequence[WholeChunk]) -> list[int | None] | None:
-        """Whole chunks into their pages through the fused kernel, the step's chunks at once.
+        """Whole chunks into their pages, the step's chunks at once: host caches through the fused
+        kernel, GPU caches one DMA per chunk with the payloads hashed on host threads meanwhile.
 
-        The segments of every chunk are planned in one vectorised pass and each payload goes
-        straight to the kernel (no torch views, no per-chunk planning): per chunk, what is left
-        is one kernel call. Returns, per chunk, the XXH3-64 digest of its whole payload when
+        On the host the segments of every chunk are planned in one vectorised pass and each
+        payload goes straight to the kernel (no torch views, no per-chunk planning): per chunk,
+        what is left is one kernel call. Returns, per chunk, the XXH3-64 digest of its whole payload when
         `hashed` (None when not hashed, or when the payload is too short for the kernel's hash:
-        verify it another way), or None when these caches cannot use the kernel (use `unpack`).
+        verify it another way), or None when these caches cannot batch (use `unpack`).
         Sizes and block ids of every chunk are checked before anything is copied
         (`LayoutMismatch`, `IndexError`).
         """
@@ -116,7 +118,7 @@ class TorchPageCopier:
     def _whole_many(self, items: Sequence[WholeChunk], *, load: bool) -> list[int | None] | None:
         plan = self.codec.fused_plan()
         if plan is None:
-            return None
+            return self._device_whole_many(items, load=load) if self.codec.device.type != "cpu" else None
         kernel, planner = plan
         what = "unpack" if load else "pack"
         groups: dict[tuple[int, int], list[int]] = {}
@@ -141,6 +143,27 @@ class TorchPageCopier:
 
     def finish(self) -> None:
         """Torch's copies from host memory return once the source was read: nothing to wait for."""
+
+    def _device_whole_many(self, items: Sequence[WholeChunk], *, load: bool) -> list[int | None]:
+        """Caches on a GPU: each chunk one DMA each way (`KVCacheSet.staged_pack`), its payload
+        hashed on the host threads meanwhile (`PayloadDigests`): a load hashes a chunk while it
+        and the next are copied in, a store hashes a chunk once it is out."""
+        what = "unpack" if load else "pack"
+        for item in items:  # every size and block id before the first copy
+            self.codec.check_chunk(item.block_ids, item.payload.nbytes, what, item.skip_blocks)
+        digests = PayloadDigests()
+        try:
+            for item in items:
+                if load:
+                    digests.add(item.payload if item.hashed else None)
+                    self.codec.staged_unpack(item.block_ids, item.payload, skip_blocks=item.skip_blocks)
+                else:
+                    self.codec.staged_pack(item.block_ids, item.payload)
+                    digests.add(item.payload)
+        except BaseException:
+            digests.wait()  # the caller may unpin the payloads once this returns
+            raise
+        return digests.results()
 
 
 class LMCacheBlockCopier:

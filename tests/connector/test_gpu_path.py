@@ -308,3 +308,32 @@ def test_load_waits_for_the_copies_before_unpinning_the_objects(pool: PoolProces
     side.load(MaruConnectorMetadata(loads=[ChunkLoad("r2", b"o0", [5, 6])]))
     assert events == ["acquire", "copies done", "release"]
     side.shutdown()
+
+
+def test_gpu_batches_move_each_chunk_whole_and_hash_it_beside_the_copies() -> None:
+    # The batched path GPU caches take (one DMA per chunk, payloads hashed on host threads),
+    # run on CPU tensors: same objects and checksums as the chunk-by-chunk path, and a batch
+    # with one wrong chunk copies nothing.
+    from maru_vllm.connector.copier import WholeChunk
+    from maru_vllm.pool.objects import checksum_from_digest, payload_checksum
+
+    src = caches(1)
+    cp = TorchPageCopier(KVCacheSet(src, BS, num_blocks=NB, backend_name="CPU_ATTN"))
+    ids = [[3, 4], [9, 10], [0, 1]]
+    objs = [bytearray(cp.chunk_nbytes(BPC)) for _ in ids]
+    digests = cp._device_whole_many([WholeChunk(i, memoryview(o)) for i, o in zip(ids, objs)], load=False)
+    for i, o, d in zip(ids, objs, digests):
+        ref = bytearray(cp.chunk_nbytes(BPC))
+        cp.pack(i, memoryview(ref))
+        assert o == ref and checksum_from_digest(d) == payload_checksum(memoryview(o))
+    dst = caches(2)
+    into = TorchPageCopier(KVCacheSet(dst, BS, num_blocks=NB, backend_name="CPU_ATTN"))
+    items = [WholeChunk([7, 8], memoryview(objs[0])), WholeChunk([12], memoryview(objs[1]), 1, False)]
+    got = into._device_whole_many(items, load=True)
+    assert checksum_from_digest(got[0]) == payload_checksum(memoryview(objs[0])) and got[1] is None
+    assert all(torch.equal(x, y) for x, y in zip(pages(dst, 7), pages(src, 3)))
+    assert all(torch.equal(x, y) for x, y in zip(pages(dst, 12), pages(src, 10)))
+    before = {k: v.clone() for k, v in dst.items()}
+    with pytest.raises(LayoutMismatch):
+        into._device_whole_many([WholeChunk([0, 1], memoryview(objs[2])), WholeChunk([2], memoryview(b"x"))], load=True)
+    assert all(torch.equal(before[k], dst[k]) for k in dst)

@@ -264,3 +264,21 @@ def test_a_job_with_a_chunk_that_cannot_be_copied_stores_the_others(pool, path: 
     pins = client.acquire([keys[0] + b"/r0", keys[2] + b"/r0"], NS, verify_payload=True)
     assert all(p is not None and p.payload_verified for p in pins)
     client.release(pins)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_payload_digests_on_threads_are_each_payloads_checksum_in_order(native, monkeypatch):
+    from maru_vllm.connector.payload_digests import PayloadDigests
+    from maru_vllm.pool.objects import checksum_from_digest, payload_checksum
+
+    monkeypatch.setenv("MARU_NATIVE_COPY", native)
+    rng = np.random.default_rng(3)
+    payloads = [memoryview(rng.integers(0, 255, size, dtype=np.uint8).tobytes()) for size in (5 << 20, 100, 3 << 20)]
+    d = PayloadDigests()
+    d.add(payloads[0])
+    d.add(None)  # a payload not to be hashed keeps its place
+    for p in payloads[1:]:
+        d.add(p)
+    got = d.results()
+    assert got[1] is None
+    assert [checksum_from_digest(x) for x in (got[0], got[2], got[3])] == [payload_checksum(p) for p in payloads]
