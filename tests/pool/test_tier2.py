@@ -81,11 +81,18 @@ def _put(c: PoolClient, keys: list[bytes], size: int = 1 << 20) -> dict[bytes, b
 
 
 def _fetch(b: PoolClient, keys: list[bytes], ns: str = NS) -> tuple[int, int]:
-    """Ask for `keys` the way the connector's scheduler does; the lookup once the fetch settled."""
-    present, lower = b.lookup_tiers(keys, ns)
-    if lower:
-        b.promote(keys[present : present + lower], ns)
-        wait_until(lambda: b.lookup_tiers(keys, ns)[1] == 0, timeout=30, what="the fetch settles")
+    """Ask for `keys` the way the connector's scheduler does, step after step: a lookup, and a
+    promote of what only the tier holds (a fetch in flight is not started twice; one that failed,
+    say on a connection to a master that has since restarted, is asked for again). The lookup
+    once nothing is left only in the tier."""
+
+    def settled() -> bool:
+        present, lower = b.lookup_tiers(keys, ns)
+        if lower:
+            b.promote(keys[present : present + lower], ns)
+        return lower == 0
+
+    wait_until(settled, timeout=30, what="the fetch settles", interval=0.2)
     return b.lookup_tiers(keys, ns)
 
 
