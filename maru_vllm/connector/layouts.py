@@ -68,6 +68,25 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         d.copy_(s)
 
 
+def _copy_runs(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    runs: Sequence[tuple[int, int, int]],
+    *,
+    into_cache: bool,
+    skip_blocks: int = 0,
+) -> None:
+    """Copy each run ``(block id, position in the chunk, length)`` between every (buffer view,
+    cache pages view) pair, all in one call: into the cache (a load, past the chunk's first
+    ``skip_blocks``) or out of it (a store)."""
+    dsts, srcs = [], []
+    for buf, cache in pairs:
+        for bid, pos, ln in runs:
+            part, pages = buf[skip_blocks + pos : skip_blocks + pos + ln], cache[bid : bid + ln]
+            dsts.append(pages if into_cache else part)
+            srcs.append(part if into_cache else pages)
+    _copy_all(dsts, srcs)
+
+
 class KVCacheSet:
     """The registered caches of one rank, as a codec for whole-page chunks.
 
@@ -229,13 +248,7 @@ class KVCacheSet:
         if self.device.type != "cpu" and n:
             self._staged_pack(block_ids, flat, n)
             return None
-        runs = block_runs(block_ids)
-        dsts, srcs = [], []
-        for buf, cache in self._pairs(flat, n):
-            for bid, pos, ln in runs:
-                dsts.append(buf[pos : pos + ln])
-                srcs.append(cache[bid : bid + ln])
-        _copy_all(dsts, srcs)
+        _copy_runs(self._pairs(flat, n), block_runs(block_ids), into_cache=False)
         return None
 
     def copy_path(self) -> str:
@@ -301,21 +314,11 @@ class KVCacheSet:
             return
         runs = block_runs(block_ids)
         if hasher is None:
-            dsts, srcs = [], []
-            for buf, cache in self._pairs(flat, n):
-                for bid, pos, ln in runs:
-                    dsts.append(cache[bid : bid + ln])
-                    srcs.append(buf[skip_blocks + pos : skip_blocks + pos + ln])
-            _copy_all(dsts, srcs)
+            _copy_runs(self._pairs(flat, n), runs, into_cache=True, skip_blocks=skip_blocks)
             return
         raw = flat.numpy().data if flat.numel() else memoryview(b"")  # ndarray.data: memoryview(ndarray)
         for lo, hi, tile_pairs in self._tiles(flat, n):
-            dsts, srcs = [], []
-            for buf, cache in tile_pairs:
-                for bid, pos, ln in runs:
-                    dsts.append(cache[bid : bid + ln])
-                    srcs.append(buf[skip_blocks + pos : skip_blocks + pos + ln])
-            _copy_all(dsts, srcs)
+            _copy_runs(tile_pairs, runs, into_cache=True, skip_blocks=skip_blocks)
             hasher.update(raw[lo:hi])
 
     def staged_pack(self, block_ids: Sequence[int], out: Any) -> None:
@@ -337,12 +340,7 @@ class KVCacheSet:
         contiguous copy to the host (a DMA when the region is registered). A copy per run and
         layer straight into host memory would be a small transfer each, staged by the driver."""
         stage = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
-        dsts, srcs = [], []
-        for buf, cache in self._pairs(stage, n):
-            for bid, pos, ln in block_runs(block_ids):
-                dsts.append(buf[pos : pos + ln])
-                srcs.append(cache[bid : bid + ln])
-        _copy_all(dsts, srcs)
+        _copy_runs(self._pairs(stage, n), block_runs(block_ids), into_cache=False)
         flat.copy_(stage)
 
     def _staged_unpack(self, block_ids: Sequence[int], flat: torch.Tensor, n: int, skip_blocks: int) -> None:
@@ -350,12 +348,7 @@ class KVCacheSet:
         pages there. Returns once the host object has been read (the pins may go)."""
         stage = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
         stage.copy_(flat)
-        dsts, srcs = [], []
-        for buf, cache in self._pairs(stage, n):
-            for bid, pos, ln in block_runs(block_ids):
-                dsts.append(cache[bid : bid + ln])
-                srcs.append(buf[skip_blocks + pos : skip_blocks + pos + ln])
-        _copy_all(dsts, srcs)
+        _copy_runs(self._pairs(stage, n), block_runs(block_ids), into_cache=True, skip_blocks=skip_blocks)
 
     def _tiles(self, flat: torch.Tensor, n: int) -> list[tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]]:
         """The chunk cut into consecutive byte ranges of about ``TILE_BYTES`` (whole layers),
