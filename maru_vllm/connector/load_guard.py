@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 
 from maru_vllm.connector.metadata import LoadFailure, MaruConnectorMetadata
+from maru_vllm.connector.scheduled import resumed_req_ids
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -107,7 +108,7 @@ def _admitted(scheduler_output: SchedulerOutput) -> list[tuple[str, int, list[in
     """(req_id, num_computed_tokens, block ids) of the requests admitted this step, new or resumed."""
     admitted = [(r.req_id, r.num_computed_tokens, list(r.block_ids[0])) for r in scheduler_output.scheduled_new_reqs]
     cached = scheduler_output.scheduled_cached_reqs
-    resumed = cached.resumed_req_ids
+    resumed = resumed_req_ids(cached)
     for i, req_id in enumerate(cached.req_ids):
         new_ids = cached.new_block_ids[i]
         if req_id in resumed and new_ids is not None:

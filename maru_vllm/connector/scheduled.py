@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -44,6 +44,7 @@ def scheduled_requests(out: SchedulerOutput) -> Iterator[ScheduledRequest]:
             True,
         )
     cached = out.scheduled_cached_reqs
+    resumed = resumed_req_ids(cached)
     for i, req_id in enumerate(cached.req_ids):
         new_ids = cached.new_block_ids[i]
         yield ScheduledRequest(
@@ -51,5 +52,12 @@ def scheduled_requests(out: SchedulerOutput) -> Iterator[ScheduledRequest]:
             cached.num_computed_tokens[i],
             out.num_scheduled_tokens[req_id],
             None if new_ids is None else tuple(list(group_ids) for group_ids in new_ids),
-            req_id in cached.resumed_req_ids,
+            req_id in resumed,
         )
+
+
+def resumed_req_ids(cached: Any) -> frozenset[str]:
+    """The ids of `scheduled_cached_reqs` that resume after a preemption (their whole block table
+    comes again). vLLM 0.34 dropped `CachedRequestData.resumed_req_ids`: it sends a resumed request
+    in `scheduled_new_reqs`, as a new one, so no cached request resumes there."""
+    return frozenset(getattr(cached, "resumed_req_ids", None) or ())
