@@ -63,3 +63,25 @@ DYNAMO_VLLM = Supported("vllm", "the Dynamo components' vLLM", ("0.31.0",), ("vl
 TORCH = Supported("torch", "vLLM's", ("2.13.0",))
 
 ALL: tuple[Supported, ...] = (VLLM, LMCACHE, DYNAMO, DYNAMO_VLLM)
+
+
+def stack_versions() -> dict[str, str | None]:
+    """The installed releases of what the connector runs on (None: not installed)."""
+    return {
+        "vLLM": VLLM.installed(),
+        "LMCache": LMCACHE.installed(),
+        "torch": TORCH.installed(),
+        "Dynamo": DYNAMO.installed(),
+    }
+
+
+def unsupported(versions: dict[str, str | None]) -> list[str]:
+    """One phrase per installed release outside what is supported, naming it and the supported ones."""
+    out = []
+    vllm = versions.get("vLLM")
+    if vllm is not None and not VLLM.covers(vllm):
+        out.append(f"vLLM {vllm} is not a supported release ({VLLM.span})")
+    dynamo = versions.get("Dynamo")
+    if dynamo is not None and not DYNAMO.covers(dynamo):
+        out.append(f"Dynamo {dynamo} is not a supported release ({DYNAMO.span})")
+    return out

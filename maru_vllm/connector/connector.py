@@ -9,10 +9,14 @@ Load it the standard vLLM way::
 
 `kv_both` loads and stores; `kv_producer` only stores (disaggregated prefill); `kv_consumer`
 only loads (disaggregated decode). This class only adapts vLLM's hooks: the scheduler-side
-policy lives in `scheduler.py`, the data movement in `worker.py`, and every hook is wrapped so
-that no exception from the connector reaches vLLM's scheduler or model forward. Containment
-fails closed on the load path: a failed load hook reports the step's planned blocks as failed
-(`load_guard.py`), so vLLM recomputes them instead of running the forward over unwritten KV.
+policy lives in `scheduler.py`, the data movement in `worker.py`, and every hook vLLM calls
+is wrapped (`_contained`) so that no exception from the connector reaches vLLM's scheduler, model
+runner or metrics: a failed hook is a miss for that step and one log line with the cause.
+Containment fails closed: a failed load hook reports the step's planned blocks as failed
+(`load_guard.py`), so vLLM recomputes them instead of running the forward over unwritten KV; a
+failed hook that guards block reuse (preemptions, finished stores) first waits until no copy
+reads a block; a failed `register_kv_caches` leaves the worker off the pool. Only an error inside
+such a fallback is not contained: stopping the engine beats wrong tokens.
 
 It declares vLLM's `SupportsHMA`, so vLLM keeps its hybrid KV cache manager (sliding-window
 models free the KV outside the window). An engine with several KV cache groups, or a
@@ -48,6 +52,7 @@ from maru_vllm.connector.metadata import MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.serving import serving_path
 from maru_vllm.connector.sides import SchedulerSide, WorkerSide
+from maru_vllm.connector.startup import copy_path, stack_line
 from maru_vllm.connector.stats import MaruConnectorStats, MaruPromMetrics
 from maru_vllm.connector.transfer import FORMAT_PAGES, copy_format
 
@@ -71,6 +76,7 @@ def _contained(default: Any, on_error: str | None = None) -> Callable[[Callable[
     Hooks on the load path name an `on_error` that fails the step's planned loads closed (see
     `load_guard`): "continue without the pool" must never mean "trust blocks nobody wrote". An
     error inside `on_error` itself is not contained: stopping the engine beats wrong tokens.
+    The wrapped hook carries `__maru_contained__` (tests check that every hook has it).
     """
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
@@ -85,12 +91,39 @@ def _contained(default: Any, on_error: str | None = None) -> Callable[[Callable[
                     return getattr(self, on_error)(*args, **kwargs)
                 return default() if callable(default) else default
 
+        inner.__maru_contained__ = True  # type: ignore[attr-defined]
+        return inner
+
+    return wrap
+
+
+def _contained_classmethod(default: Any) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """`_contained` for the class methods vLLM calls (stats and metrics): `default` on any error."""
+
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def inner(cls: type, *args: Any, **kwargs: Any) -> T:
+            try:
+                return fn(cls, *args, **kwargs)
+            except Exception:  # containment boundary: vLLM's metrics must keep working
+                logger.exception("MaruKVConnector.%s failed; the connector's metrics are off", fn.__name__)
+                return default() if callable(default) else default
+
+        inner.__maru_contained__ = True  # type: ignore[attr-defined]
         return inner
 
     return wrap
 
 
 class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """No: the worker side keeps views of the KV cache, the copier's page tables and (CUDA)
+        the registered staging region for the engine's life, and does not follow a sleep's
+        unregister/restore. vLLM (0.33+) then refuses `--enable-sleep-mode` with this connector at
+        start-up, in one line, instead of copying into a remapped cache."""
+        return False
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
@@ -159,6 +192,11 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
             self.worker_side = self.path.worker_side(**worker_args)
             self.store_pool = store_pool
+            if worker_args["rank"] == 0:
+                level, line = stack_line(
+                    copy_path(str(current_platform.device_type), self.config.use_lmcache_kernels, self.copy_format)
+                )
+                logger.log(level, "%s", line)
         logger.info(
             "MaruKVConnector (%s): pool %s, namespace %s, chunk %d tokens, load=%s store=%s%s",
             who,
@@ -180,11 +218,17 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     # ==== worker side ==========================================================================
+    @_contained(None, on_error="_register_failed")
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker_side is not None
         self.worker_side.register_kv_caches(
             kv_caches, _backend_name(self._vllm_config, kv_caches), _kv_layout(self._vllm_config)
         )
+
+    def _register_failed(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """The worker cannot copy: it stays off the pool (planned loads fail, nothing is stored)."""
+        if self.worker_side is not None:
+            self.worker_side.disable("registering the KV caches failed")
 
     @_contained(None, on_error="_fail_step_loads")
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -198,9 +242,11 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker_side is not None and isinstance(meta, MaruConnectorMetadata):
             self.worker_side.fail_loads(meta, "connector error")
 
+    @_contained(None)
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish in start_load_kv, before the forward starts."""
 
+    @_contained(None)
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
@@ -214,12 +260,17 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, MaruConnectorMetadata):
             self.worker_side.store(meta)
 
-    # Not contained: returning while a copy still reads freed blocks would be worse than an error.
+    @_contained(None, on_error="_quiesce")
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.worker_side is not None and isinstance(kv_connector_metadata, MaruConnectorMetadata):
             self.worker_side.handle_preemptions(kv_connector_metadata)
 
-    @_contained(lambda: (None, None))
+    def _quiesce(self, *args: Any, **kwargs: Any) -> None:
+        """Which copies read freed blocks is unknown: wait until no copy reads any block."""
+        if self.worker_side is not None:
+            self.worker_side.quiesce()
+
+    @_contained(lambda: (None, None), on_error="_release_held")
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker_side is None:
             return None, None
@@ -229,12 +280,29 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         )
         return (done or None), None
 
+    def _release_held(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finding the stores' finished requests failed: once no copy reads a block, every held
+        request vLLM finished may go (a request held for ever would leak its blocks)."""
+        if self.worker_side is None:
+            return None, None
+        self.worker_side.quiesce()
+        return (self.worker_side.release_held(finished_req_ids) or None), None
+
+    @_contained(KVConnectorTransferResults, on_error="_fail_transfer_results")
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished stores, and (served group by group) the asynchronous loads' verdicts."""
         sending, _ = self.get_finished(finished_req_ids)
         results = KVConnectorTransferResults(finished_sending=set(sending or ()))
         if self.worker_side is not None:
             results.finished_recving, results.failed_recving = self.worker_side.take_load_results()
+        return results
+
+    def _fail_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The verdicts could not be read: every asynchronous load in flight failed (recomputed)."""
+        sending, _ = self._release_held(finished_req_ids)
+        results = KVConnectorTransferResults(finished_sending=set(sending or ()))
+        if self.worker_side is not None:
+            results.finished_recving, results.failed_recving = self.worker_side.fail_load_results()
         return results
 
     @_contained(set, on_error="_all_planned_blocks")
@@ -260,6 +328,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.log_summary.record_transfers(counters)
         return MaruConnectorStats.from_counters(counters)
 
+    @_contained(None)
     def shutdown(self) -> None:
         self.log_summary.stop()
         if self.worker_side is not None:
@@ -272,25 +341,32 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     @_contained(lambda: (0, False))
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler_side is not None
+        self.load_guard.asked(request.request_id, num_computed_tokens)
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_contained(None, on_error="_alloc_failed")
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         # Recorded before anything can fail: vLLM now counts these tokens as loaded.
-        self.load_guard.granted_load(request.request_id, num_external_tokens)
-        if self.can_load:
-            self.log_summary.record_lookup(num_external_tokens)
+        self.load_guard.granted_load(request.request_id, num_external_tokens, blocks)
         self._plan_after_alloc(request, blocks, num_external_tokens)
 
     @_contained(None, on_error="_alloc_failed")
     def _plan_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler_side is not None
+        if self.can_load:
+            self.log_summary.record_lookup(num_external_tokens)
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def _alloc_failed(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.load_guard.hook_failed(request.request_id)
 
+    @_contained(None, on_error="_fail_step_plan")
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.load_guard.seal(self._build_plan(scheduler_output), scheduler_output)
+
+    def _fail_step_plan(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Sealing the plan failed: no load, no store, and every token vLLM granted fails (recomputed)."""
+        return self.load_guard.fail_step()
 
     @_contained(None)
     def _build_plan(self, scheduler_output: SchedulerOutput) -> MaruConnectorMetadata | None:
@@ -305,11 +381,17 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         return bool(self.scheduler_side.request_finished(request)), None
 
+    @_contained(None, on_error="_forget_request_all_groups")
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hybrid KV cache manager: the request finished in every group (`request_finished`)."""
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    def _forget_request_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._forget_request(request, [])
 
     def _forget_request(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """request_finished failed: still drop the request's state (it must not outlive the request),
@@ -325,17 +407,19 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ==== stats ================================================================================
     @classmethod
+    @_contained_classmethod(None)
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> MaruConnectorStats | None:
         return MaruConnectorStats(data) if data is not None else MaruConnectorStats()
 
     @classmethod
+    @_contained_classmethod(None)
     def build_prom_metrics(
         cls,
         vllm_config: VllmConfig,
         metric_types: dict[type, type],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
-    ) -> MaruPromMetrics:
+    ) -> MaruPromMetrics | None:
         return MaruPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 

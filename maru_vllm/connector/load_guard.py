@@ -22,7 +22,7 @@ The worker side's counterpart lives in the connector: an exception in `start_loa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
@@ -42,13 +42,48 @@ class SchedulerLoadGuard:
         # every request it granted tokens, so each must be in `async_loads`, failed if unplanned.
         self.asynchronous = asynchronous
         self.granted: dict[str, int] = {}  # req_id -> external tokens vLLM granted this step
+        # req_id -> the blocks those tokens occupy, from vLLM's own calls alone (what `fail_step`
+        # reports when the step's SchedulerOutput cannot be read).
+        self.granted_blocks: dict[str, list[int]] = {}
+        self.local_tokens: dict[str, int] = {}  # req_id -> its local prefix-cache hit, as vLLM asked
         self.broken: set[str] = set()  # requests a load hook failed for this step
         self.failed_loads = 0  # requests whose granted load was turned into a failure
 
-    def granted_load(self, req_id: str, num_external_tokens: int) -> None:
-        """vLLM admitted `req_id` counting `num_external_tokens` tokens as loaded."""
-        if num_external_tokens > 0:
-            self.granted[req_id] = num_external_tokens
+    def asked(self, req_id: str, num_local_tokens: int) -> None:
+        """vLLM asked for `req_id`'s external tokens beyond its local hit of `num_local_tokens`."""
+        self.local_tokens[req_id] = num_local_tokens
+
+    def granted_load(self, req_id: str, num_external_tokens: int, blocks: Any = None) -> None:
+        """vLLM admitted `req_id` counting `num_external_tokens` tokens as loaded; `blocks` is the
+        request's `KVCacheBlocks` (its whole table so far)."""
+        local = self.local_tokens.pop(req_id, 0)
+        if num_external_tokens <= 0:
+            return
+        self.granted[req_id] = num_external_tokens
+        end = -(-(local + num_external_tokens) // self.block_size)
+        try:
+            table = list(blocks.get_block_ids()[0])
+        except (AttributeError, IndexError, TypeError):
+            table = []
+        # A table vLLM's KVCacheBlocks no longer gives (the start-up check refuses such a vLLM) reports none.
+        self.granted_blocks[req_id] = table[local // self.block_size : end]
+
+    def fail_step(self) -> MaruConnectorMetadata:
+        """The step's metadata when sealing it failed: no load and no store; every token vLLM
+        granted this step fails (its blocks are recomputed), from what vLLM's calls said alone."""
+        granted, self.granted = self.granted, {}
+        blocks, self.granted_blocks = self.granted_blocks, {}
+        self.broken = set()
+        meta = MaruConnectorMetadata()
+        self.failed_loads += len(granted)
+        if self.asynchronous:
+            meta.async_loads = set(granted)
+            meta.async_failed = set(granted)
+        else:
+            meta.load_failures = [LoadFailure(req_id, blocks.get(req_id, [])) for req_id in granted]
+        if granted:
+            logger.error("Maru: %d requests' granted pool tokens recomputed (the step's plan failed)", len(granted))
+        return meta
 
     def hook_failed(self, req_id: str) -> None:
         self.broken.add(req_id)
@@ -57,6 +92,7 @@ class SchedulerLoadGuard:
         """The step's metadata with every granted block loaded or failed; None = building failed."""
         granted, self.granted = self.granted, {}
         broken, self.broken = self.broken, set()
+        self.granted_blocks = {}
         if meta is None:
             meta = MaruConnectorMetadata()
             broken = set(granted)

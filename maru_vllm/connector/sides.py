@@ -112,6 +112,23 @@ class WorkerSide(ABC):
     def finished_stores(self, finished_req_ids: set[str], meta: MaruConnectorMetadata | None) -> set[str]:
         """Finished requests whose held blocks vLLM may free now (no copy reads them any more)."""
 
+    # -- fallbacks of the connector's contained hooks (they must not fail themselves) -----------
+    @abstractmethod
+    def disable(self, why: str) -> None:
+        """Leave the pool for good on this worker: every planned load fails, nothing is stored."""
+
+    @abstractmethod
+    def quiesce(self) -> None:
+        """Wait until no store copy reads any block (which copies read freed blocks is unknown)."""
+
+    @abstractmethod
+    def release_held(self, finished_req_ids: set[str]) -> set[str]:
+        """After `quiesce`: every request held for stores that vLLM finished, now or before."""
+
+    @abstractmethod
+    def fail_load_results(self) -> tuple[set[str], set[str]]:
+        """Like `take_load_results`, but every asynchronous load in flight failed."""
+
     @abstractmethod
     def take_counters(self) -> TransferCounters | None:
         """The transfer counters since the last call; None when nothing happened."""

@@ -413,6 +413,29 @@ class MaruWorkerSide(WorkerSide):
         self._held_announced -= done
         return done
 
+    def disable(self, why: str) -> None:
+        logger.error("Maru connector disabled on this worker (%s): every planned load is recomputed", why)
+        self.codec = None
+        self.copier = None
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.close()
+
+    def quiesce(self) -> None:
+        if self.writer is not None:
+            self.writer.wait()
+
+    def release_held(self, finished_req_ids: set[str]) -> set[str]:
+        self._recent_finished.append(set(finished_req_ids))
+        finished = set().union(*self._recent_finished)
+        done = (self._held_finished | finished) & self._held_announced | self._held_finished
+        self._held_finished -= done
+        self._held_announced -= done
+        return done
+
+    def fail_load_results(self) -> tuple[set[str], set[str]]:
+        return set(), set()
+
     def shutdown(self) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -157,6 +157,28 @@ class GroupedWorkerSide(WorkerSide):
             del self._released[req_id]
         return done
 
+    # -- fallbacks -------------------------------------------------------------------------------
+    def disable(self, why: str) -> None:
+        for side in self.sides:
+            side.disable(why)
+
+    def quiesce(self) -> None:
+        for side in self.sides:
+            side.quiesce()
+
+    def release_held(self, finished_req_ids: set[str]) -> set[str]:
+        done = set()
+        for side in self.sides:
+            done |= side.release_held(finished_req_ids)
+        done |= set(self._released)
+        self._released.clear()
+        return done
+
+    def fail_load_results(self) -> tuple[set[str], set[str]]:
+        pending = self.loads_finished | self.loads_failed
+        self.loads_finished, self.loads_failed = set(), set()
+        return pending, pending
+
     # -- life cycle ------------------------------------------------------------------------------
     def shutdown(self) -> None:
         for side in self.sides:

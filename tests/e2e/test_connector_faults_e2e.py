@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -24,13 +25,14 @@ from maru_vllm.launch import ProcessGroup
 from tests.e2e.conftest import (
     CHUNK,
     maru_kv_config,
+    pool_chunks,
     start_engine,
     start_pool,
     stored_chunks,
     token_prompt,
     wait_engines,
 )
-from tests.e2e.faulty_connector import SCHEDULER_HOOKS, WORKER_HOOKS
+from tests.e2e.faulty_connector import SCHEDULER_HOOKS, START_HOOKS, WORKER_HOOKS
 
 pytestmark = [pytest.mark.e2e]
 
@@ -45,12 +47,18 @@ def engines(module_procs: ProcessGroup, module_log_dir: Path, tmp_path_factory: 
     fault_file = tmp / "fault"
     faulty = maru_kv_config(pool.address, test_fault_file=str(fault_file))
     faulty.update(kv_connector="FaultyMaruKVConnector", kv_connector_module_path="tests.e2e.faulty_connector")
+    # Engine S fails its start-up hooks: armed before it starts, for good.
+    start_faults = tmp / "start-faults"
+    start_faults.write_text(" ".join(START_HOOKS))
+    faulty_start = dict(faulty, kv_connector_extra_config=dict(faulty["kv_connector_extra_config"]))
+    faulty_start["kv_connector_extra_config"]["test_fault_file"] = str(start_faults)
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), saved]))  # F imports tests.e2e.*
     try:
         urls = {
             "A": start_engine(module_procs, "A", tiny, 0, module_log_dir, maru_kv_config(pool.address), tmp),
             "F": start_engine(module_procs, "F", tiny, 1, module_log_dir, faulty, tmp),
+            "S": start_engine(module_procs, "S", tiny, 0, module_log_dir, faulty_start, tmp),
         }
     finally:
         if saved is None:
@@ -96,3 +104,27 @@ def test_output_equals_a_plain_engine_whatever_hook_fails(engines, hook: str) ->
     assert cached_tokens(ask(urls["F"], model, again)) == 2 * CHUNK
     # ... and the fail-closed guard never refused a plan of the unbroken connector.
     assert "vLLM counts" not in f_proc.log_text()
+
+
+def test_an_engine_whose_start_up_hooks_fail_serves_plainly(engines, module_procs: ProcessGroup) -> None:
+    """register_kv_caches and build_prom_metrics fail at S's start: S starts, stays off the pool
+    (a granted load is recomputed, nothing stored) and gives a plain engine's output."""
+    urls, model, _, _, pool_address = engines
+    s_proc = next(p for p in module_procs if p.name == "S")
+    log = s_proc.log_text()
+    for hook in START_HOOKS:
+        assert f"injected fault in {hook}" in log, hook
+    assert "Maru connector disabled on this worker (registering the KV caches failed)" in log
+    prompt = token_prompt(990, 3 * CHUNK + 1)
+    reference = ask(urls["A"], model, prompt)
+    assert sorted(stored_chunks(pool_address, prompt, range(3))) == [0, 1, 2]
+    out = ask(urls["S"], model, prompt)
+    ref_tokens, ref_lps = lp(reference)
+    tokens, lps = lp(out)
+    assert tokens == ref_tokens
+    assert all(math.isclose(x, y, abs_tol=0.05) for x, y in zip(lps, ref_lps)), (lps, ref_lps)
+    # Its own prompts never reach the pool: it stores nothing.
+    own = token_prompt(991, 2 * CHUNK + 1)
+    ask(urls["S"], model, own)
+    time.sleep(2)  # a write-behind store of an engine that stores would be committed by now
+    assert pool_chunks(pool_address, own) == {}

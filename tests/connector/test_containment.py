@@ -1,0 +1,69 @@
+"""No exception from the connector reaches vLLM: every hook is contained and fails closed.
+
+The e2e counterpart (tests/e2e/test_connector_faults_e2e.py) injects a failure into each hook of
+a real engine in turn; these check the pieces it relies on: that every hook vLLM calls is
+wrapped, and what each fallback reports.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from maru_vllm.connector import MaruKVConnector
+from maru_vllm.connector.load_guard import SchedulerLoadGuard
+
+# Not hooks of a running engine: the class's own declarations.
+NOT_HOOKS = {"__init__", "supports_sleep_mode", "requires_kv_delivery"}
+
+
+def _hooks() -> list[str]:
+    return sorted(
+        name
+        for name, member in vars(MaruKVConnector).items()
+        if hasattr(KVConnectorBase_V1, name) and name not in NOT_HOOKS and not name.startswith("_")
+    )
+
+
+def test_every_hook_vllm_calls_is_contained() -> None:
+    hooks = _hooks()
+    assert {"build_connector_meta", "register_kv_caches", "handle_preemptions", "get_transfer_results"} <= set(hooks)
+    for name in hooks:
+        member = inspect.getattr_static(MaruKVConnector, name)
+        fn = member.__func__ if isinstance(member, classmethod) else member
+        assert getattr(fn, "__maru_contained__", False), f"MaruKVConnector.{name} is not contained"
+
+
+def test_sleep_mode_is_declared_unsupported() -> None:
+    """vLLM's config check (0.33+) then refuses --enable-sleep-mode with this connector."""
+    assert MaruKVConnector.supports_sleep_mode(None) is False
+
+
+def _blocks(ids: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks(blocks=([KVCacheBlock(block_id=i) for i in ids],))
+
+
+def test_a_failed_seal_fails_every_granted_block_from_vllms_calls_alone() -> None:
+    guard = SchedulerLoadGuard(block_size=16)
+    guard.asked("r1", 32)  # local prefix-cache hit: two blocks
+    guard.granted_load("r1", 40, _blocks([10, 11, 12, 13, 14]))  # tokens 32..72: blocks 2..4
+    guard.asked("r2", 0)
+    guard.granted_load("r2", 0, _blocks([20]))  # nothing granted: nothing to fail
+    meta = guard.fail_step()
+    assert [(f.req_id, f.block_ids) for f in meta.load_failures] == [("r1", [12, 13, 14])]
+    assert not meta.loads and not meta.stores
+    assert guard.granted == {} and guard.granted_blocks == {}
+    # The next step starts clean.
+    assert guard.fail_step().load_failures == []
+
+
+def test_a_failed_seal_fails_every_asynchronous_load_by_request() -> None:
+    guard = SchedulerLoadGuard(block_size=16, asynchronous=True)
+    guard.asked("r1", 0)
+    guard.granted_load("r1", 32, _blocks([1, 2]))
+    meta = guard.fail_step()
+    assert meta.async_loads == {"r1"} and meta.async_failed == {"r1"}
+    assert not meta.loads
