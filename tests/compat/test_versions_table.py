@@ -1,0 +1,48 @@
+"""The README's "Supported versions" table says what `maru_vllm/versions.py` supports, no more."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from maru_vllm import versions
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = {"vllm": "vLLM", "lmcache": "LMCache", "ai-dynamo": "ai-dynamo"}
+
+
+def readme_rows() -> list[tuple[str, str, str]]:
+    """(upstream, releases, for) of each row of the table after the supported-versions marker."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("<!-- supported-versions")
+    rows = []
+    for line in text[start:].splitlines()[1:]:
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] in ("upstream",) or set(cells[0]) <= {"-"}:
+            continue
+        rows.append((cells[0], cells[1], cells[2]))
+    return rows
+
+
+def test_every_supported_range_has_its_row_and_every_row_a_range() -> None:
+    rows = readme_rows()
+    expected = [(NAMES[s.dist], s.span) for s in versions.ALL]
+    assert sorted((upstream, span) for upstream, span, _ in rows) == sorted(expected)
+
+
+def test_the_ranges_are_the_releases_they_name() -> None:
+    """A span is first - last of the releases tested, in release order."""
+    for supported in versions.ALL:
+        numbers = [versions.release_numbers(r) for r in supported.releases]
+        assert numbers == sorted(numbers), supported
+        assert re.fullmatch(r"[\d.]+( - [\d.]+)?", supported.span)
+
+
+def test_an_unsupported_release_is_named_with_the_supported_ones() -> None:
+    problems = versions.unsupported({"vLLM": "0.35.0", "Dynamo": "1.6.1", "LMCache": None, "torch": "2.13.0"})
+    assert problems == [f"vLLM 0.35.0 is not a supported release ({versions.VLLM.span})"]
+    assert versions.unsupported({"vLLM": "0.34.2+cpu", "Dynamo": None}) == []
