@@ -156,3 +156,38 @@ def test_directory_keeps_the_most_recent_keys_within_its_bound():
     assert [k for (_, k), _ in d.recent(2)] == [b"3", b"0"]
     with pytest.raises(ValueError, match="at least one key"):
         Tier2Directory(0)
+
+
+# ---- pool serve's tier options ------------------------------------------------------------------
+def _tier_args(*argv: str):
+    import argparse
+
+    from maru_vllm.pool.tier2 import cli as tier_cli
+
+    parser = argparse.ArgumentParser()
+    tier_cli.add_arguments(parser)
+    return tier_cli.settings_from(parser.parse_args(list(argv)))
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ("--mooncake-protocol", "rdma"),
+        ("--mooncake-metadata", "http://127.0.0.1:8080/metadata"),
+        ("--mooncake-segment-size", "64M"),
+        ("--mooncake-host", "127.0.0.1"),
+        ("--tier2-put-budget", "10M"),
+        ("--tier2-queue", "8"),
+    ],
+)
+def test_a_tier_option_without_a_master_is_refused_naming_it(option: tuple[str, str]) -> None:
+    with pytest.raises(ValueError, match=f"^{option[0]} needs --mooncake-master"):
+        _tier_args(*option)
+
+
+def test_no_tier_options_no_tier_and_the_protocol_defaults_to_tcp() -> None:
+    assert _tier_args() is None
+    settings = _tier_args("--mooncake-master", "127.0.0.1:50051")
+    assert settings is not None and settings.mooncake.protocol == "tcp"
+    rdma = _tier_args("--mooncake-master", "127.0.0.1:50051", "--mooncake-protocol", "rdma")
+    assert rdma is not None and rdma.mooncake.protocol == "rdma"

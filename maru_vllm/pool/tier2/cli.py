@@ -8,6 +8,7 @@ from typing import Any
 from maru_vllm.pool.region import parse_size
 from maru_vllm.pool.tier2 import Tier2Settings
 from maru_vllm.pool.tier2.mooncake import (
+    DEFAULT_PROTOCOL,
     DEFAULT_SEGMENT_SIZE,
     PROTOCOLS,
     MooncakeConfig,
@@ -17,7 +18,14 @@ from maru_vllm.pool.tier2.mooncake import (
 from maru_vllm.pool.tier2.tier import Tier2Config
 
 _DEFAULTS = Tier2Config(tier="")
-_DEPENDENT = ("mooncake_metadata", "mooncake_segment_size", "mooncake_host", "tier2_put_budget", "tier2_queue")
+_DEPENDENT = (
+    "mooncake_metadata",
+    "mooncake_protocol",
+    "mooncake_segment_size",
+    "mooncake_host",
+    "tier2_put_budget",
+    "tier2_queue",
+)
 
 
 def _typed(fn: Any, what: str) -> Any:
@@ -60,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the transfer engine's metadata service (default: http://MASTER_HOST:8080/metadata, the master's "
         "built-in server)",
     )
-    g.add_argument("--mooncake-protocol", choices=PROTOCOLS, default="tcp", help="transfer protocol (default tcp)")
+    g.add_argument("--mooncake-protocol", choices=PROTOCOLS, help=f"transfer protocol (default {DEFAULT_PROTOCOL})")
     g.add_argument(
         "--mooncake-segment-size",
         type=_typed(_segment, "size"),
@@ -92,7 +100,7 @@ def settings_from(args: argparse.Namespace) -> Tier2Settings | None:
     store = MooncakeConfig(
         master=args.mooncake_master,
         metadata=args.mooncake_metadata,
-        protocol=args.mooncake_protocol,
+        protocol=args.mooncake_protocol or DEFAULT_PROTOCOL,
         segment_size=args.mooncake_segment_size or DEFAULT_SEGMENT_SIZE,
         host=args.mooncake_host,
     )

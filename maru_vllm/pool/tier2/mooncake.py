@@ -30,6 +30,7 @@ from maru_vllm.pool.tier2.interface import Tier2Error, Tier2Store
 logger = logging.getLogger(__name__)
 
 PROTOCOLS = ("tcp", "rdma")
+DEFAULT_PROTOCOL = "tcp"
 DEFAULT_SEGMENT_SIZE = 1 << 30
 DEFAULT_LOCAL_BUFFER = 16 << 20
 # Mooncake's ErrorCode values this module tells apart.
@@ -45,7 +46,7 @@ class MooncakeConfig:
 
     master: str  # HOST:PORT of mooncake_master's RPC service
     metadata: str | None = None  # transfer-engine metadata URL; None: the master's HTTP server on port 8080
-    protocol: str = "tcp"
+    protocol: str = DEFAULT_PROTOCOL
     segment_size: int = DEFAULT_SEGMENT_SIZE  # bytes this client contributes to the store
     local_buffer: int = DEFAULT_LOCAL_BUFFER
     host: str | None = None  # the address peers reach this client at; None: the one facing the master
