@@ -45,7 +45,7 @@ from vllm.logger import init_logger
 
 from maru_vllm.connector.chunks import ChunkGeometry
 from maru_vllm.connector.config import parse_config
-from maru_vllm.connector.engine_support import engine_support
+from maru_vllm.connector.engine_support import EngineSupport, engine_support
 from maru_vllm.connector.log_summary import ConnectorLogSummary
 from maru_vllm.connector.logging_setup import follow_vllm_logging
 from maru_vllm.connector.metadata import MaruConnectorMetadata
@@ -55,6 +55,8 @@ from maru_vllm.connector.sides import SchedulerSide, WorkerSide
 from maru_vllm.connector.startup import copy_path, stack_line
 from maru_vllm.connector.stats import MaruConnectorStats, MaruPromMetrics
 from maru_vllm.connector.transfer import FORMAT_PAGES, copy_format
+from maru_vllm.connector.upstream_check import moved_contracts
+from maru_vllm.versions import VLLM
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -140,6 +142,12 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.config.namespace if self.copy_format == FORMAT_PAGES else f"{self.config.namespace}|{self.copy_format}"
         )
         support = engine_support(vllm_config, kv_cache_config)
+        moved = moved_contracts()
+        if moved:
+            support = EngineSupport(
+                f"vLLM {VLLM.installed()} lacks what the connector relies on ({', '.join(moved[:4])}"
+                f"{', ...' if len(moved) > 4 else ''}); supported releases: {VLLM.span}"
+            )
         # One KV cache group, or group by group (vLLM's hybrid KV cache manager, sliding-window
         # layers: one namespace per group, the announced group's is `self.namespace`). Chosen here, once.
         self.path = serving_path(vllm_config, kv_cache_config, salt, grouped=support.serves and support.grouped)

@@ -67,3 +67,58 @@ def test_a_failed_seal_fails_every_asynchronous_load_by_request() -> None:
     meta = guard.fail_step()
     assert meta.async_loads == {"r1"} and meta.async_failed == {"r1"}
     assert not meta.loads
+
+
+# ---- the start-up check of what the connector relies on in vLLM ------------------------------
+def test_the_installed_vllm_has_every_declared_contract() -> None:
+    from maru_vllm.connector.upstream_check import moved_contracts
+
+    assert moved_contracts() == []
+
+
+def test_a_moved_field_method_or_module_is_named() -> None:
+    from maru_vllm.connector.upstream_check import moved_contracts
+    from maru_vllm.upstream_contracts import Contract
+
+    output = "vllm.v1.core.sched.output"
+    contracts = (
+        Contract("vllm", output, "SchedulerOutput", ("scheduled_new_reqs", "scheduled_requests_v2")),
+        Contract("vllm", output, "CachedRequestData", ("resumed_req_ids?",)),  # read with a fallback
+        Contract("vllm", output, "NoSuchClass"),
+        Contract("vllm", "vllm.no_such_module"),
+        Contract("vllm", "vllm.v1.request", "Request", ("request_id", "num_tokens_v2")),  # set in __init__
+        Contract(
+            "vllm",
+            "vllm.distributed.kv_transfer.kv_connector.v1.base",
+            "KVConnectorBase_V1",
+            ("get_num_new_matched_tokens(request, num_computed_tokens)", "start_load_kv(context)"),
+        ),
+        Contract("vllm", output, "GoneButHandled", optional=True),
+    )
+    assert moved_contracts(contracts) == [
+        f"{output}:SchedulerOutput.scheduled_requests_v2",
+        f"{output}:NoSuchClass",
+        "vllm.no_such_module",
+        "vllm.v1.request:Request.num_tokens_v2",
+        "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.start_load_kv(context)",
+    ]
+
+
+def test_a_vllm_that_moved_a_contract_gets_a_connector_that_stands_aside_in_one_line(
+    tiny_model, pool, monkeypatch, caplog
+) -> None:
+    """The real scheduler builds the connector; with one contract moved it looks nothing up."""
+    import logging
+
+    from maru_vllm.connector import connector as connector_module
+    from tests.connector.sched_harness import make_scheduler
+
+    monkeypatch.setattr(connector_module, "moved_contracts", lambda: ["vllm.v1.core.sched.output:X.y"])
+    with caplog.at_level(logging.WARNING):
+        sched = make_scheduler(tiny_model, pool.address)
+    connector = sched.connector
+    assert connector is not None
+    assert not connector.can_load and not connector.can_store
+    aside = [r.getMessage() for r in caplog.records if "stands aside" in r.getMessage()]
+    assert len(aside) == 1
+    assert "vllm.v1.core.sched.output:X.y" in aside[0] and "supported releases: 0.31.0 - 0.34.0" in aside[0]
