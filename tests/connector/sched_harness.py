@@ -35,6 +35,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from maru_vllm.connector.chunks import chunk_key, hash_bytes
 from maru_vllm.connector.metadata import MaruConnectorMetadata
+from maru_vllm.connector.scheduled import resumed_req_ids
 from maru_vllm.pool import PoolClient
 
 BLOCK_SIZE = 128
@@ -56,19 +57,21 @@ def block_hasher():
     return _HASHER
 
 
-def make_scheduler(
+def make_vllm_config(
     model_dir: Path,
     pool_address: str,
     *,
-    num_blocks: int = 1000,
     max_num_batched_tokens: int = 512,
     max_num_seqs: int = 16,
     max_model_len: int = 4096,
     long_prefill_token_threshold: int = 0,
     extra: dict[str, Any] | None = None,
     kv_role: str = "kv_both",
-) -> Scheduler:
-    model_config = ModelConfig(model=str(model_dir), max_model_len=max_model_len, dtype="bfloat16", seed=0)
+    model_config: ModelConfig | None = None,
+) -> VllmConfig:
+    """The `VllmConfig` of an engine with MaruKVConnector (vLLM validates it as it is built)."""
+    if model_config is None:
+        model_config = ModelConfig(model=str(model_dir), max_model_len=max_model_len, dtype="bfloat16", seed=0)
     cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True, prefix_caching_hash_algo="sha256")
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
@@ -89,11 +92,35 @@ def make_scheduler(
             **(extra or {}),
         },
     )
-    vllm_config = VllmConfig(
+    return VllmConfig(
         model_config=model_config,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
         kv_transfer_config=transfer,
+    )
+
+
+def make_scheduler(
+    model_dir: Path,
+    pool_address: str,
+    *,
+    num_blocks: int = 1000,
+    max_num_batched_tokens: int = 512,
+    max_num_seqs: int = 16,
+    max_model_len: int = 4096,
+    long_prefill_token_threshold: int = 0,
+    extra: dict[str, Any] | None = None,
+    kv_role: str = "kv_both",
+) -> Scheduler:
+    vllm_config = make_vllm_config(
+        model_dir,
+        pool_address,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        extra=extra,
+        kv_role=kv_role,
     )
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     kv_cache_config = KVCacheConfig(
@@ -101,7 +128,7 @@ def make_scheduler(
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"], spec)],
     )
-    cache_config.num_gpu_blocks = num_blocks
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
@@ -109,6 +136,20 @@ def make_scheduler(
         block_size=BLOCK_SIZE,
         log_stats=True,
     )
+
+
+def model_runner_output(
+    req_ids: list[str], sampled_token_ids: list[list[int]], kv_connector_output: KVConnectorOutput | None
+) -> ModelRunnerOutput:
+    """What the model runner hands the scheduler after a step. vLLM 0.34 dropped the
+    `req_id_to_index` field (the index is the position in `req_ids`); it is passed where it exists."""
+    index = {"req_id_to_index": {rid: i for i, rid in enumerate(req_ids)}} if _HAS_REQ_INDEX else {}
+    return ModelRunnerOutput(
+        req_ids=req_ids, sampled_token_ids=sampled_token_ids, kv_connector_output=kv_connector_output, **index
+    )
+
+
+_HAS_REQ_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 
 
 def make_request(req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
@@ -281,7 +322,7 @@ class Sim:
         match = {m.req_id: m for m in probe.match_calls[n_match:]}
         meta = out.kv_connector_metadata
         assert isinstance(meta, MaruConnectorMetadata), type(meta)
-        new_or_resumed = {r.req_id for r in out.scheduled_new_reqs} | set(out.scheduled_cached_reqs.resumed_req_ids)
+        new_or_resumed = {r.req_id for r in out.scheduled_new_reqs} | resumed_req_ids(out.scheduled_cached_reqs)
         blocks: dict[str, list[int]] = {}
         before: dict[str, int] = {}
         for req_id, n in out.num_scheduled_tokens.items():
@@ -343,13 +384,10 @@ class Sim:
         for rid in req_ids:
             r = sched.requests[rid]
             sampled.append([SAMPLE_TOKEN] if r.num_computed_tokens >= r.num_tokens else [])
-        mro = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=(
-                KVConnectorOutput(invalid_block_ids=invalid, finished_sending=sending) if invalid or sending else None
-            ),
+        mro = model_runner_output(
+            req_ids,
+            sampled,
+            KVConnectorOutput(invalid_block_ids=invalid, finished_sending=sending) if invalid or sending else None,
         )
         sched.update_from_output(out, mro)
         for rid, r in list(self.requests.items()):
