@@ -385,6 +385,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     @_contained(None, on_error="_forget_request")
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # True: a write-behind store may still read the blocks; the worker reports them in get_finished.
+        self.load_guard.forget(request.request_id)
         if self.scheduler_side is None:
             return False, None
         return bool(self.scheduler_side.request_finished(request)), None

@@ -53,6 +53,10 @@ class SchedulerLoadGuard:
         """vLLM asked for `req_id`'s external tokens beyond its local hit of `num_local_tokens`."""
         self.local_tokens[req_id] = num_local_tokens
 
+    def forget(self, req_id: str) -> None:
+        """The request finished (or was aborted while it waited): drop what `asked` kept."""
+        self.local_tokens.pop(req_id, None)
+
     def granted_load(self, req_id: str, num_external_tokens: int, blocks: Any = None) -> None:
         """vLLM admitted `req_id` counting `num_external_tokens` tokens as loaded; `blocks` is the
         request's `KVCacheBlocks` (its whole table so far)."""

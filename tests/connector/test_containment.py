@@ -60,6 +60,13 @@ def test_a_failed_seal_fails_every_granted_block_from_vllms_calls_alone() -> Non
     assert guard.fail_step().load_failures == []
 
 
+def test_the_guard_keeps_nothing_of_a_request_that_was_asked_but_never_admitted() -> None:
+    guard = SchedulerLoadGuard(block_size=16)
+    guard.asked("waiting-then-aborted", 32)
+    guard.forget("waiting-then-aborted")
+    assert guard.local_tokens == {}
+
+
 def test_a_failed_seal_fails_every_asynchronous_load_by_request() -> None:
     guard = SchedulerLoadGuard(block_size=16, asynchronous=True)
     guard.asked("r1", 0)
