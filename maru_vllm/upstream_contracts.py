@@ -285,6 +285,22 @@ VLLM_CONTRACTS: tuple[Contract, ...] = (
     ),
     Contract(
         "vllm",
+        "vllm.distributed.kv_events",
+        "KVEventBatch",
+        ("ts", "events", "data_parallel_rank"),
+        why="the relay decodes vLLM's batches and builds its own in the same layout",
+        used_in=("maru_vllm/events/vllm_format.py",),
+    ),
+    Contract(
+        "vllm",
+        "vllm.v1.attention.backend",
+        "AttentionBackend",
+        ("get_name()",),
+        why="the attention backend's name, part of the object layout's identity",
+        used_in=(_CONN,),
+    ),
+    Contract(
+        "vllm",
         "vllm.engine.protocol",
         "EngineClient",
         ("generate(prompt, sampling_params, request_id)",),
