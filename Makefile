@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup lint test demo bench aiperf clean help
+.PHONY: setup lint test demo bench aiperf compat clean help
 
 help:
 	@echo "make setup   - create $(VENV) with vLLM (CPU or GPU), Dynamo 1.6.1, LMCache, nats-server"
@@ -13,6 +13,7 @@ help:
 	@echo "make demo    - run the demo on the embedded defaults"
 	@echo "make bench   - run the benchmarks in benchmarks/"
 	@echo "make aiperf  - create .venv-aiperf with AIPerf (the load generator of benchmarks/real_traffic.py)"
+	@echo "make compat  - the compatibility matrix: each supported vLLM/LMCache/Dynamo release, each level (docs/compat-matrix.json)"
 
 setup:
 	@VENV=$(VENV) GPU=$(or $(GPU),auto) bash scripts/setup.sh
@@ -34,6 +35,11 @@ bench:
 
 aiperf:
 	@bash scripts/setup_aiperf.sh
+
+compat:
+	@test -x $(PY) || { echo "no $(VENV): run 'make setup' first"; exit 2; }
+	@bash scripts/setup_compat.sh
+	$(PY) scripts/compat/matrix.py --levels static,scheduler,engines
 
 clean:
 	rm -rf $(VENV) .venv-aiperf .venv-aiperf.log .setup-logs .pytest_cache .mypy_cache .ruff_cache build/typecheck

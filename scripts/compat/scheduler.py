@@ -77,7 +77,7 @@ def _test_id(case: ET.Element) -> str:
     return f"{module}::{case.get('name', '')}"
 
 
-def _read_junit(path: Path, result: LevelResult) -> None:
+def read_junit(path: Path, result: LevelResult) -> None:
     for case in ET.parse(path).getroot().iter("testcase"):
         bad = case.find("failure")
         if bad is None:
@@ -126,15 +126,15 @@ def run_scheduler_level(version: str, timeout: float = 900.0, pytest_args: tuple
             if found["version"].split("+")[0] != version:
                 result.first_error = f"vllm {found['version']} was imported, not {version}"
         elif not result.first_error:
-            result.first_error = "the tests did not start against the release: " + _last_error(output)
+            result.first_error = "the tests did not start against the release: " + last_error(output)
         if junit.exists():
-            _read_junit(junit, result)
+            read_junit(junit, result)
         if not result.first_error and result.passed == 0:
-            result.first_error = "no test ran: " + _last_error(output)
+            result.first_error = "no test ran: " + last_error(output)
     return result
 
 
-def _last_error(output: str) -> str:
+def last_error(output: str) -> str:
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
     for line in reversed(lines):
         if "Error" in line or "error" in line:
