@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scheduler import LevelResult, last_error, read_junit
-from sources import REPO
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for `scripts.compat`
+from scripts.compat.scheduler import LevelResult, last_error, read_junit
+from scripts.compat.sources import REPO
 
 TESTS = ("tests/e2e/test_connector_e2e.py",)
 VENVS = (".venv", ".venv-compat")  # where a release may be installed, by `make setup` / `make compat`

@@ -28,14 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engines import environments, run_engines_level
-from scheduler import LevelResult, run_scheduler_level
-from sources import REPO
-
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for `scripts.compat`
 from maru_vllm.versions import DYNAMO, LMCACHE, VLLM, release_numbers
+from scripts.compat.engines import environments, run_engines_level
+from scripts.compat.scheduler import LevelResult, run_scheduler_level
+from scripts.compat.sources import REPO
 
 LEVELS = ("static", "scheduler", "engines")
 OUT = REPO / "docs" / "compat-matrix.json"
@@ -48,7 +45,7 @@ def _today() -> str:
 
 def _load_static() -> Callable[..., dict] | None:
     try:
-        from static import run_static_level
+        from scripts.compat.static import run_static_level
     except ImportError:
         return None
     return run_static_level

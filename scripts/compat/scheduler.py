@@ -22,9 +22,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shadow import ENV_IDENTITY, shadow_env
-from sources import REPO, SourceUnavailable
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for `scripts.compat`
+from scripts.compat.shadow import ENV_IDENTITY, shadow_env
+from scripts.compat.sources import REPO, SourceUnavailable
 
 TESTS = (
     "tests/connector/test_scheduler_real.py",
@@ -111,7 +111,7 @@ def run_scheduler_level(version: str, timeout: float = 900.0, pytest_args: tuple
         junit, identity = Path(tmp) / "junit.xml", Path(tmp) / "identity.json"
         env[ENV_IDENTITY] = str(identity)
         env.setdefault("HF_HUB_OFFLINE", "1")
-        cmd = [_python(), "-m", "pytest", "-q", "-p", "shadow", "-p", "no:cacheprovider"]
+        cmd = [_python(), "-m", "pytest", "-q", "-p", "scripts.compat.shadow", "-p", "no:cacheprovider"]
         cmd += [f"--junitxml={junit}", *pytest_args, *TESTS]
         try:
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -143,7 +143,6 @@ def last_error(output: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(REPO))
     from maru_vllm.versions import VLLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

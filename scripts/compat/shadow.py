@@ -6,7 +6,7 @@ release's pure-Python vLLM over the installed one, with the installed dependenci
 transformers, ...). The release's compiled extensions (`vllm._C`, ...) are absent: what runs this
 way must not need them (vLLM's scheduler and config validation do not).
 
-Loaded into pytest with `-p shadow` (this folder on `PYTHONPATH`), this module is also a plugin:
+Loaded into pytest with `-p scripts.compat.shadow`, this module is also a plugin:
 it refuses to run unless `vllm` really is the release's tree, names the release in the report
 header and, on an x86 CPU without triton-cpu, waives the one check of vLLM's CPU platform that
 needs triton-cpu to run models (from 0.34 on it raises instead of warning; no model runs here,
@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sources import cache_dir, release_source
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for `scripts.compat`
+from scripts.compat.sources import REPO, cache_dir, release_source
 
 ENV_RELEASE = "MARU_COMPAT_VLLM_TREE"  # the release's package tree the plugin expects
 ENV_IDENTITY = "MARU_COMPAT_IDENTITY"  # where the plugin writes what it ran against (JSON)
@@ -44,14 +44,13 @@ def shadow_dir(version: str) -> Path:
 def shadow_env(version: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a subprocess that imports `vllm==version`'s sources."""
     env = dict(os.environ if base is None else base)
-    here = str(Path(__file__).resolve().parent)
-    paths = [str(shadow_dir(version)), here, env.get("PYTHONPATH", "")]
+    paths = [str(shadow_dir(version)), str(REPO), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env[ENV_RELEASE] = str((release_source("vllm", version) / "vllm").resolve())
     return env
 
 
-# ---- pytest plugin (`-p shadow`) -------------------------------------------------------------
+# ---- pytest plugin (`-p scripts.compat.shadow`) -------------------------------------------------------------
 WAIVED: list[str] = []
 
 

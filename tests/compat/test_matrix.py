@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "compat"))
-import matrix
-from engines import run_engines_level
+from scripts.compat import matrix
+from scripts.compat.engines import run_engines_level
 
 
 def test_a_static_run_of_one_release_is_recorded_with_its_date_and_keeps_other_cells(

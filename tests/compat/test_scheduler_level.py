@@ -8,15 +8,10 @@ fails CI, not a user's upgrade.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from maru_vllm.versions import VLLM
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "compat"))
-from scheduler import run_scheduler_level
+from scripts.compat.scheduler import run_scheduler_level
 
 pytestmark = [pytest.mark.slow]
 
