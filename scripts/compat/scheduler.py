@@ -62,8 +62,9 @@ class LevelResult:
 
 
 def _python() -> str:
+    """This interpreter when it runs in a virtual environment (`make setup`'s), else `.venv`'s."""
     venv = REPO / ".venv" / "bin" / "python"
-    return str(venv) if venv.exists() else sys.executable
+    return sys.executable if sys.prefix != sys.base_prefix or not venv.exists() else str(venv)
 
 
 def _test_id(case: ET.Element) -> str:
