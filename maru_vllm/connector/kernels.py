@@ -24,7 +24,8 @@ the same names (``LBNHC`` -> ``NHD``, ``LBHNC`` -> ``HND``). LMCache's torch imp
 of the block kernel (same object format; the fallback when a launch fails) is in
 ``lmcache.python_ops_fallback`` (0.4.7 - 0.5.2), ``lmcache.v1.platform.torch_ops``
 (0.5.3 - 0.5.5) and ``lmcache.v1.platform.torch_ops.mp_mem_kernels`` (0.5.6); 0.4.3 - 0.4.6
-have none. On a CPU-only host the compiled modules fail to import (``libc10_cuda.so``).
+have none. On a CPU-only host the compiled modules fail to import (``libc10_cuda.so``), and
+0.4.6 - 0.5.3 then put LMCache's Python fallbacks at ``lmcache.c_ops``: those are not kernels.
 
 Everything that resolves is bundled in one :class:`LMCacheKernels`; any missing piece
 means ``None`` (torch path), logged once, never an error at call time. Std ``logging`` is
@@ -36,6 +37,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -253,6 +255,15 @@ def _module_with(name: str, names: tuple[str, ...], what: str, problems: list[st
     return module
 
 
+def _python_fallback(module: ModuleType) -> str | None:
+    """Where ``module``'s kernels come from when they are LMCache's Python fallbacks, not compiled ops
+    (0.4.6 - 0.5.3 put those at ``lmcache.c_ops`` when the compiled module does not load)."""
+    fn = getattr(module, REQUIRED_KERNELS[0], None)
+    fn = getattr(fn, "__func__", fn)  # 0.5.3: a method of its device ops
+    origin = str(getattr(fn, "__module__", None) or "")
+    return origin if isinstance(fn, types.FunctionType) and origin.split(".")[0] == "lmcache" else None
+
+
 def _copier_api(kmod: ModuleType, emod: ModuleType, problems: list[str]) -> CopierAPI | None:
     """The block copier's LMCache helpers of the installed release, or None (why, in ``problems``)."""
     lm_utils = _import("lmcache.utils", problems)
@@ -321,6 +332,10 @@ def probe_lmcache_kernels() -> KernelProbe:
         return KernelProbe(None, None, None, tuple(problems), version)
 
     kmod = _module_with("lmcache.c_ops", REQUIRED_KERNELS, "kernels", problems)
+    origin = None if kmod is None else _python_fallback(kmod)
+    if origin is not None:
+        problems.append(f"lmcache.c_ops holds LMCache's Python fallbacks ({origin}): its compiled ops did not load")
+        kmod = None
     kernels_in_c_ops = kmod is not None
     if kmod is None:
         kmod = _module_with("lmcache.cuda_ops", REQUIRED_KERNELS, "kernels", problems)

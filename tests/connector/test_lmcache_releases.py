@@ -213,8 +213,9 @@ def _flash_caches(layers: int, nb: int, bs: int, nh: int, hs: int, fill: bool):
     }
 
 
-def run_release(root: str, version: str) -> dict:
-    """In the release's interpreter: resolve, summarise, build the copier, fail a kernel, copy."""
+def run_release(root: str, version: str, host: str = "cuda") -> dict:
+    """In the release's interpreter: resolve, summarise, build the copier, fail a kernel, copy.
+    `host="cpu"`: as on a host where the compiled CUDA module does not load."""
     import torch
 
     records: list[tuple[str, str]] = []
@@ -234,11 +235,13 @@ def run_release(root: str, version: str) -> dict:
     from maru_vllm.connector.transfer import FORMAT_LMCACHE_BLOCK, LMCacheBlockCopier, copy_format
     from maru_vllm.versions import LMCACHE
 
-    if root != "-" and kernels.unsupported_release(LMCACHE.installed()) is None:
+    if host == "cuda" and root != "-" and kernels.unsupported_release(LMCACHE.installed()) is None:
         _as_on_a_cuda_host(sys.modules[out["fake"]])
+    elif host == "cpu":
+        sys.modules.pop(out["fake"])  # the compiled module does not load
     # LMCache 0.4.x's gpu_connector.utils picks its enums module (c_ops) when imported on a CUDA host.
     cuda_available = torch.cuda.is_available
-    torch.cuda.is_available = lambda: True
+    torch.cuda.is_available = lambda: host == "cuda"
     try:
         probe = kernels.probe_lmcache_kernels()
         k = kernels.resolve_lmcache_kernels(True)
@@ -295,12 +298,12 @@ def run_release(root: str, version: str) -> dict:
     return out
 
 
-def run_in_release(root: Path | None, version: str, extra_path: Path | None = None) -> dict:
+def run_in_release(root: Path | None, version: str, extra_path: Path | None = None, host: str = "cuda") -> dict:
     """`run_release` in a fresh interpreter whose sys.path starts with the release's sources."""
     path = [str(p) for p in (extra_path, root) if p is not None]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     proc = subprocess.run(
-        [sys.executable, __file__, str(root) if root else "-", version],
+        [sys.executable, __file__, str(root) if root else "-", version, host],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -409,6 +412,18 @@ def test_a_kernel_failing_at_run_time_moves_to_lmcache_torch_or_is_a_miss(releas
     assert out["failing_calls"] >= 1
 
 
+@pytest.mark.parametrize("version", ["0.5.1", "0.5.3"])
+def test_lmcaches_python_fallbacks_at_c_ops_are_not_taken_for_kernels(releases, version) -> None:
+    """0.4.6 - 0.5.3 put their Python fallbacks at `lmcache.c_ops` when the compiled module does not
+    load (a merged module up to 0.5.2, a shim over the CPU device ops in 0.5.3)."""
+    root, _ = releases[version]
+    out = run_in_release(root, version, host="cpu")
+    assert out["summary_cuda"].startswith(f"torch path: LMCache {version} kernels unavailable (lmcache.c_ops holds")
+    assert "its compiled ops did not load" in out["summary_cuda"]
+    assert out["copy_format"] == "maru-pages"
+    assert [level for level, _ in out["records"]] == ["INFO"]
+
+
 def test_an_older_release_takes_the_torch_path_with_one_warning(releases) -> None:
     _, out = releases[OLDER]
     why = f"LMCache {OLDER} is older than the supported {_supported()[0]} - {_supported()[-1]}"
@@ -431,4 +446,4 @@ def test_an_unknown_release_takes_the_torch_path_with_one_warning(tmp_path) -> N
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_release(sys.argv[1], sys.argv[2])))
+    print(json.dumps(run_release(*sys.argv[1:4])))
