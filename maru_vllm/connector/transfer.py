@@ -14,7 +14,9 @@ chosen once per KV cache group by `make_copier`:
   reading and writing the CUDA-registered pool region directly (see cuda_host.py). The engine
   KV format and page geometry come from LMCache's own detector, so the kernel gets exactly what
   LMCache itself would pass. Should a kernel launch fail at run time, the copier switches to
-  LMCache's torch implementation of the same kernel (same object format), logged once.
+  LMCache's torch implementation of the same kernel (same object format), logged once, where the
+  release ships one (0.4.7 and later); on older releases every later copy of that worker fails
+  at once (a miss: recomputed, not stored), logged once.
 
 The two formats are not interchangeable, so the format is part of the KV namespace
 (`copy_format` is computed identically by the scheduler and the worker processes): engines that
@@ -206,6 +208,8 @@ class LMCacheBlockCopier:
         self.bytes_per_token = int(d.kv_size) * self.num_layers * width * self.dtype.itemsize
         self._kernel = kernel
         self._compiled = _is_compiled(kernel)
+        # Set when the compiled kernel failed and this LMCache release has no torch version of it.
+        self._broken: str | None = None
         self._ptrs = None
         if self._compiled:
             import numpy as np
@@ -302,6 +306,8 @@ class LMCacheBlockCopier:
         else:
             args = (self.paged, objects, block_ids)
         tokens_per_object = objects[0].shape[-2]
+        if self._broken is not None:  # no fallback in this release: every copy is a miss, at once
+            raise RuntimeError(self._broken)
         try:
             self._kernel(*args, self.device, direction, self.shape_desc, tokens_per_object, self.engine_format, skip)
         except (RuntimeError, TypeError, ValueError) as exc:
@@ -309,7 +315,9 @@ class LMCacheBlockCopier:
                 raise RuntimeError(f"LMCache's torch block kernel failed: {exc}") from exc
             fallback, where = self._api.torch_block_kernel()
             if fallback is None:
-                raise RuntimeError(f"LMCache block kernel failed ({exc}); {where}") from exc
+                self._broken = f"LMCache block kernel failed ({exc}); {where}"
+                logger.error("%s: every copy of this worker is now a miss (recomputed, not stored)", self._broken)
+                raise RuntimeError(self._broken) from exc
             logger.warning(
                 "LMCache block kernel failed (%s); using LMCache's torch implementation of it "
                 "(%s) from now on (same object format)",

@@ -293,6 +293,10 @@ def run_release(root: str, version: str, host: str = "cuda") -> dict:
             ) and any(bool(t.abs().sum()) for t in dst.values())
         except RuntimeError as exc:
             out["failure"] = f"RuntimeError: {exc}"
+            try:  # a second copy fails at once: the broken kernel is not launched again
+                cp.pack([3, 4], memoryview(obj))
+            except RuntimeError as again:
+                out["again"] = f"RuntimeError: {again}"
         out["failing_calls"] = failing.calls
     out["records"] = records
     return out
@@ -409,6 +413,8 @@ def test_a_kernel_failing_at_run_time_moves_to_lmcache_torch_or_is_a_miss(releas
         # No torch implementation in the release: the copier's contract, a RuntimeError (a miss).
         assert out["failure"].startswith("RuntimeError: LMCache block kernel failed")
         assert "no torch implementation" in out["failure"]
+        assert out["again"] == out["failure"]
+        assert out["failing_calls"] == 1
     assert out["failing_calls"] >= 1
 
 
