@@ -28,7 +28,6 @@ from maru_vllm.connector.object_format import (
     TRAILER_BYTES,
     HeadRange,
     ObjectFormat,
-    converted_pages,
     format_of,
     read_format,
 )
@@ -187,6 +186,10 @@ class KVCacheSet:
             v0.storage_offset(),
         )
 
+    def pages_of(self, layer: str) -> torch.Tensor:
+        """The ``[num_blocks, *page]`` view of a unique layer's cache."""
+        return self._pages[layer]
+
     @property
     def device(self) -> torch.device:
         """Device of the registered caches (every layer is on the same one)."""
@@ -343,8 +346,7 @@ class KVCacheSet:
         if skip_blocks < 0:
             raise ValueError(f"skip_blocks={skip_blocks} must be >= 0")
         flat = _byte_tensor(src, writable=False)
-        n = self.check_chunk(block_ids, flat.numel(), "unpack", skip_blocks, chunk_blocks)
-        written = self.written_format(flat, "unpack")
+        n, written = self._check_object(block_ids, flat, "unpack", skip_blocks, chunk_blocks)
         if written is not None:
             self._convert_unpack(block_ids, flat, n, skip_blocks, written, hasher)
             return
@@ -376,23 +378,35 @@ class KVCacheSet:
         if self._trailer:
             hasher.update(raw[n * self.bytes_per_block :])
 
+    def _check_object(
+        self, block_ids: Sequence[int], flat: torch.Tensor, what: str, skip_blocks: int, chunk_blocks: int | None
+    ) -> tuple[int, ObjectFormat | None]:
+        """`check_chunk` of an object in this cache set's format or one it reads (`written_format`),
+        whose pages may hold more KV heads than this rank's: (blocks in the chunk, its format)."""
+        written = self.written_format(flat, what)
+        nbytes = flat.numel()
+        if written is not None:
+            nbytes = self._own_nbytes(nbytes, written)
+        return self.check_chunk(block_ids, nbytes, what, skip_blocks, chunk_blocks), written
+
+    def _own_nbytes(self, nbytes: int, written: ObjectFormat) -> int:
+        from maru_vllm.connector.converted_reads import own_nbytes
+
+        return own_nbytes(self, nbytes, written)
+
     def _convert_unpack(
         self, block_ids: Sequence[int], flat: torch.Tensor, n: int, skip_blocks: int, written: ObjectFormat, hasher: Any
     ) -> None:
-        """An object of the same content in another page order: each layer's pages permuted into
-        this cache set's order as they are copied (torch; not the fast path)."""
-        assert self.format is not None
-        if hasher is not None:
-            hasher.update(flat.numpy().data)
-        runs = block_runs(block_ids)
-        off = 0
-        for name in self.unique_layers:
-            lay = self.layouts[name]
-            size = n * lay.page_nbytes
-            src = flat[off : off + size].view(lay.dtype).view(n, -1)
-            pages = converted_pages(src, written, self.format, lay.page_shape)
-            _copy_runs([(pages, self._pages[name])], runs, into_cache=True, skip_blocks=skip_blocks)
-            off += size
+        from maru_vllm.connector.converted_reads import convert_unpack
+
+        convert_unpack(self, block_ids, flat, n, skip_blocks, written, hasher)
+
+    def unpack_heads(self, block_ids: Sequence[int], srcs: Sequence[Any], *, skip_blocks: int = 0) -> None:
+        """Copy a chunk written by ranks that split the KV heads finer than this one
+        (converted_reads.unpack_heads)."""
+        from maru_vllm.connector.converted_reads import unpack_heads
+
+        unpack_heads(self, block_ids, srcs, skip_blocks=skip_blocks)
 
     def staged_pack(self, block_ids: Sequence[int], out: Any) -> None:
         """:meth:`pack` for caches on a device, always through one buffer there (see below)."""
@@ -405,8 +419,7 @@ class KVCacheSet:
     def staged_unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0) -> None:
         """:meth:`unpack` (no hasher) for caches on a device, through one buffer there."""
         flat = _byte_tensor(src, writable=False)
-        n = self.check_chunk(block_ids, flat.numel(), "unpack", skip_blocks)
-        written = self.written_format(flat, "unpack")
+        n, written = self._check_object(block_ids, flat, "unpack", skip_blocks, None)
         if written is not None:
             self._convert_unpack(block_ids, flat, n, skip_blocks, written, None)
         elif n:

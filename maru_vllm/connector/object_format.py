@@ -165,19 +165,41 @@ class ObjectFormat:
             f"g={self.group} heads={h.lo}-{h.hi}/{h.total}"
         )
 
-    def conversion_problem(self, written: ObjectFormat) -> str | None:
-        """None when an object in `written` format can be read into this format's pages (the
-        same logical content, possibly in another order), else why not."""
-        if written == self:
+    def conversion_problem(self, written: ObjectFormat, heads: tuple[int, int] | None = None) -> str | None:
+        """None when the KV heads ``heads`` (default: all of this format's) can be read out of an
+        object in `written` format into this format's pages, bit for bit (the same content in
+        another order, or a range of the writer's heads), else why not."""
+        lo, hi = heads if heads is not None else (self.heads.lo, self.heads.hi)
+        if written == self and (lo, hi) == (self.heads.lo, self.heads.hi):
             return None
         if KIND_OPAQUE in (self.kind, written.kind):
             return "the pages are not described axis by axis"
-        same = (written.kind, written.dtype, written.layers, written.group, written.heads)
-        if same != (self.kind, self.dtype, self.layers, self.group, self.heads):
-            return "another kind, dtype, layer count, kernel-block split or KV head range"
-        if sorted(written.axes) != sorted(self.axes) or len({n for n, _ in self.axes}) != len(self.axes):
+        same = (written.kind, written.dtype, written.layers, written.group, written.heads.total)
+        if same != (self.kind, self.dtype, self.layers, self.group, self.heads.total):
+            return "another kind, dtype, layer count, kernel-block split or model head count"
+        if not (written.heads.lo <= lo < hi <= written.heads.hi and self.heads.lo <= lo and hi <= self.heads.hi):
+            return f"KV heads {lo}-{hi} are not in the object's {written.heads.lo}-{written.heads.hi}"
+        if self.kind == KIND_MLA and written.heads != self.heads:
+            return "another MLA head range"
+        if _without_heads(written.axes) != _without_heads(self.axes) or len({n for n, _ in self.axes}) != len(
+            self.axes
+        ):
             return "the page axes differ"
+        if (written.bytes_per_head_page() or 0) == 0:
+            return "the object's pages are empty"
         return None
+
+    def bytes_per_head_page(self) -> int:
+        """Elements of one page per KV head the object holds (its pages scale with its heads)."""
+        count = self.heads.hi - self.heads.lo
+        elems = 1
+        for _, size in self.axes:
+            elems *= size
+        return elems // count if count > 0 else 0
+
+
+def _without_heads(axes: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    return sorted(a for a in axes if a[0] != "heads")
 
 
 def _page_axes(lay: PageLayout, mla: bool) -> tuple[tuple[str, int], ...] | None:
@@ -225,12 +247,36 @@ def read_format(payload: Any) -> ObjectFormat:
     return ObjectFormat.from_trailer(payload[-TRAILER_BYTES:].numpy().tobytes())
 
 
+def page_dim_of(lay: PageLayout, axis: str, mla: bool) -> int | None:
+    """Which dim of ``lay.page_shape`` is logical axis `axis` (e.g. "heads"), None when none is."""
+    rank = len(lay.perm) - (1 if lay.group > 1 else 0)
+    names = list(_DIM_NAMES.get((rank, lay.block_dim), ()))
+    if not names:
+        return None
+    if lay.group > 1:
+        names.insert(lay.block_dim + 1, "tgroup")
+    page_names = [names[d] for d in lay.perm[1:]]
+    return page_names.index(axis) if axis in page_names else None
+
+
 def converted_pages(
-    pages: torch.Tensor, written: ObjectFormat, own: ObjectFormat, page_shape: Sequence[int]
+    pages: torch.Tensor,
+    written: ObjectFormat,
+    own: ObjectFormat,
+    page_shape: Sequence[int],
+    heads: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """One layer's ``[n, *written page]`` pages as ``[n, *page_shape]`` in `own`'s order."""
+    """One layer's ``[n, *written page]`` pages as ``[n, *page_shape]`` in `own`'s order, holding
+    the KV heads ``heads`` (default: all of `own`'s; `page_shape` then has that many heads)."""
+    lo, hi = heads if heads is not None else (own.heads.lo, own.heads.hi)
     n = pages.shape[0]
     src = pages.reshape(n, *(s for _, s in written.axes))
-    where = {name: i for i, (name, _) in enumerate(written.axes)}
-    order = [0] + [1 + where[name] for name, _ in own.axes]
+    names = [name for name, _ in written.axes]
+    if "heads" in names:
+        at = 1 + names.index("heads")
+        src = src.narrow(at, lo - written.heads.lo, hi - lo)
+        if hi - lo == 1:
+            src = src.squeeze(at)
+            names.remove("heads")
+    order = [0] + [1 + names.index(name) for name, _ in own.axes if name in names]
     return src.permute(order).reshape(n, *page_shape)

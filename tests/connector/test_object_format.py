@@ -36,11 +36,13 @@ def _logical(seed, dtype=torch.float16, layers=3):
 
 # Each layout vLLM hands over: (name, build(logical layer) -> cache tensor, backend name, to_logical).
 def _cpu_0_31_hnc(kv):  # [B, H, N, C], C = K then V, heads before tokens (LBHNC)
-    return kv.permute(0, 3, 2, 1, 4).reshape(NB, H, BS, 2 * D).contiguous()
+    nb, _, bs, h, d = kv.shape
+    return kv.permute(0, 3, 2, 1, 4).reshape(nb, h, bs, 2 * d).contiguous()
 
 
 def _views_nhc(kv):  # [B, H, N, C] view over tokens-before-heads storage (LBNHC)
-    return kv.permute(0, 2, 3, 1, 4).reshape(NB, BS, H, 2 * D).contiguous().permute(0, 2, 1, 3)
+    nb, _, bs, h, d = kv.shape
+    return kv.permute(0, 2, 3, 1, 4).reshape(nb, bs, h, 2 * d).contiguous().permute(0, 2, 1, 3)
 
 
 def _flash_kv_first(kv):  # [2, B, N, H, D]
@@ -80,13 +82,13 @@ def _codec(build, logical, backend, heads=HEADS):
     return codec, caches
 
 
-def _back_to_logical(build, tensor):
-    """Recover the logical [NB, 2, BS, H, D] of one cache tensor built by `build`."""
-    probe = torch.arange(NB * 2 * BS * H * D, dtype=torch.float64).reshape(NB, 2, BS, H, D)
+def _back_to_logical(build, tensor, h=H):
+    """Recover the logical [NB, 2, BS, h, D] of one cache tensor built by `build`."""
+    probe = torch.arange(NB * 2 * BS * h * D, dtype=torch.float64).reshape(NB, 2, BS, h, D)
     where = build(probe).reshape(-1).to(torch.int64)  # element i of the cache is logical where[i]
-    out = torch.empty(NB * 2 * BS * H * D, dtype=tensor.dtype)
+    out = torch.empty(NB * 2 * BS * h * D, dtype=tensor.dtype)
     out[where] = tensor.reshape(-1)
-    return out.reshape(NB, 2, BS, H, D)
+    return out.reshape(NB, 2, BS, h, D)
 
 
 def _pack(codec, ids=SRC):
@@ -274,3 +276,63 @@ def test_every_vllm_kv_cache_layout_pair_reads_bit_for_bit(writer, reader):
     for name in a:  # the views are logical [B, H, N, C] whatever the storage order
         for s, d in zip(SRC, DST):
             assert torch.equal(b[name][d].view(torch.int16), a[name][s].view(torch.int16)), (name, s, d)
+
+
+def _rank_codec(build, backend, logical, total, tp, rank):
+    heads = HeadRange.for_rank(total, tp, rank)
+    mine = [kv[:, :, :, heads.lo : heads.hi].contiguous() for kv in logical]
+    codec, caches = _codec(build, mine, backend, heads=heads)
+    return codec, caches, heads
+
+
+def _assert_heads(build, caches, logical, heads):
+    for layer, t in enumerate(caches.values()):
+        got = _back_to_logical(build, t, heads.hi - heads.lo)
+        for s, d in zip(SRC, DST):
+            want = logical[layer][s][:, :, heads.lo : heads.hi]
+            assert torch.equal(got[d].view(torch.int16), want.view(torch.int16)), (layer, s, d)
+
+
+@pytest.mark.parametrize("reader", LAYOUTS, ids=lambda c: c[0])
+@pytest.mark.parametrize("writer", LAYOUTS[:3], ids=lambda c: c[0])
+def test_a_rank_reads_its_heads_out_of_a_coarser_split(writer, reader):
+    logical = _logical(21)
+    w, _, _ = _rank_codec(writer[1], writer[2], logical, H, 1, 0)
+    payload = _pack(w)
+    for tp in (2, 4, 8):  # 8 > H: replicated heads (GQA)
+        for rank in range(tp):
+            r, caches, heads = _rank_codec(reader[1], reader[2], _logical(22), H, tp, rank)
+            hasher = payload_hasher()
+            r.unpack(DST, memoryview(payload), hasher=hasher)
+            assert hasher.checksum() == payload_checksum(payload)
+            _assert_heads(reader[1], caches, logical, heads)
+
+
+@pytest.mark.parametrize("reader", LAYOUTS, ids=lambda c: c[0])
+@pytest.mark.parametrize("writer", LAYOUTS[:3], ids=lambda c: c[0])
+def test_a_rank_reads_its_heads_out_of_a_finer_split(writer, reader):
+    logical = _logical(31)
+    for wtp, rtp in ((2, 1), (4, 1), (4, 2)):
+        payloads = [_pack(_rank_codec(writer[1], writer[2], logical, H, wtp, k)[0]) for k in range(wtp)]
+        for rank in range(rtp):
+            r, caches, heads = _rank_codec(reader[1], reader[2], _logical(32), H, rtp, rank)
+            mine = [p for p, k in zip(payloads, range(wtp)) if heads.lo <= k * H // wtp < heads.hi]
+            r.unpack_heads(DST, [memoryview(p) for p in mine])
+            _assert_heads(reader[1], caches, logical, heads)
+            with pytest.raises(LayoutMismatch):  # one part missing: nothing is read
+                r.unpack_heads(DST, [memoryview(p) for p in mine[1:]])
+            with pytest.raises(LayoutMismatch):  # a finer object alone is not this rank's heads
+                r.unpack(DST, memoryview(mine[0]))
+
+
+def test_heads_outside_the_object_or_of_another_model_are_misses():
+    logical = _logical(41)
+    w, _, _ = _rank_codec(_cpu_0_31_hnc, "CPU_ATTN", logical, H, 2, 0)  # heads 0-2
+    r, caches, _ = _rank_codec(_cpu_0_31_hnc, "CPU_ATTN", _logical(42), H, 2, 1)  # heads 2-4
+    before = {n: t.clone() for n, t in caches.items()}
+    _misses(r, _pack(w))
+    assert all(torch.equal(before[n], t) for n, t in caches.items())
+    other_model, _ = _codec(
+        _cpu_0_31_hnc, [kv[:, :, :, :2].contiguous() for kv in logical], "CPU_ATTN", heads=HeadRange(0, 2, 2)
+    )
+    _misses(r, _pack(other_model))
