@@ -42,4 +42,4 @@ compat:
 	$(PY) scripts/compat/matrix.py --levels static,scheduler,engines
 
 clean:
-	rm -rf $(VENV) .venv-aiperf .venv-aiperf.log .setup-logs .pytest_cache .mypy_cache .ruff_cache build/typecheck
+	rm -rf $(VENV) .venv-compat .compat-cache .venv-aiperf .venv-aiperf.log .setup-logs .pytest_cache .mypy_cache .ruff_cache build/typecheck

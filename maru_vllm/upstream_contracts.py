@@ -376,8 +376,8 @@ LMCACHE_CONTRACTS: tuple[Contract, ...] = (
             "lmcache.v1.platform.torch_ops:multi_layer_block_kv_transfer",
             "lmcache.python_ops_fallback:multi_layer_block_kv_transfer",
         ),
-        why="LMCache's torch block kernel, the copier's fallback when a compiled launch fails (where no "
-        "release has one, such a failure disables the connector on that worker)",
+        why="LMCache's torch block kernel, the copier's fallback when a compiled launch fails (on a "
+        "release without one, every later copy of that worker is a miss)",
         used_in=(_KERNELS,),
     ),
     Contract(

@@ -22,7 +22,7 @@ MOONCAKE_VERSION=0.3.13.post1
 
 CURRENT_STEP="start"
 STEP_NO=0
-STEP_TOTAL=11
+STEP_TOTAL=12
 T0=$SECONDS
 
 step() {
@@ -135,6 +135,15 @@ if command -v nats-server >/dev/null 2>&1; then
 else
     apt_install "nats-server is missing" nats-server
     done_step "installed: $(nats-server --version 2>&1 | head -n1)"
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "Prometheus and promtool (Debian package): the tests' real scrapes and alert-rule checks"
+if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then
+    done_step "present: $(promtool --version 2>&1 | head -n1)"
+else
+    apt_install "prometheus is missing" prometheus
+    done_step "installed: $(promtool --version 2>&1 | head -n1)"
 fi
 
 # ---------------------------------------------------------------------------------------------

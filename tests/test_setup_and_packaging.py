@@ -23,7 +23,7 @@ def run_setup(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
 def test_setup_names_the_failed_step_missing_python(tmp_path: Path) -> None:
     res = run_setup(tmp_path, PYTHON="/nonexistent/python3.11", VENV=str(tmp_path / "venv"))
     assert res.returncode != 0
-    assert 'FAILED at step 1/11 "check the Python interpreter' in res.stderr
+    assert 'FAILED at step 1/12 "check the Python interpreter' in res.stderr
     assert "/nonexistent/python3.11 not found" in res.stderr
     assert not (tmp_path / "venv").exists()
 
@@ -39,7 +39,7 @@ def test_setup_names_the_failed_step_and_shows_the_pip_error(tmp_path: Path) -> 
         GPU="0",
     )
     assert res.returncode != 0, res.stdout
-    assert 'FAILED at step 4/11 "virtual environment' in res.stderr
+    assert 'FAILED at step 5/12 "virtual environment' in res.stderr
     # The log tail of the failing pip run is shown.
     assert "No matching distribution found for packaging" in res.stderr
 

@@ -7,8 +7,11 @@ thread. Its implementations are in `transfer.py`.
 Failure contract: a copy that cannot be done raises before it writes anything it was not given
 (`LayoutMismatch` for a buffer of the wrong size, `IndexError` for a block id outside the cache,
 `RuntimeError` / `ValueError` from the kernel); the caller turns that into a miss (load) or a
-skipped store, never into KV it trusts. A copier never unpins, commits or hashes on the pool's
-behalf: a load's payload is verified by the caller against the digest or hasher it handed in.
+skipped store, never into KV it trusts. A compiled LMCache kernel that fails at run time is
+replaced by the installed release's torch implementation of it (same object format) where that
+release has one; anything else a kernel raises reaches the caller as a `RuntimeError`. A copier
+never unpins, commits or hashes on the pool's behalf: a load's payload is verified by the caller
+against the digest or hasher it handed in.
 """
 
 from __future__ import annotations

@@ -11,19 +11,13 @@ from __future__ import annotations
 
 import logging
 
-from maru_vllm.connector.transfer import FORMAT_PAGES
+from maru_vllm.connector.kernels import kernel_path_summary
 from maru_vllm.versions import stack_versions, unsupported
 
 
 def copy_path(device_type: str, use_lmcache_kernels: bool, copy_format: str) -> str:
-    """Which copies this engine runs, and why."""
-    if copy_format != FORMAT_PAGES:
-        return f"LMCache's kernel path ({copy_format} objects)"
-    if device_type != "cuda":
-        return f"torch path (a {device_type} engine: LMCache's kernels are CUDA-only)"
-    if not use_lmcache_kernels:
-        return "torch path (maru_use_lmcache_kernels is off)"
-    return "torch path (LMCache's block kernel did not resolve; see the kernels line above)"
+    """Which copies this engine runs, and why (`kernels.kernel_path_summary`), and its objects' format."""
+    return f"{kernel_path_summary(device_type, use_lmcache_kernels)}; object format {copy_format}"
 
 
 def stack_line(copy_path: str) -> tuple[int, str]:

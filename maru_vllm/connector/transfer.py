@@ -14,7 +14,9 @@ chosen once per KV cache group by `make_copier`:
   reading and writing the CUDA-registered pool region directly (see cuda_host.py). The engine
   KV format and page geometry come from LMCache's own detector, so the kernel gets exactly what
   LMCache itself would pass. Should a kernel launch fail at run time, the copier switches to
-  LMCache's torch implementation of the same kernel (same object format), logged once.
+  LMCache's torch implementation of the same kernel (same object format), logged once, where the
+  release ships one (0.4.7 and later); on older releases every later copy of that worker fails
+  at once (a miss: recomputed, not stored), logged once.
 
 The two formats are not interchangeable, so the format is part of the KV namespace
 (`copy_format` is computed identically by the scheduler and the worker processes): engines that
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 
 from maru_vllm.connector.copier import Copier, WholeChunk
-from maru_vllm.connector.kernels import LMCacheKernels, resolve_lmcache_kernels
+from maru_vllm.connector.kernels import LMCacheKernels, lmcache_copier_api, resolve_lmcache_kernels
 from maru_vllm.connector.layouts import KVCacheSet
 from maru_vllm.connector.page_layout import LayoutMismatch
 from maru_vllm.connector.payload_digests import PayloadDigests
@@ -192,43 +194,34 @@ class LMCacheBlockCopier:
         """``kv_layout``: vLLM's resolved layout (``KVCacheLayout`` name, e.g. ``LBNHC``). A fused
         K/V page's head and token axes cannot be told apart by shape, so LMCache reads them by it;
         None leaves LMCache's platform default (heads first on CPU, tokens first elsewhere)."""
-        from lmcache import lmcache_native
-        from lmcache.utils import EngineType
-        from lmcache.v1.gpu_connector.kv_format.detection import detect_format
-        from lmcache.v1.gpu_connector.utils import get_group_data_ptrs, make_page_buffer_shape_desc
-
+        self._api = lmcache_copier_api()  # the installed release's helpers (kernels.py); ImportError: none
         self.name = name
-        self._native = lmcache_native
         unique: dict[int, torch.Tensor] = {}
         for t in kv_caches.values():
             unique.setdefault(t.data_ptr(), t)
         layers = list(unique.values())
         self.device = layers[0].device
         self.dtype = layers[0].dtype
-        hints: dict[str, Any] = {}
-        if kv_layout is not None:
-            from lmcache.integration.vllm.utils import translate_vllm_kv_cache_layout
-
-            hints["kv_layout"] = translate_vllm_kv_cache_layout(kv_layout)  # NotImplementedError: unsupported
-        self.engine_format, self.paged = detect_format(layers, EngineType.VLLM, hints)
+        # NotImplementedError: a layout this release cannot copy.
+        self.engine_format, self.paged = self._api.detect(layers, kv_layout)
         self.num_layers = len(layers)
         self.block_size = block_size
         self.chunk_tokens = block_size * blocks_per_chunk
-        self.shape_desc = make_page_buffer_shape_desc(
-            self.paged, self.engine_format, 0, self.num_layers, num_blocks, block_size
-        )
+        self.shape_desc = self._api.shape_desc(self.paged, self.engine_format, self.num_layers, num_blocks, block_size)
         d = self.shape_desc
         width = int(d.nh) * int(d.hs)
         self._tokens_shape = ((2, self.num_layers) if int(d.kv_size) == 2 else (self.num_layers,), width)
         self.bytes_per_token = int(d.kv_size) * self.num_layers * width * self.dtype.itemsize
         self._kernel = kernel
         self._compiled = _is_compiled(kernel)
+        # Set when the compiled kernel failed and this LMCache release has no torch version of it.
+        self._broken: str | None = None
         self._ptrs = None
         if self._compiled:
             import numpy as np
 
             ptrs = np.array(
-                get_group_data_ptrs(self.paged, self.engine_format, list(range(self.num_layers))), dtype=np.uint64
+                self._api.group_ptrs(self.paged, self.engine_format, self.num_layers), dtype=np.uint64
             ).view(np.int64)
             self._ptrs = torch.from_numpy(ptrs).to(self.device)
 
@@ -307,8 +300,8 @@ class LMCacheBlockCopier:
             torch.cuda.current_stream(self.device).synchronize()
 
     def _launch(self, objects: list[torch.Tensor], block_ids: list[int], *, store: bool, skip: int) -> None:
-        native = self._native
-        direction = native.TransferDirection.D2H if store else native.TransferDirection.H2D
+        directions = self._api.TransferDirection
+        direction = directions.D2H if store else directions.H2D
         args: tuple[Any, ...]
         if self._compiled:
             args = (
@@ -319,19 +312,25 @@ class LMCacheBlockCopier:
         else:
             args = (self.paged, objects, block_ids)
         tokens_per_object = objects[0].shape[-2]
+        if self._broken is not None:  # no fallback in this release: every copy is a miss, at once
+            raise RuntimeError(self._broken)
         try:
             self._kernel(*args, self.device, direction, self.shape_desc, tokens_per_object, self.engine_format, skip)
         except (RuntimeError, TypeError, ValueError) as exc:
             if not self._compiled:
-                raise
+                raise RuntimeError(f"LMCache's torch block kernel failed: {exc}") from exc
+            fallback, where = self._api.torch_block_kernel()
+            if fallback is None:
+                self._broken = f"LMCache block kernel failed ({exc}); {where}"
+                logger.error("%s: every copy of this worker is now a miss (recomputed, not stored)", self._broken)
+                raise RuntimeError(self._broken) from exc
             logger.warning(
                 "LMCache block kernel failed (%s); using LMCache's torch implementation of it "
-                "from now on (same object format)",
+                "(%s) from now on (same object format)",
                 exc,
+                where,
             )
-            from lmcache.v1.platform.torch_ops.mp_mem_kernels import multi_layer_block_kv_transfer
-
-            self._kernel, self._compiled, self.name = multi_layer_block_kv_transfer, False, "lmcache-torch"
+            self._kernel, self._compiled, self.name = fallback, False, "lmcache-torch"
             self._launch(objects, block_ids, store=store, skip=skip)
 
 

