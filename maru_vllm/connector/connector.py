@@ -455,8 +455,12 @@ def _head_range(vllm_config: Any) -> HeadRange:
         tp_rank = get_tp_group().rank_in_group
     except (AssertionError, ImportError, AttributeError):
         tp_rank = 0
+    try:
+        total = int(model.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        return HeadRange(0, 0, 0)  # unknown: its objects are read only by engines of its own format
     return HeadRange.for_rank(
-        int(model.get_total_num_kv_heads()),
+        total,
         int(vllm_config.parallel_config.tensor_parallel_size),
         int(tp_rank),
         bool(getattr(model, "use_mla", False)),

@@ -217,6 +217,9 @@ class KVCacheSet:
         cannot (an older object, another dtype, head range or geometry)."""
         if not self._trailer:
             return None
+        pin_bytes = isinstance(payload, memoryview) and payload.format == "B" and payload.ndim == 1
+        if pin_bytes and payload.nbytes >= TRAILER_BYTES and payload[-TRAILER_BYTES:] == self._trailer:
+            return None  # the hot path: a pool pin's bytes, in this engine's format
         flat = _byte_tensor(payload, writable=False)
         if flat.numel() >= TRAILER_BYTES and flat[-TRAILER_BYTES:].numpy().tobytes() == self._trailer:
             return None

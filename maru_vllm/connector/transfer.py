@@ -4,7 +4,8 @@ Two implementations of `copier.Copier` (which states what a copier does and how 
 chosen once per KV cache group by `make_copier`:
 
 * `TorchPageCopier` (every device; the only one on CPU): `KVCacheSet`'s whole-page copies,
-  object format ``maru-pages`` (per block, every layer's page in storage order). On host caches
+  object format ``maru-pages`` (layer after layer, each block's page in its storage order,
+  then the format trailer every load checks: object_format.py). On host caches
   those copies go through the fused copy + checksum kernel when it is built and enabled
   (maru_vllm.native, `MARU_NATIVE_COPY`): loads are verified and stores checksummed in the copy.
 * `LMCacheBlockCopier` (CUDA, `maru_use_lmcache_kernels: true` and LMCache's compiled

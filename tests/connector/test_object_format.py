@@ -336,3 +336,20 @@ def test_heads_outside_the_object_or_of_another_model_are_misses():
         _cpu_0_31_hnc, [kv[:, :, :, :2].contiguous() for kv in logical], "CPU_ATTN", heads=HeadRange(0, 2, 2)
     )
     _misses(r, _pack(other_model))
+
+
+def test_device_staged_copies_write_and_check_the_trailer():
+    """The GPU path's staged copies (run here on CPU tensors) make the page path's objects,
+    trailer included, and read other page orders through the same checks."""
+    logical = _logical(51)
+    cs, _ = _codec(_cpu_0_31_hnc, logical, "CPU_ATTN")
+    page = _pack(cs)
+    staged = bytearray(len(page))
+    cs.staged_pack(SRC, memoryview(staged))
+    assert bytes(staged) == page
+    r, caches = _codec(_views_nhc, _logical(52), "FLASH_ATTN")
+    r.staged_unpack(DST, memoryview(page))
+    _assert_heads(_views_nhc, caches, logical, HEADS)
+    other, _ = _codec(_cpu_0_31_hnc, _logical(53), "CPU_ATTN", heads=HeadRange(0, H, 2 * H))
+    with pytest.raises(LayoutMismatch):
+        other.staged_unpack(DST, memoryview(page))
