@@ -49,6 +49,7 @@ from maru_vllm.connector.engine_support import EngineSupport, engine_support
 from maru_vllm.connector.log_summary import ConnectorLogSummary
 from maru_vllm.connector.logging_setup import follow_vllm_logging
 from maru_vllm.connector.metadata import MaruConnectorMetadata
+from maru_vllm.connector.object_format import HeadRange
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.serving import serving_path
 from maru_vllm.connector.sides import SchedulerSide, WorkerSide
@@ -193,6 +194,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 write_behind=self.can_load and not self.config.store_inline,
                 blocks_per_chunk=self.config.blocks_per_chunk,
                 expected_format=self.copy_format,
+                heads=_head_range(vllm_config),
                 block_size=block_size,
                 num_blocks=getattr(kv_cache_config, "num_blocks", None),
                 use_lmcache_kernels=self.config.use_lmcache_kernels,
@@ -442,6 +444,27 @@ def _worker_rank() -> int:
         return pp.rank_in_group * tp.world_size + tp.rank_in_group
     except (AssertionError, ImportError, AttributeError):
         return 0
+
+
+def _head_range(vllm_config: Any) -> HeadRange:
+    """The KV heads this worker's pages hold (what its objects state, object_format.py)."""
+    model = vllm_config.model_config
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        tp_rank = get_tp_group().rank_in_group
+    except (AssertionError, ImportError, AttributeError):
+        tp_rank = 0
+    try:
+        total = int(model.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        return HeadRange(0, 0, 0)  # unknown: its objects are read only by engines of its own format
+    return HeadRange.for_rank(
+        total,
+        int(vllm_config.parallel_config.tensor_parallel_size),
+        int(tp_rank),
+        bool(getattr(model, "use_mla", False)),
+    )
 
 
 def _kv_layout(vllm_config: Any) -> str | None:

@@ -4,7 +4,10 @@ A pool object holds one (chunk, rank): for every unique layer, the chunk's pages
 back to back, layer after layer. A page is everything one block id addresses in
 one layer (page_layout.py finds it from the tensor vLLM hands over), copied in its
 storage order, so on the usual layouts a page is one ``memcpy`` and nothing is
-scattered per token.
+scattered per token. A cache set given its format (`use_format`, what the worker
+does) ends every object with the format trailer (object_format.py) and reads an
+object only after checking it: the same format is copied as is, the same content
+in another order is permuted while it is copied, anything else is a miss.
 
 Std ``logging`` is used on purpose: ``import vllm.logger`` costs seconds and
 thousands of modules, and these helpers are imported by light tools as well.
@@ -18,8 +21,16 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from maru_vllm.connector.object_format import (
+    TRAILER_BYTES,
+    HeadRange,
+    ObjectFormat,
+    format_of,
+    read_format,
+)
 from maru_vllm.connector.page_layout import LayoutError, LayoutMismatch, PageLayout, block_runs, layout_for_backend
 from maru_vllm.connector.page_segments import PageSegments
 from maru_vllm.native import copy_kernel
@@ -142,6 +153,9 @@ class KVCacheSet:
         # Host caches with one page geometry: copies may go through the fused copy + checksum kernel.
         self._segments = PageSegments.build([self._pages[n] for n in self.unique_layers])
         self._signature = self._make_signature()
+        # Set by `use_format`: objects then end with this trailer, and loads check it.
+        self.format: ObjectFormat | None = None
+        self._trailer = b""
         logger.debug("KV cache set: %s; one copy per run across layers: %s", self._signature, self._stack is not None)
 
     def _stacked_view(self) -> torch.Tensor | None:
@@ -172,14 +186,54 @@ class KVCacheSet:
             v0.storage_offset(),
         )
 
+    def pages_of(self, layer: str) -> torch.Tensor:
+        """The ``[num_blocks, *page]`` view of a unique layer's cache."""
+        return self._pages[layer]
+
     @property
     def device(self) -> torch.device:
         """Device of the registered caches (every layer is on the same one)."""
         return self._pages[self.unique_layers[0]].device
 
     def chunk_nbytes(self, n_blocks: int) -> int:
-        """Bytes of a pool object holding ``n_blocks`` blocks of every layer."""
-        return n_blocks * self.bytes_per_block
+        """Bytes of a pool object holding ``n_blocks`` blocks of every layer (and the trailer)."""
+        return n_blocks * self.bytes_per_block + len(self._trailer)
+
+    def use_format(self, heads: HeadRange) -> ObjectFormat:
+        """From now on objects carry this cache set's format, and loads check the format they carry."""
+        self.format = format_of([self.layouts[n] for n in self.unique_layers], self._signature, heads)
+        self._trailer = self.format.trailer()
+        return self.format
+
+    def write_trailer(self, payload: Any) -> None:
+        """Write the format trailer at the end of an object about to be filled (before it is hashed)."""
+        if self._trailer:
+            flat = _byte_tensor(payload, writable=True)
+            flat[-TRAILER_BYTES:].numpy()[:] = np.frombuffer(self._trailer, dtype=np.uint8)
+
+    def written_format(self, payload: Any, what: str) -> ObjectFormat | None:
+        """None when `payload` is in this cache set's own format (or formats are not in use), else
+        the other format it is in and this cache set can read; LayoutMismatch naming both when it
+        cannot (an older object, another dtype, head range or geometry)."""
+        if not self._trailer:
+            return None
+        pin_bytes = isinstance(payload, memoryview) and payload.format == "B" and payload.ndim == 1
+        if pin_bytes and payload.nbytes >= TRAILER_BYTES and payload[-TRAILER_BYTES:] == self._trailer:
+            return None  # the hot path: a pool pin's bytes, in this engine's format
+        flat = _byte_tensor(payload, writable=False)
+        if flat.numel() >= TRAILER_BYTES and flat[-TRAILER_BYTES:].numpy().tobytes() == self._trailer:
+            return None
+        assert self.format is not None
+        try:
+            written = read_format(flat)
+        except LayoutMismatch as exc:
+            raise LayoutMismatch(f"{what}: {exc}; this engine reads {self.format.describe()}") from None
+        problem = self.format.conversion_problem(written)
+        if problem is not None:
+            raise LayoutMismatch(
+                f"{what}: the object is {written.describe()}, this engine reads {self.format.describe()} ({problem})"
+            )
+        return written
 
     def layout_signature(self) -> str:
         """Geometry string for the namespace hash: equal iff objects are interchangeable.
@@ -240,6 +294,7 @@ class KVCacheSet:
         fused kernel computed it in the copy, else None (the pure path: the pool client hashes)."""
         flat = _byte_tensor(out, writable=True)
         n = self.check_chunk(block_ids, flat.numel(), "pack")
+        self.write_trailer(flat)
         kernel = self._kernel()
         if kernel is not None and n:
             assert self._segments is not None
@@ -294,7 +349,10 @@ class KVCacheSet:
         if skip_blocks < 0:
             raise ValueError(f"skip_blocks={skip_blocks} must be >= 0")
         flat = _byte_tensor(src, writable=False)
-        n = self.check_chunk(block_ids, flat.numel(), "unpack", skip_blocks, chunk_blocks)
+        n, written = self._check_object(block_ids, flat, "unpack", skip_blocks, chunk_blocks)
+        if written is not None:
+            self._convert_unpack(block_ids, flat, n, skip_blocks, written, hasher)
+            return
         kernel = self._kernel()
         fused_hash = isinstance(hasher, PayloadHasher) and hasher.fresh
         if kernel is not None and n and (hasher is None or fused_hash):
@@ -320,34 +378,69 @@ class KVCacheSet:
         for lo, hi, tile_pairs in self._tiles(flat, n):
             _copy_runs(tile_pairs, runs, into_cache=True, skip_blocks=skip_blocks)
             hasher.update(raw[lo:hi])
+        if self._trailer:
+            hasher.update(raw[n * self.bytes_per_block :])
+
+    def _check_object(
+        self, block_ids: Sequence[int], flat: torch.Tensor, what: str, skip_blocks: int, chunk_blocks: int | None
+    ) -> tuple[int, ObjectFormat | None]:
+        """`check_chunk` of an object in this cache set's format or one it reads (`written_format`),
+        whose pages may hold more KV heads than this rank's: (blocks in the chunk, its format)."""
+        written = self.written_format(flat, what)
+        nbytes = flat.numel()
+        if written is not None:
+            nbytes = self._own_nbytes(nbytes, written)
+        return self.check_chunk(block_ids, nbytes, what, skip_blocks, chunk_blocks), written
+
+    def _own_nbytes(self, nbytes: int, written: ObjectFormat) -> int:
+        from maru_vllm.connector.converted_reads import own_nbytes
+
+        return own_nbytes(self, nbytes, written)
+
+    def _convert_unpack(
+        self, block_ids: Sequence[int], flat: torch.Tensor, n: int, skip_blocks: int, written: ObjectFormat, hasher: Any
+    ) -> None:
+        from maru_vllm.connector.converted_reads import convert_unpack
+
+        convert_unpack(self, block_ids, flat, n, skip_blocks, written, hasher)
+
+    def unpack_heads(self, block_ids: Sequence[int], srcs: Sequence[Any], *, skip_blocks: int = 0) -> None:
+        """Copy a chunk written by ranks that split the KV heads finer than this one
+        (converted_reads.unpack_heads)."""
+        from maru_vllm.connector.converted_reads import unpack_heads
+
+        unpack_heads(self, block_ids, srcs, skip_blocks=skip_blocks)
 
     def staged_pack(self, block_ids: Sequence[int], out: Any) -> None:
         """:meth:`pack` for caches on a device, always through one buffer there (see below)."""
         flat = _byte_tensor(out, writable=True)
         n = self.check_chunk(block_ids, flat.numel(), "pack")
+        self.write_trailer(flat)
         if n:
             self._staged_pack(block_ids, flat, n)
 
     def staged_unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0) -> None:
         """:meth:`unpack` (no hasher) for caches on a device, through one buffer there."""
         flat = _byte_tensor(src, writable=False)
-        n = self.check_chunk(block_ids, flat.numel(), "unpack", skip_blocks)
-        if n:
+        n, written = self._check_object(block_ids, flat, "unpack", skip_blocks, None)
+        if written is not None:
+            self._convert_unpack(block_ids, flat, n, skip_blocks, written, None)
+        elif n:
             self._staged_unpack(block_ids, flat, n, skip_blocks)
 
     def _staged_pack(self, block_ids: Sequence[int], flat: torch.Tensor, n: int) -> None:
         """Device caches: gather the pages into one object-shaped buffer on the device, then one
         contiguous copy to the host (a DMA when the region is registered). A copy per run and
         layer straight into host memory would be a small transfer each, staged by the driver."""
-        stage = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
+        stage = torch.empty(n * self.bytes_per_block, dtype=torch.uint8, device=self.device)
         _copy_runs(self._pairs(stage, n), block_runs(block_ids), into_cache=False)
-        flat.copy_(stage)
+        flat[: stage.numel()].copy_(stage)
 
     def _staged_unpack(self, block_ids: Sequence[int], flat: torch.Tensor, n: int, skip_blocks: int) -> None:
         """Device caches: one contiguous copy of the object to the device, then a scatter of its
         pages there. Returns once the host object has been read (the pins may go)."""
-        stage = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
-        stage.copy_(flat)
+        stage = torch.empty(n * self.bytes_per_block, dtype=torch.uint8, device=self.device)
+        stage.copy_(flat[: stage.numel()])
         _copy_runs(self._pairs(stage, n), block_runs(block_ids), into_cache=True, skip_blocks=skip_blocks)
 
     def _tiles(self, flat: torch.Tensor, n: int) -> list[tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]]:
@@ -382,6 +475,7 @@ class KVCacheSet:
         """(buffer view, cache pages view) pairs, both indexed by block first."""
         if n == 0:
             return []
+        flat = flat[: n * self.bytes_per_block]  # the pages, not the trailer
         if self._stack is not None:
             lay = self.layouts[self.unique_layers[0]]
             buf = flat.view(lay.dtype).view(len(self.unique_layers), n, *lay.page_shape)

@@ -1,11 +1,12 @@
 """The pool namespace of an engine: everything that makes KV bytes incompatible.
 
-Two engines may load each other's chunks only when their KV pages are byte-compatible and
+Two engines may load each other's chunks only when their KV pages hold the same content and
 their block hashes mean the same tokens. The namespace is a digest over the model identity,
-dtypes, block size, layer/head geometry, device type, parallel layout, vLLM's hash algorithm
-and the user's `maru_namespace` salt. The scheduler and the worker compute it from the same
-`VllmConfig`, so both sides agree without talking to each other. (`cache_salt` and LoRA
-already change vLLM's block hashes, so they need no place here.)
+dtypes, block size, layer/head geometry, device type, parallel layout, vLLM's hash algorithm,
+the object format version and the user's `maru_namespace` salt. The scheduler and the worker
+compute it from the same `VllmConfig`, so both sides agree without talking to each other.
+(`cache_salt` and LoRA already change vLLM's block hashes, so they need no place here.) The
+page layout is not in it: each object states its own (object_format.py), and a load checks it.
 
 With several KV cache groups (vLLM's hybrid KV cache manager) every group has a namespace of
 its own: the digest then also covers the whole group layout and the group's index, so objects
@@ -26,6 +27,9 @@ from maru_vllm.connector.kv_groups import FULL, announced_group, kv_groups
 from maru_vllm.pool.chunk_codec import model_namespace_prefix
 
 NAMESPACE_VERSION = 1
+# object_format.FORMAT_VERSION, without importing torch here (tests/connector/test_object_format.py
+# checks that they agree).
+OBJECT_FORMAT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,8 @@ class KVIdentity:
     pp_size: int
     hash_algo: str
     salt: str
+    # The object format (object_format.py): objects of an older format are never found.
+    object_format: int = OBJECT_FORMAT
     # Several KV cache groups, or a sliding-window one: every group's layout, this group's index,
     # and whether its objects are the announced ones ("" and -1 for one full-attention group,
     # leaving that digest as it always was).

@@ -4,7 +4,8 @@ Two implementations of `copier.Copier` (which states what a copier does and how 
 chosen once per KV cache group by `make_copier`:
 
 * `TorchPageCopier` (every device; the only one on CPU): `KVCacheSet`'s whole-page copies,
-  object format ``maru-pages`` (per block, every layer's page in storage order). On host caches
+  object format ``maru-pages`` (layer after layer, each block's page in its storage order,
+  then the format trailer every load checks: object_format.py). On host caches
   those copies go through the fused copy + checksum kernel when it is built and enabled
   (maru_vllm.native, `MARU_NATIVE_COPY`): loads are verified and stores checksummed in the copy.
 * `LMCacheBlockCopier` (CUDA, `maru_use_lmcache_kernels: true` and LMCache's compiled
@@ -135,9 +136,13 @@ class TorchPageCopier:
             for i in members:
                 if items[i].payload.nbytes != want:
                     raise LayoutMismatch(f"{what}: buffer has {items[i].payload.nbytes} bytes, {want} expected")
+                if load and self.codec.written_format(items[i].payload, what) is not None:
+                    raise LayoutMismatch(f"{what}: an object in another page order (read chunk by chunk)")
             planned += zip(members, planner.segments_many(ids, m + skip, skip))
         digests: list[int | None] = [None] * len(items)
         for i, segments in planned:
+            if not load:
+                self.codec.write_trailer(items[i].payload)  # before the copy hashes the payload
             hashed = items[i].hashed or not load  # a stored payload always gets its checksum
             digest = kernel.copy(items[i].payload, segments, load, hashed)
             digests[i] = digest if hashed else None
@@ -151,8 +156,10 @@ class TorchPageCopier:
         hashed on the host threads meanwhile (`PayloadDigests`): a load hashes a chunk while it
         and the next are copied in, a store hashes a chunk once it is out."""
         what = "unpack" if load else "pack"
-        for item in items:  # every size and block id before the first copy
+        for item in items:  # every size, block id and format before the first copy
             self.codec.check_chunk(item.block_ids, item.payload.nbytes, what, item.skip_blocks)
+            if load and self.codec.written_format(item.payload, what) is not None:
+                raise LayoutMismatch(f"{what}: an object in another page order (read chunk by chunk)")
         digests = PayloadDigests()
         try:
             for item in items:

@@ -37,6 +37,7 @@ from maru_vllm.connector.cuda_host import HostRegistry
 from maru_vllm.connector.kernels import resolve_fused_load, resolve_lmcache_kernels
 from maru_vllm.connector.layouts import KVCacheSet
 from maru_vllm.connector.metadata import ChunkLoad, MaruConnectorMetadata
+from maru_vllm.connector.object_format import HeadRange
 from maru_vllm.connector.page_layout import LayoutError
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.connector.sides import WorkerSide
@@ -70,6 +71,7 @@ class MaruWorkerSide(WorkerSide):
         write_behind: bool = True,
         blocks_per_chunk: int = 1,
         expected_format: str = FORMAT_PAGES,
+        heads: HeadRange | None = None,
     ) -> None:
         self.namespace = namespace
         self.rank = rank
@@ -91,6 +93,8 @@ class MaruWorkerSide(WorkerSide):
         # The object format the namespace was made for (transfer.copy_format): a worker that
         # cannot copy in that format must not touch the pool.
         self.expected_format = expected_format
+        # The KV heads this rank's pages hold, stated in every object it writes (object_format.py).
+        self.heads = heads if heads is not None else HeadRange(0, 0, 0)
         self.copier: Copier | None = None
         self.host_registry: HostRegistry | None = None
         self.kernels = resolve_lmcache_kernels(use_lmcache_kernels)
@@ -118,6 +122,7 @@ class MaruWorkerSide(WorkerSide):
             )
             return
         codec = self.codec
+        object_format = codec.use_format(self.heads)
         try:
             copier = make_copier(
                 codec,
@@ -164,7 +169,7 @@ class MaruWorkerSide(WorkerSide):
             host_registry=self.host_registry,
         )
         logger.info(
-            "Maru connector: %d KV layers (%d unique), %d bytes per block, layout %s, copies %s (%s objects), "
+            "Maru connector: %d KV layers (%d unique), %d bytes per block, layout %s, copies %s (%s objects%s), "
             "fused load %s, stores %s",
             len(codec.layer_names),
             len(codec.unique_layers),
@@ -172,6 +177,7 @@ class MaruWorkerSide(WorkerSide):
             codec.layout_signature(),
             copier.name,
             copier.format,
+            f", format {object_format.describe()}" if copier.format == FORMAT_PAGES else "",
             self.fused_load,
             "write-behind" if self.write_behind else "inline",
         )

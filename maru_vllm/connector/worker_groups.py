@@ -23,6 +23,7 @@ import torch
 
 from maru_vllm.connector.kv_groups import KVGroup
 from maru_vllm.connector.metadata import MaruConnectorMetadata
+from maru_vllm.connector.object_format import HeadRange
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.connector.sides import WorkerSide
 from maru_vllm.connector.stats import TransferCounters
@@ -60,6 +61,7 @@ class GroupedWorkerSide(WorkerSide):
         enable_fused_load: bool,
         blocks_per_chunk: int,
         expected_format: str,
+        heads: HeadRange | None = None,
     ) -> None:
         self.groups = groups
         self.pool = pool
@@ -73,6 +75,7 @@ class GroupedWorkerSide(WorkerSide):
                 write_behind=write_behind,
                 blocks_per_chunk=blocks_per_chunk,
                 expected_format=expected_format,
+                heads=heads,
                 block_size=block_size,
                 num_blocks=num_blocks,
                 use_lmcache_kernels=use_lmcache_kernels,
