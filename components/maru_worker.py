@@ -2,12 +2,14 @@
 
 A `dynamo.vllm` worker on the Maru pool: it fills in MaruKVConnector's `--kv-transfer-config`
 and a `--kv-events-config` (free port) unless given, makes the KV events it publishes carry
-the pool's blocks (`maru_vllm.events.install_pool_event_relay`), registers MaruKVConnector as
+the pool's blocks (`maru_vllm.events.publisher_relay`), registers MaruKVConnector as
 a cache-mediated PD connector (`maru_dynamo.components.dynamo_pd`), makes the worker serve
 warm-up requests before it registers with Dynamo (`maru_vllm.launch.warmup`: registered means
 warm), makes a stopping worker drain before it migrates (`maru_vllm.launch.lifecycle`), makes a
 prefill or decode worker stand in for the other role while no worker of that role is live
-(`maru_vllm.disagg`), and runs `dynamo.vllm` in this process with every other argument unchanged.
+(`maru_dynamo.components.disagg`), and runs `dynamo.vllm` in this process with every other
+argument unchanged. Every hook into `dynamo.vllm` goes in through one module,
+`maru_dynamo.components.dynamo_hooks`, which refuses a Dynamo whose seams moved in one line.
 
 Options of its own (all others go to dynamo.vllm):
   --maru-pool-address ADDR   pool service address (unix:///path.sock or tcp://host:port)
@@ -34,8 +36,9 @@ Options of its own (all others go to dynamo.vllm):
                              serving the warm-up requests (`maru_vllm.launch.warmup`): the first
                              requests then pay for what vLLM compiles lazily
   --no-maru-standby          a prefill or decode worker does not stand in for the other role when
-                             no worker of that role is live (`maru_vllm.disagg`); without it, a
-                             disaggregated graph that loses a role fails requests until one is back
+                             no worker of that role is live (`maru_dynamo.components.disagg`);
+                             without it, a disaggregated graph that loses a role fails requests
+                             until one is back
 
 On SIGTERM (a rolling restart, a Kubernetes pod stop) the worker leaves discovery at once, lets
 its running requests finish for up to DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS (Dynamo's variable;
@@ -64,8 +67,8 @@ from maru_vllm.launch.ports import free_port
 
 # Disaggregation modes the worker component knows (Dynamo's `--disaggregation-mode`). Every
 # mode's connector loads and stores (`kv_both`): a prefill worker reuses prompts any worker stored,
-# and a worker that stands in for the other role (`maru_vllm.disagg`) serves whole requests. A
-# prefill worker stores inline: its response is what sends the decode worker to the pool.
+# and a worker that stands in for the other role (`maru_dynamo.components.disagg`) serves whole
+# requests. A prefill worker stores inline: its response is what sends the decode worker to the pool.
 DISAGG_MODES = ("prefill", "decode")
 
 logger = logging.getLogger(__name__)
@@ -214,39 +217,36 @@ def main(argv: list[str] | None = None) -> None:
         apply_default_kv_space(rest)
     except NotEnoughMemory as exc:
         sys.exit(f"maru_worker: {exc}")
+    relay = None
     if ours.maru_pool_events:
-        from maru_vllm.events import install_pool_event_relay
-
         token = pool_token(ours.maru_pool_token_file)
-        pool_name = resolve_pool_name(ours.maru_pool_address, ours.maru_pool_name, token=token)
-        install_pool_event_relay(
-            pool_name=pool_name,
-            pool_address=ours.maru_pool_address,
-            pool_token=token,
-            medium=ours.maru_event_medium,
-            max_announced_chunks=ours.maru_announce_max_chunks,
-            tier2_credit_max_chunks=ours.maru_tier2_credit_max_chunks if ours.maru_tier2_credit else None,
-        )
+        relay = {
+            "pool_name": resolve_pool_name(ours.maru_pool_address, ours.maru_pool_name, token=token),
+            "pool_address": ours.maru_pool_address,
+            "pool_token": token,
+            "medium": ours.maru_event_medium,
+            "max_announced_chunks": ours.maru_announce_max_chunks,
+            "tier2_credit_max_chunks": ours.maru_tier2_credit_max_chunks if ours.maru_tier2_credit else None,
+        }
     from maru_dynamo.components.dynamo_pd import DynamoPdApiError, register_maru_pd_protocol
 
     try:
         register_maru_pd_protocol()  # dynamo.vllm's PD handlers accept only registered connectors
     except DynamoPdApiError as exc:
         sys.exit(f"maru_worker: {exc}")
-    if ours.maru_warmup:
-        from maru_vllm.launch.warmup import WarmupOptions, install_warmup_before_registration
+    from maru_dynamo.components.dynamo_hooks import DynamoSeamError, WorkerHooks, install_worker_hooks
+    from maru_vllm.launch.warmup import WarmupOptions
 
+    hooks = WorkerHooks(
+        relay=relay,
+        lifecycle=lifecycle,
         # Shorter than one pool chunk: warm-up prompts are never stored in the pool.
-        install_warmup_before_registration(WarmupOptions(max_prompt_tokens=ours.maru_chunk_tokens - 1))
-    if ours.maru_standby and disaggregation_mode(rest) in DISAGG_MODES:
-        from maru_vllm.disagg.hook import install_role_standby
-
-        install_role_standby()  # after the warm-up hook: the stand-in starts once the worker is warm and registered
-    from maru_vllm.launch.lifecycle import install_worker_lifecycle
-
+        warmup=WarmupOptions(max_prompt_tokens=ours.maru_chunk_tokens - 1) if ours.maru_warmup else None,
+        standby=ours.maru_standby and disaggregation_mode(rest) in DISAGG_MODES,
+    )
     try:
-        install_worker_lifecycle(lifecycle)  # after the warm-up and stand-in hooks: it wraps whatever is there
-    except RuntimeError as exc:
+        install_worker_hooks(hooks)  # every hook into dynamo.vllm, checked, in its declared order
+    except (DynamoSeamError, ValueError) as exc:
         sys.exit(f"maru_worker: {exc}")
     run_module_then_exit("dynamo.vllm", rest)
 

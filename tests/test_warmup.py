@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from maru_vllm.launch.warmup import WarmupOptions, install_warmup_before_registration, warmup_phases
+from maru_dynamo.components.dynamo_hooks import install_warmup_before_registration
+from maru_vllm.launch.warmup import WarmupOptions, warmup_phases
 
 
 @pytest.fixture
