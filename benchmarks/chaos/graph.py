@@ -14,7 +14,7 @@ import urllib.error
 from typing import Any
 
 from maru_dynamo.components.disagg.view import RoleView
-from maru_dynamo.graphs.client import get_json, post_json
+from maru_dynamo.graphs.client import completions, get_json
 from maru_dynamo.graphs.plan import Plan, instance_file
 from maru_vllm.launch import ManagedProcess, ProcessGroup
 from maru_vllm.launch.lifecycle import read_instance_file
@@ -92,7 +92,7 @@ class GraphView:
         if instance is not None:
             body["nvext"] = {"backend_instance_id": instance}
         try:
-            out = post_json(f"{self.plan.url}/v1/completions", body, timeout=timeout)
+            out = completions(self.plan.url, body, timeout=timeout)
         except (urllib.error.URLError, OSError, ValueError):
             return None
         return out if isinstance(out, dict) and out.get("choices") else None
