@@ -38,6 +38,8 @@ import time
 import uuid
 from typing import Any
 
+from maru_vllm.pool.chunk_codec import DEFAULT_CHUNK_TOKENS
+
 logger = logging.getLogger(__name__)
 
 
@@ -56,7 +58,7 @@ class WarmupPhase:
 
 @dataclasses.dataclass(frozen=True)
 class WarmupOptions:
-    max_prompt_tokens: int = 255  # below one pool chunk (256 tokens by default): nothing is stored
+    max_prompt_tokens: int = DEFAULT_CHUNK_TOKENS - 1  # below one pool chunk: nothing is stored
     concurrency: int = 4
     max_rounds: int = 4
     settle_ratio: float = 1.5
