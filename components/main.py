@@ -26,7 +26,7 @@ _REGISTRARS: tuple[tuple[str, str], ...] = (
     ("maru_dynamo.graphs.demo", "register"),
     ("maru_dynamo.components.cli", "register"),
     ("maru_dynamo.graphs.cli", "register"),
-    ("maru_vllm.whatif.cli", "register"),
+    ("maru_dynamo.components.whatif.cli", "register"),
 )
 
 
