@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 
 from harness import alternated, percentile
-from maru_dynamo.graphs.client import aiter_events
+from maru_dynamo.graphs.client import aiter_events, stream_completion
 from maru_dynamo.graphs.plan import build_plan, resolve_model
 from maru_dynamo.graphs.run import new_work_dir, start_graph, stop_graph, supervise
 from maru_dynamo.graphs.spec import GraphSpec, load_graph
@@ -70,7 +70,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     t0 = time.perf_counter()
     ttft: float | None = None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+    async with stream_completion(client, url, body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for event in aiter_events(resp):

@@ -7,7 +7,7 @@ fixture model, without supervision (a stopped worker stays stopped):
 * ``agg``        - `graphs/agg.yaml`: two aggregated workers;
 * ``disagg``     - `graphs/disagg.yaml`: one prefill and one decode worker;
 * ``no-prefill`` - `graphs/disagg.yaml` with its prefill worker stopped (SIGTERM): the decode
-  worker stands in for the prefill role (`maru_vllm.disagg`), one engine does both;
+  worker stands in for the prefill role (`maru_dynamo.components.disagg`), one engine does both;
 * ``no-decode``  - the same with the decode worker stopped: the prefill worker stands in.
 
 In each, after a few warm-up requests, the same closed-loop streaming load (benchmarks/chaos/
@@ -156,7 +156,7 @@ def run_mode(mode: str, args: argparse.Namespace, log: Any = print) -> dict[str,
 def passed_on(plan: Any) -> dict[str, int]:
     """Per role, the requests of the load so far that the other role's stand-ins passed on to a
     worker of that role (`maru_disagg_forwarded_requests_total` on the workers' /metrics)."""
-    from maru_vllm.disagg import other_role
+    from maru_dynamo.components.disagg import other_role
     from maru_vllm.launch.engine_metrics import metric_total, scrape
 
     out: dict[str, int] = {}

@@ -19,9 +19,9 @@ import tempfile
 from pathlib import Path
 
 from harness import write_json
+from maru_vllm.cli_parser import StrictArgumentParser
 from maru_vllm.fixtures.models import SHAPES, ensure_model
 from maru_vllm.launch import ProcessGroup, free_port, stack
-from maru_vllm.launch.argv import StrictArgumentParser
 
 CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 

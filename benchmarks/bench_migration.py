@@ -126,7 +126,7 @@ def probe_new_requests(url: str, model: str, seconds: float, rng: random.Random)
         body = {"model": model, "prompt": fresh_prompt(rng, 64), "max_tokens": 4, "temperature": 0}
         start = time.monotonic()
         try:
-            client.post_json(f"{url}/v1/completions", body, timeout=120)
+            client.completions(url, body, timeout=120)
             status = 200
         except urllib.error.HTTPError as exc:
             status = exc.code

@@ -501,8 +501,8 @@ DEPLOYMENT = {
 
 
 def measured_ratios(runs: Sequence[Run], traffic: Traffic, bed: Testbed) -> Ratios:
+    from maru_dynamo.components.whatif.spec import kv_bytes_per_token_of_model
     from maru_vllm.pool.region import parse_size
-    from maru_vllm.whatif.spec import kv_bytes_per_token_of_model
 
     kv = sorted(r.kv_cache_tokens for r in runs)
     probes = sorted(r.ratio_probe.recompute_to_load for r in runs if r.ratio_probe is not None)

@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from harness import min_time
+from maru_dynamo.components.whatif.spec import kv_bytes_per_token_of_model
 from maru_vllm.fixtures.calibration import Calibration, write_calibration
 from maru_vllm.launch.engine_metrics import scrape
-from maru_vllm.whatif.spec import kv_bytes_per_token_of_model
 
 COUNTERPART = {"plain-rr": "round-robin", "plain-kv": "kv-gpu", "maru-pool": "kv-pool"}
 DEFAULT_LOAD_GBPS = 1.0  # only when no run loaded anything from the pool

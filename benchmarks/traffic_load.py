@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness import percentile
-from maru_vllm.whatif.trace import TraceError, TraceRequest, read_trace, write_trace
+from maru_dynamo.components.whatif.trace import TraceError, TraceRequest, read_trace, write_trace
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces as published
 REPO = Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ def _positive(name: str, value: float, allowed: str) -> None:
 
 def read_mooncake(path: Path, limit: int | None = None) -> list[TraceRequest]:
     """The first `limit` requests of a Mooncake JSONL trace, validated as the what-if reads it
-    (`maru_vllm.whatif.trace`); a bad line is one line naming it."""
+    (`maru_dynamo.components.whatif.trace`); a bad line is one line naming it."""
     try:
         return read_trace(path, TRACE_BLOCK_TOKENS, limit)
     except TraceError as exc:

@@ -31,10 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from maru_vllm.routing import pool_tier_weight  # noqa: E402
-from maru_vllm.whatif import report  # noqa: E402
-from maru_vllm.whatif.runner import DYNAMO, MODEL, Row, WhatIf  # noqa: E402
-from maru_vllm.whatif.spec import (  # noqa: E402
+from maru_dynamo.components.whatif import report  # noqa: E402
+from maru_dynamo.components.whatif.runner import DYNAMO, MODEL, Row, WhatIf  # noqa: E402
+from maru_dynamo.components.whatif.spec import (  # noqa: E402
     CONFIGS,
     KV_GPU,
     KV_HOST,
@@ -44,7 +43,8 @@ from maru_vllm.whatif.spec import (  # noqa: E402
     parse_size,
     parse_workers,
 )
-from maru_vllm.whatif.trace import read_trace, unique_prefix_tokens  # noqa: E402
+from maru_dynamo.components.whatif.trace import read_trace, unique_prefix_tokens  # noqa: E402
+from maru_vllm.routing import pool_tier_weight  # noqa: E402
 
 TRACES = {
     "conversation": ROOT / ".." / "shared" / "traces" / "mooncake_conversation.jsonl",

@@ -3,7 +3,7 @@
 
 `benchmarks/routing_comparison.py --window 3` measured prefill tokens on two real workers (vLLM
 CPU, Dynamo 1.6.1, the Maru pool; README "Routing comparison"). Here the same 21 requests
-(`maru_vllm.whatif.validation`) replay on the pool model and on Dynamo's offline replay, 2
+(`maru_dynamo.components.whatif.validation`) replay on the pool model and on Dynamo's offline replay, 2
 workers, 128-token blocks (vLLM's block size there), GPU caches large enough that nothing is
 evicted (the real run evicts nothing either), `--repeats` runs each, min / median / max.
 ``kv-gpu+pool`` is kv-pool with router host weight 0: engines load from the pool, the router
@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from maru_vllm.whatif.runner import DYNAMO, MODEL, WhatIf
-from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN
-from maru_vllm.whatif.trace import unique_prefix_tokens
-from maru_vllm.whatif.validation import (
+from maru_dynamo.components.whatif.runner import DYNAMO, MODEL, WhatIf
+from maru_dynamo.components.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN
+from maru_dynamo.components.whatif.trace import unique_prefix_tokens
+from maru_dynamo.components.whatif.validation import (
     REAL_BLOCK_TOKENS,
     routing_comparison_trace,
     validation_itl_ms,

@@ -13,8 +13,8 @@ Runs `dynamo.frontend` in this process with three defaults a Maru graph needs:
   complete one. ``--migration-limit 0`` turns it off.
 
 In a disaggregated graph it also logs, once each time, when a role is degraded (no worker of it
-is left and the other role's workers stand in for it, `maru_vllm.disagg`) and when disaggregated
-serving is restored (`maru_vllm.disagg.frontend_log`, from the frontend's own `/health`).
+is left and the other role's workers stand in for it, `maru_dynamo.components.disagg`) and when disaggregated
+serving is restored (`maru_dynamo.components.disagg.frontend_log`, from the frontend's own `/health`).
 
 Whatever the user passes wins: an explicit flag (or Dynamo's own ``DYN_ROUTER_MODE`` /
 ``DYN_ROUTER_HOST_CACHE_HIT_WEIGHT`` / ``DYN_MIGRATION_LIMIT`` variable) is left alone, and
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         full = build_argv(args)
     except ValueError as exc:
         sys.exit(f"maru-dynamo frontend: error: {exc}")
-    from maru_vllm.disagg.frontend_log import RoleLog
+    from maru_dynamo.components.disagg.frontend_log import RoleLog
 
     RoleLog(health_url(full)).start()
     run_module_as_main("dynamo.frontend", full)

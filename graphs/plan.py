@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from maru_dynamo.components import commands
+from maru_dynamo.graphs.client import COMPLETIONS
 from maru_dynamo.graphs.spec import GraphSpec
 from maru_vllm.launch import free_port, free_ports, mooncake, stack
 from maru_vllm.launch.argv import has_flag
@@ -245,4 +246,4 @@ def format_plan(plan: Plan) -> str:
 
 def curl_example(plan: Plan) -> str:
     body = json.dumps({"model": plan.model, "prompt": "Maru shares KV.", "max_tokens": 16})
-    return f"curl {plan.url}/v1/completions -H 'content-type: application/json' -d {shlex.quote(body)}"
+    return f"curl {plan.url}{COMPLETIONS} -H 'content-type: application/json' -d {shlex.quote(body)}"

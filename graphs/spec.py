@@ -16,6 +16,7 @@ from typing import Any, NoReturn, TypeVar
 
 import yaml
 
+from maru_vllm.pool.chunk_codec import DEFAULT_CHUNK_TOKENS
 from maru_vllm.pool.errors import PoolError
 from maru_vllm.pool.region import BACKENDS, parse_size, validate_pool_name
 from maru_vllm.pool.tier2.mooncake import PROTOCOLS, validate_master, validate_metadata
@@ -47,7 +48,7 @@ class PoolSpec:
     size: int = 1 << 30
     backend: str = "shm"
     path: str | None = None
-    chunk_tokens: int = 256
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +312,7 @@ def parse_graph(data: object, source: str = "<graph>") -> GraphSpec:
             size=pool.get("size", 1 << 30, _size, "bytes or a size like 512M, 4G"),
             backend=pool.get("backend", "shm", _choice(BACKENDS), "one of " + ", ".join(BACKENDS)),
             path=pool.get("path", None, _abs_path, "an absolute path (see docs/pool.md)"),
-            chunk_tokens=pool.get("chunk_tokens", 256, _int_in(1, 1 << 20), "a positive integer"),
+            chunk_tokens=pool.get("chunk_tokens", DEFAULT_CHUNK_TOKENS, _int_in(1, 1 << 20), "a positive integer"),
         ),
         frontend=FrontendSpec(
             router_mode=fe.get("router_mode", "kv", _choice(ROUTER_MODES), "one of " + ", ".join(ROUTER_MODES)),

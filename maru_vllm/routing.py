@@ -35,8 +35,8 @@ environment, or ``--router-host-cache-hit-weight`` on its command line.
 
 DYNAMO_DISK_TIER_WEIGHT: float = 0.25
 """Dynamo 1.6.1's default ``--router-disk-cache-hit-weight``: the credit its router gives a block
-announced at the disk tier, relative to a device block. The what-if's second tier
-(`maru_vllm.whatif.domains`) is credited at this weight where it models announcing the tier."""
+announced at the disk tier, relative to a device block. The what-if's second tier (its domain
+model, `maru-dynamo whatif`) is credited at this weight where it models announcing the tier."""
 
 ENV_VAR = "MARU_POOL_TIER_WEIGHT"
 

@@ -177,7 +177,7 @@ VLLM_CONTRACTS: tuple[Contract, ...] = (
         "ModelConfig",
         ("model", "dtype", "revision?", "max_model_len", "get_vocab_size()", "get_diff_sampling_param()")
         + ("runner_type?",),
-        used_in=("maru_vllm/connector/namespace.py", "maru_vllm/launch/warmup.py", "maru_vllm/disagg/standby.py"),
+        used_in=("maru_vllm/connector/namespace.py", "maru_vllm/launch/warmup.py", "components/disagg/standby.py"),
     ),
     Contract(
         "vllm",
@@ -403,13 +403,9 @@ DYNAMO_CONTRACTS: tuple[Contract, ...] = (
             "create_runtime",
             "shutdown_endpoints",
         ),
-        why="the module attributes the Maru worker wraps before dynamo.vllm runs",
-        used_in=(
-            "maru_vllm/events/dynamo_hook.py",
-            "maru_vllm/disagg/hook.py",
-            "maru_vllm/launch/warmup.py",
-            "maru_vllm/launch/lifecycle.py",
-        ),
+        why="the module attributes the Maru worker wraps before dynamo.vllm runs (the one module that "
+        "does, checking these parameters at start-up)",
+        used_in=("components/dynamo_hooks.py",),
     ),
     Contract(
         "ai-dynamo",
@@ -418,7 +414,7 @@ DYNAMO_CONTRACTS: tuple[Contract, ...] = (
             "install_signal_handlers(loop, runtime, endpoints, shutdown_event, grace_period_s, drain_callback)",
             "_shutdown_started?",
         ),
-        used_in=("maru_vllm/launch/lifecycle.py", "maru_vllm/disagg/hook.py"),
+        used_in=("components/dynamo_hooks.py", "components/disagg/hook.py"),
     ),
     Contract(
         "ai-dynamo",
@@ -450,7 +446,7 @@ DYNAMO_CONTRACTS: tuple[Contract, ...] = (
             "generate",
         ),
         why="a stand-in worker builds dynamo.vllm's own handler of the other role",
-        used_in=("maru_vllm/disagg/standby.py",),
+        used_in=("components/disagg/standby.py",),
     ),
     Contract(
         "ai-dynamo",
@@ -462,7 +458,7 @@ DYNAMO_CONTRACTS: tuple[Contract, ...] = (
             "__init__(*, enable_frontend_decoding)",
             "generate",
         ),
-        used_in=("maru_vllm/disagg/standby.py",),
+        used_in=("components/disagg/standby.py",),
     ),
     Contract(
         "ai-dynamo",
@@ -471,27 +467,27 @@ DYNAMO_CONTRACTS: tuple[Contract, ...] = (
         ("namespace", "component", "disaggregation_mode", "use_kv_events", "enable_local_indexer")
         + ("endpoint_types", "use_vllm_tokenizer", "enable_multimodal", "frontend_decoding"),
         why="the worker's configuration, copied and re-aimed for a stand-in role",
-        used_in=("maru_vllm/disagg/standby.py", "maru_vllm/disagg/hook.py"),
+        used_in=("components/disagg/standby.py", "components/disagg/hook.py"),
     ),
     Contract(
         "ai-dynamo",
         "dynamo._core",
         "Endpoint",
         ("connection_id()", "client()", "serve_endpoint(*, graceful_shutdown)"),
-        used_in=("maru_vllm/disagg/standby.py", "maru_vllm/disagg/hook.py", "maru_vllm/launch/lifecycle.py"),
+        used_in=("components/disagg/standby.py", "components/disagg/hook.py", "maru_vllm/launch/lifecycle.py"),
     ),
     Contract(
         "ai-dynamo",
         "dynamo._core",
         "DistributedRuntime",
         ("endpoint(path)",),
-        used_in=("maru_vllm/disagg/standby.py",),
+        used_in=("components/disagg/standby.py",),
     ),
     Contract(
         "ai-dynamo",
         "dynamo.common.utils.prometheus",
         attrs=("register_engine_metrics_callback(*, endpoint, registry, metric_prefix_filters)",),
-        used_in=("maru_vllm/disagg/standby.py",),
+        used_in=("components/disagg/standby.py",),
     ),
 )
 

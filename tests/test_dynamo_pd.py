@@ -139,12 +139,11 @@ def test_handlers_resolve_through_the_registry_and_need_an_envelope() -> None:
 
 
 def test_maru_worker_registers_before_running_dynamo(monkeypatch: pytest.MonkeyPatch, registry) -> None:
-    import maru_vllm.events as events
-    from maru_dynamo.components import maru_worker
+    from maru_dynamo.components import dynamo_hooks, maru_worker
 
     seen = {}
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    monkeypatch.setattr(events, "install_pool_event_relay", lambda **kw: None, raising=False)
+    monkeypatch.setattr(dynamo_hooks, "install_pool_event_relay", lambda **kw: None)
     monkeypatch.setattr(
         maru_worker,
         "run_module_then_exit",

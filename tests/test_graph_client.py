@@ -146,7 +146,7 @@ def test_events_split_at_newlines_only_and_a_line_that_is_not_json_is_an_error_e
     async def read() -> list[dict]:
         async with httpx.AsyncClient() as http:
             body = {"model": "m", "prompt": "odd", "stream": True}
-            async with http.stream("POST", f"{frontend}/v1/completions", json=body) as resp:
+            async with client.stream_completion(http, frontend, body) as resp:
                 return [e async for e in client.aiter_events(resp)]
 
     assert asyncio.run(read()) == want

@@ -113,6 +113,39 @@ def test_maru_vllm_never_imports_or_names_the_dynamo_side() -> None:
     assert offences == [], "maru_vllm must not depend on maru_dynamo:\n" + "\n".join(offences)
 
 
+# ---- the engine side stands without Dynamo ------------------------------------------------------
+# What hooks into or drives Dynamo lives on the Dynamo side. The one module left here: the README
+# runs it as `python -m maru_vllm.events.router_probe`, a command that stays as it is.
+DYNAMO_USERS_LEFT = {"maru_vllm/events/router_probe.py"}
+
+
+def dynamo_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module) for every import of Dynamo's own packages (`dynamo`, `dynamo.*`) in `source`."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "dynamo"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "dynamo":
+            found.append((node.lineno, str(node.module)))
+    return found
+
+
+def test_maru_vllm_imports_no_dynamo() -> None:
+    offences = sorted(
+        f"{path.relative_to(ROOT.parent)}:{line}: import {module}"
+        for path in ROOT.rglob("*.py")
+        if str(path.relative_to(ROOT.parent)) not in DYNAMO_USERS_LEFT
+        for line, module in dynamo_imports(path.read_text(encoding="utf-8"))
+    )
+    assert offences == [], "the engine side must stand without Dynamo:\n" + "\n".join(offences)
+    # the check sees what it forbids, and the modules it lets be still exist
+    assert dynamo_imports("import dynamo.vllm.main as dm\nfrom dynamo.llm import KvRouter\n") == [
+        (1, "dynamo.vllm.main"),
+        (2, "dynamo.llm"),
+    ]
+    assert all((ROOT.parent / left).is_file() for left in DYNAMO_USERS_LEFT)
+
+
 def test_the_check_sees_every_way_of_naming_the_dynamo_side() -> None:
     source = """
 import maru_dynamo.graphs

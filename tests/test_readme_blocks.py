@@ -39,12 +39,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from maru_dynamo.graphs.client import completions
 from maru_vllm.launch import free_port
 from tests.waiting import wait_until
 
@@ -290,12 +290,11 @@ def check_graph_serves_and_fills_the_pool(run: Run) -> None:
     completion_of(run)
     model = run.env.model
     prompt = [32 + (i * 7919) % 95 for i in range(3 * 256 + 1)]
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{run.env.http_port}/v1/completions",
-        data=json.dumps({"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}).encode(),
-        headers={"content-type": "application/json"},
+    completions(
+        f"http://127.0.0.1:{run.env.http_port}",
+        {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0},
+        timeout=120,
     )
-    json.loads(urllib.request.urlopen(req, timeout=120).read())
     with PoolClient.connect(run.env.pool_address, heartbeat=False, populate=False) as c:
         for _ in range(100):
             if c.stats()["objects"] >= 3:

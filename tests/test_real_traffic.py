@@ -216,7 +216,7 @@ def test_orderings_call_values_within_two_percent_equal() -> None:
 
 
 def test_session_sample_keeps_every_turn_of_every_kth_conversation() -> None:
-    from maru_vllm.whatif.trace import TraceRequest
+    from maru_dynamo.components.whatif.trace import TraceRequest
 
     def req(t: float, *ids: int) -> TraceRequest:
         return TraceRequest(t, 16 * len(ids), 4, ids)
@@ -232,7 +232,7 @@ def test_session_sample_keeps_every_turn_of_every_kth_conversation() -> None:
 
 def test_scale_whatif_gives_every_worker_the_real_runs_request_rate() -> None:
     import real_traffic_scale as S
-    from maru_vllm.whatif.trace import TraceRequest
+    from maru_dynamo.components.whatif.trace import TraceRequest
 
     reqs = tuple(TraceRequest(i * 1000.0, 16, 4, (i,)) for i in range(11))  # 11 requests over 10 s: 1.1/s
     traffic = T.Traffic("t", 16, reqs)

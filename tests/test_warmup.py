@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from maru_vllm.launch.warmup import WarmupOptions, install_warmup_before_registration, warmup_phases
+from maru_dynamo.components.dynamo_hooks import install_warmup_before_registration
+from maru_vllm.launch.warmup import WarmupOptions, warmup_phases
 
 
 @pytest.fixture
@@ -72,3 +73,38 @@ def test_the_worker_option_turns_it_off_and_is_not_passed_to_dynamo() -> None:
     assert ours.maru_warmup is True
     ours, rest = build(["--maru-pool-address", "unix:///tmp/p.sock", "--no-maru-warmup", "--model", "m"])
     assert ours.maru_warmup is False and not any("warmup" in a for a in rest)
+
+
+def test_the_warm_up_and_the_connector_take_one_chunk_size() -> None:
+    """The warm-up stays under the chunk the connector really uses: the user's own
+    `--kv-transfer-config` counts over `--maru-chunk-tokens`, and every default is one value."""
+    import json
+
+    from maru_dynamo.components.maru_worker import build
+    from maru_dynamo.graphs.spec import PoolSpec
+    from maru_vllm.connector.config import KEYS
+    from maru_vllm.pool.chunk_codec import DEFAULT_CHUNK_TOKENS
+
+    ours, rest = build(["--maru-pool-address", "unix:///tmp/p.sock", "--model", "m"])
+    given = json.loads(rest[rest.index("--kv-transfer-config") + 1])
+    assert given["kv_connector_extra_config"]["maru_kv_chunk_tokens"] == ours.maru_chunk_tokens == DEFAULT_CHUNK_TOKENS
+    assert ours.warmup() == WarmupOptions() == WarmupOptions(max_prompt_tokens=DEFAULT_CHUNK_TOKENS - 1)
+    assert KEYS["maru_kv_chunk_tokens"][0] == PoolSpec().chunk_tokens == DEFAULT_CHUNK_TOKENS
+
+    theirs = {
+        "kv_connector": "MaruKVConnector",
+        "kv_connector_module_path": "maru_vllm.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"maru_pool_address": "unix:///tmp/p.sock", "maru_kv_chunk_tokens": 128},
+    }
+    args = ["--maru-pool-address", "unix:///tmp/p.sock", "--maru-chunk-tokens", "512"]
+    ours, rest = build([*args, "--kv-transfer-config", json.dumps(theirs)])
+    assert ours.maru_chunk_tokens == 128 and ours.warmup() == WarmupOptions(max_prompt_tokens=127)
+    assert (
+        rest.count("--kv-transfer-config") == 1 and json.loads(rest[rest.index("--kv-transfer-config") + 1]) == theirs
+    )
+    del theirs["kv_connector_extra_config"]["maru_kv_chunk_tokens"]  # the connector's default then
+    ours, _ = build([*args, f"--kv-transfer-config={json.dumps(theirs)}"])
+    assert ours.maru_chunk_tokens == DEFAULT_CHUNK_TOKENS
+    ours, _ = build([*args, "--kv-transfer-config", json.dumps({"kv_connector": "OtherConnector"})])
+    assert ours.maru_chunk_tokens == 512  # not the Maru connector: the worker's own option

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
+from maru_dynamo.components.dynamo_hooks import install_worker_lifecycle
 from maru_vllm.launch.lifecycle import (
     DEFAULT_GRACE_S,
     WorkerLifecycle,
     grace_seconds,
-    install_worker_lifecycle,
     read_instance_file,
 )
 

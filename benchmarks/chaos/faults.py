@@ -36,7 +36,7 @@ In a disaggregated graph (`--graph disagg`) a worker kill also measures
 
 * ``stand_in_s``   - the frontend's view says the killed worker's role is stood in for (its
   workers are gone from discovery while the other role's are listed; the other role's forwarding
-  stand-ins, in discovery all along, serve it from the first retry on, `maru_vllm.disagg.standby`),
+  stand-ins, in discovery all along, serve it from the first retry on, `maru_dynamo.components.disagg.standby`),
 * ``disagg_back_s`` - the graph is disaggregated again: both roles have a worker of their own,
 
 and ``serves_s`` is a request that completes through the frontend after the new worker is listed

@@ -13,9 +13,9 @@ import time
 import urllib.error
 from typing import Any
 
-from maru_dynamo.graphs.client import get_json, post_json
+from maru_dynamo.components.disagg.view import RoleView
+from maru_dynamo.graphs.client import completions, get_json
 from maru_dynamo.graphs.plan import Plan, instance_file
-from maru_vllm.disagg.view import RoleView
 from maru_vllm.launch import ManagedProcess, ProcessGroup
 from maru_vllm.launch.lifecycle import read_instance_file
 from maru_vllm.pool import PoolClient, PoolError
@@ -67,7 +67,7 @@ class GraphView:
         return sorted({int(r["instance_id"]) for r in self._generate_rows()})
 
     def role_view(self) -> RoleView:
-        """The graph's roles as the frontend lists them (`maru_vllm.disagg.view`)."""
+        """The graph's roles as the frontend lists them (`maru_dynamo.components.disagg.view`)."""
         try:
             return RoleView.from_health(get_json(f"{self.plan.url}/health", timeout=3))
         except (urllib.error.URLError, OSError, ValueError):
@@ -92,7 +92,7 @@ class GraphView:
         if instance is not None:
             body["nvext"] = {"backend_instance_id": instance}
         try:
-            out = post_json(f"{self.plan.url}/v1/completions", body, timeout=timeout)
+            out = completions(self.plan.url, body, timeout=timeout)
         except (urllib.error.URLError, OSError, ValueError):
             return None
         return out if isinstance(out, dict) and out.get("choices") else None

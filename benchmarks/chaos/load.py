@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from maru_dynamo.graphs import client as graph_client
 from maru_dynamo.graphs.client import DONE, aiter_events
 
 COMPLETED, TRUNCATED, FAILED = "completed", "truncated", "failed"
@@ -130,7 +131,7 @@ async def stream_completion(
     max_gap = 0.0
     refused = False
     try:
-        async with client.stream("POST", f"{cfg.url}/v1/completions", json=body) as resp:
+        async with graph_client.stream_completion(client, cfg.url, body) as resp:
             status = resp.status_code
             if status != 200:
                 error = (await resp.aread()).decode(errors="replace")[:200]

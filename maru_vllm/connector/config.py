@@ -15,6 +15,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from maru_vllm.pool.auth import read_token_file
+from maru_vllm.pool.chunk_codec import DEFAULT_CHUNK_TOKENS
 from maru_vllm.pool.errors import InvalidArgument
 
 logger = init_logger(__name__)
@@ -60,7 +61,7 @@ KEYS: dict[str, tuple[Any, str]] = {
         f"pool service address: unix:///path.sock or tcp://host:port (default: ${DEFAULT_POOL_ADDRESS_ENV})",
     ),
     "maru_pool_token_file": (None, "file holding the shared-secret token for a TCP pool"),
-    "maru_kv_chunk_tokens": (256, "tokens per pool object; a multiple of the KV block size"),
+    "maru_kv_chunk_tokens": (DEFAULT_CHUNK_TOKENS, "tokens per pool object; a multiple of the KV block size"),
     "maru_use_lmcache_kernels": (True, "use LMCache's compiled copy kernels when they resolve"),
     "maru_enable_fused_load": (False, "fused multi-layer load (needs the LMCache kernels)"),
     "maru_namespace": ("", "extra isolation salt mixed into every key's namespace"),

@@ -14,13 +14,13 @@ events at medium `CPU_PINNED` (Dynamo's host tier, weighted by the frontend's
 * `tier2_credit` - opt-in: the cluster's tier-2 chunks announced at the disk tier (capped view)
 * `relay`       - ZMQ in (vLLM) + pool events -> one sequenced ZMQ stream out (to Dynamo)
 * `downstream`  - the relay's flow-controlled, gap-free sends to Dynamo's publisher
-* `dynamo_hook` - the worker-side hook below (pinned to ai-dynamo 1.6.1)
+* `publisher_relay` - a relay in front of each KV publisher a worker sets up (the options below)
 * `router_probe`- a diagnostic: ask a KV router for per-worker, per-tier overlap of a prompt
 
-Worker-side hook, called by `components/maru_worker.py` in the worker process before it runs
-`dynamo.vllm`::
+The relay's options, as the Maru worker gives them (`relay_options`; the Dynamo side's hook
+puts the relay in front of `dynamo.vllm`'s publisher)::
 
-    install_pool_event_relay(
+    relay_options(
         *,
         pool_name: str,                      # the pool's --name (NATS subjects maru.<name>.*)
         nats_url: str | None = None,         # default: $NATS_SERVER, else nats://127.0.0.1:4222
@@ -32,7 +32,7 @@ Worker-side hook, called by `components/maru_worker.py` in the worker process be
         probe_interval_s: float = 10.0,      # idle check for pool restarts / missed events
         max_announced_chunks: int | None = None,  # announce at most this many pool objects (most recently used)
         tier2_credit_max_chunks: int | None = None,  # also the tier-2's chunks at DISK, at most this many (None: off)
-    ) -> RelayInstallation                   # .relays (one per DP rank, once Dynamo set up), .uninstall()
+    ) -> PoolEventRelayOptions
 
 Namespace choice: MaruKVConnector's namespace (`kv:<model>:<digest of the KV layout>`) is
 computed inside the engine core from its `KVCacheConfig`, which the worker's main process does
@@ -43,26 +43,5 @@ layouts (dtype, TP size, `maru_namespace` salt) sharing one pool would over-cred
 in the router under the default; the connector simply misses on such chunks, so this costs a
 routing choice, never correctness.
 
-Raises `DynamoVersionError` unless ai-dynamo==ai-dynamo-runtime==1.6.1.
+Importing this package imports no relay module, and nothing here imports Dynamo.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-__all__ = [
-    "DynamoVersionError",
-    "RelayInstallation",
-    "check_dynamo_version",
-    "install_pool_event_relay",
-]
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy: importing the package must not import vLLM/Dynamo (the worker entry point installs
-    # its import stand-ins first).
-    if name in __all__:
-        from maru_vllm.events import dynamo_hook
-
-        return getattr(dynamo_hook, name)
-    raise AttributeError(name)

@@ -1,5 +1,4 @@
-"""Command lines: the parser of our own commands, and pass-through arguments (is a flag given,
-with which value, and the defaults we add).
+"""Pass-through command lines: is a flag given, with which value, and the defaults we add.
 
 The Maru components add defaults to the arguments they hand to Dynamo and vLLM only where the
 user gave none; both `--flag VALUE` and `--flag=VALUE` count as given.
@@ -7,10 +6,8 @@ user gave none; both `--flag VALUE` and `--flag=VALUE` count as given.
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Sequence
-from typing import Any
 
 
 def has_flag(argv: Sequence[str], *flags: str) -> bool:
@@ -36,17 +33,3 @@ def kv_events_args(port: int) -> list[str]:
     """
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
     return ["--kv-events-config", json.dumps(config)]
-
-
-class StrictArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser that takes only options spelled in full.
-
-    argparse accepts any unambiguous prefix of a long option by default, so a mistyped or
-    shortened option silently means another one (`whatif --trace FILE` would be taken as
-    `--trace-block-size FILE`). Every `maru-dynamo` command refuses that instead; the class is
-    inherited by every sub-command's parser (argparse builds sub-parsers of the parent's class).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["allow_abbrev"] = False
-        super().__init__(*args, **kwargs)

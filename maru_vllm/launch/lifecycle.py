@@ -9,13 +9,15 @@ worker's shutdown event - every request still running ends with `EngineShutdown`
 frontend migrates to another worker (request migration) - and shuts the runtime and the engine
 down.
 
-`install_worker_lifecycle` keeps that handler and gives it a drain callback in place of the fixed
-sleep: once unregistered, the worker waits until nothing has run on its engine for a quiet second
-(a frontend that has not yet seen the worker leave discovery may still route a request to it),
-for at most the grace period (`DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS`, 20 s by default here, 0
-to 30). A request that finishes within it finishes where it is, with no migration and no
+The Maru worker keeps that handler and gives it `WorkerLifecycle.drain` as its drain callback
+in place of the fixed sleep (the worker's hook into `dynamo.vllm`, on the Dynamo side): once
+unregistered, the worker waits until nothing has run on its engine for a quiet second (a
+frontend that has not yet seen the worker leave discovery may still route a request to it), for
+at most the grace period (`DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS`, 20 s by default here, 0 to
+30). A request that finishes within it finishes where it is, with no migration and no
 recompute; only what is left is migrated. The engine's shutdown then closes MaruKVConnector,
-whose store writer commits the stores still queued (`StoreWriter.close`), and the process exits 0.
+whose store writer commits the stores still queued (`StoreWriter.close`), and the process exits
+0.
 
 **Identity.** With `MARU_WORKER_INSTANCE_FILE` set (the local graph runner sets it per worker),
 the worker writes its Dynamo instance id there as it registers. A supervisor that sees the
@@ -27,12 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,6 @@ MAX_GRACE_S = 30.0
 POLL_S = 0.1
 # A stopping worker is drained once nothing has run on it for this long (within the grace period).
 QUIET_S = 1.0
-
-_SIGNAL_PARAMS = ("loop", "runtime", "endpoints", "shutdown_event", "grace_period_s", "drain_callback")
-_REGISTER_PARAMS = ("model_input", "model_type", "generate_endpoint", "config", "engine_client", "vllm_config")
 
 
 def grace_seconds(environ: Mapping[str, str] | None = None) -> float:
@@ -80,7 +78,7 @@ class DrainReport:
 
 
 class WorkerLifecycle:
-    """What `install_worker_lifecycle` hooks in: the engines to drain, the instance to announce."""
+    """What a worker's stop drains (its engines) and the instance it announces."""
 
     def __init__(
         self, grace_s: float, instance_file: Path | None = None, poll_s: float = POLL_S, quiet_s: float = QUIET_S
@@ -165,57 +163,3 @@ def read_instance_file(path: Path) -> int | None:
         return None
     value = data.get("instance_id") if isinstance(data, dict) else None
     return value if isinstance(value, int) else None
-
-
-def _check_params(func: Callable[..., Any], want: tuple[str, ...], what: str) -> inspect.Signature:
-    sig = inspect.signature(func)
-    if tuple(sig.parameters)[: len(want)] != want:
-        raise RuntimeError(
-            f"{what} is not what ai-dynamo 1.6.1 has (parameters {list(sig.parameters)}); "
-            "the worker's graceful drain cannot hook in"
-        )
-    return sig
-
-
-def install_worker_lifecycle(lifecycle: WorkerLifecycle) -> WorkerLifecycle:
-    """Hook `lifecycle` into the `dynamo.vllm` worker started next in this process.
-
-    Replaces two attributes of `dynamo.vllm.main` (no installed file is edited): the
-    `install_signal_handlers` it calls (Dynamo's handler, given `lifecycle.drain` as its drain
-    callback and no fixed sleep) and `register_vllm_model` (wrapped, so the engine and the
-    instance id are known once the worker registers). Raises RuntimeError when either is not
-    what ai-dynamo 1.6.1 has.
-    """
-    import dynamo.vllm.main as dm
-
-    install_signals = getattr(dm.install_signal_handlers, "_maru_original", dm.install_signal_handlers)
-    signal_sig = _check_params(install_signals, _SIGNAL_PARAMS, "dynamo.vllm.main.install_signal_handlers")
-    register = getattr(dm.register_vllm_model, "_maru_inner", dm.register_vllm_model)
-    register_sig = _check_params(register, _REGISTER_PARAMS, "dynamo.vllm.main.register_vllm_model")
-
-    def install_signal_handlers(*args: Any, **kwargs: Any) -> Any:
-        bound = signal_sig.bind(*args, **kwargs)
-        theirs: Callable[[], Awaitable[None]] | None = bound.arguments.get("drain_callback")
-
-        async def drain() -> None:
-            await lifecycle.drain()
-            if theirs is not None:
-                await theirs()
-
-        bound.arguments["grace_period_s"] = 0.0
-        bound.arguments["drain_callback"] = drain
-        return install_signals(*bound.args, **bound.kwargs)
-
-    async def register_vllm_model(*args: Any, **kwargs: Any) -> Any:
-        bound = register_sig.bind(*args, **kwargs)
-        lifecycle.registered(bound.arguments["engine_client"], bound.arguments["generate_endpoint"])
-        return await register(*args, **kwargs)
-
-    # Marked, not `__wrapped__`: the warm-up hook unwraps `__wrapped__` when it installs itself.
-    install_signal_handlers._maru_original = install_signals  # type: ignore[attr-defined]
-    install_signal_handlers.__signature__ = signal_sig  # type: ignore[attr-defined]
-    register_vllm_model._maru_inner = register  # type: ignore[attr-defined]
-    register_vllm_model.__signature__ = register_sig  # type: ignore[attr-defined]
-    dm.install_signal_handlers = install_signal_handlers
-    dm.register_vllm_model = register_vllm_model
-    return lifecycle

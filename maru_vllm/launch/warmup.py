@@ -8,12 +8,12 @@ holds more than one request (torch specialises a dimension of size 1), a few hun
 Greedy requests (Dynamo's own health-check payload is one) never reach it. Without a warm-up,
 the first user of each worker pays that.
 
-`install_warmup_before_registration()` makes the worker that `dynamo.vllm` starts next in this
-process run a warm-up on its engine right before `register_vllm_model`, which is what publishes
-the model card and endpoint in Dynamo's discovery: the frontend lists a worker (and so `maru-dynamo
-graph run` reports ready) and Dynamo's system status server reports its endpoint healthy only
-after the warm-up. The warm-up is rounds of the same short requests, straight into the engine
-(never through the pool, the router or the frontend):
+`warm_up_before_registration` is what the Maru worker runs on its engine right before Dynamo's
+`register_vllm_model` (its hook into `dynamo.vllm`, on the Dynamo side), which is what
+publishes the model card and endpoint in Dynamo's discovery: the frontend lists a worker (and
+so `maru-dynamo graph run` reports ready) and Dynamo's system status server reports its
+endpoint healthy only after the warm-up. The warm-up is rounds of the same short requests,
+straight into the engine (never through the pool, the router or the frontend):
 
   one request with temperature 1          (the sampler compiled for a batch of one)
   N requests at once, temperature 1       (compiled again for a batch of several)
@@ -32,17 +32,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from maru_vllm.pool.chunk_codec import DEFAULT_CHUNK_TOKENS
 
-REQUIRED_PARAMS = ("model_input", "model_type", "generate_endpoint", "config", "engine_client", "vllm_config")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +58,7 @@ class WarmupPhase:
 
 @dataclasses.dataclass(frozen=True)
 class WarmupOptions:
-    max_prompt_tokens: int = 255  # below one pool chunk (256 tokens by default): nothing is stored
+    max_prompt_tokens: int = DEFAULT_CHUNK_TOKENS - 1  # below one pool chunk: nothing is stored
     concurrency: int = 4
     max_rounds: int = 4
     settle_ratio: float = 1.5
@@ -147,39 +145,9 @@ async def warm_up_engine(
     return report
 
 
-def install_warmup_before_registration(opts: WarmupOptions | None = None) -> Callable[..., Awaitable[Any]]:
-    """Make the `dynamo.vllm` worker started next in this process warm up before it registers.
-
-    Wraps `dynamo.vllm.main.register_vllm_model` (ai-dynamo 1.6.1), which `dynamo.vllm` calls once
-    its engine is built and right before it serves its endpoints. Returns the wrapper. Raises
-    RuntimeError when that function is not what 1.6.1 has.
-    """
-    import dynamo.vllm.main as dm
-
-    original = getattr(dm.register_vllm_model, "__wrapped__", dm.register_vllm_model)
-    params = tuple(inspect.signature(original).parameters)
-    if params[: len(REQUIRED_PARAMS)] != REQUIRED_PARAMS:
-        raise RuntimeError(
-            "dynamo.vllm.main.register_vllm_model is not what ai-dynamo 1.6.1 has "
-            f"(parameters {list(params)}); the warm-up before registration cannot hook in"
-        )
-    options = opts or WarmupOptions()
-    done: set[int] = set()  # one warm-up per engine (a worker may register several model cards)
-
-    async def register_vllm_model(*args: Any, **kwargs: Any) -> Any:
-        bound = inspect.signature(original).bind(*args, **kwargs)
-        engine_client = bound.arguments["engine_client"]
-        if id(engine_client) not in done:
-            done.add(id(engine_client))
-            await _warm_up_logged(engine_client, bound.arguments["vllm_config"], options)
-        return await original(*args, **kwargs)
-
-    register_vllm_model.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps sets it
-    dm.register_vllm_model = register_vllm_model
-    return register_vllm_model
-
-
-async def _warm_up_logged(engine_client: Any, vllm_config: Any, opts: WarmupOptions) -> None:
+async def warm_up_before_registration(engine_client: Any, vllm_config: Any, opts: WarmupOptions) -> None:
+    """The warm-up a worker runs right before it registers: logged, and never raising (a warm-up
+    that fails leaves the worker to register cold)."""
     runner = getattr(vllm_config.model_config, "runner_type", "generate")
     if runner != "generate":  # embedding / classification engines never sample
         logger.info("maru_worker: no warm-up for a %s engine", runner)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from maru_vllm.launch.argv import StrictArgumentParser
+from maru_vllm.cli_parser import StrictArgumentParser
 from maru_vllm.pool.cli import register
 
 

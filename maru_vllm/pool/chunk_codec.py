@@ -52,6 +52,9 @@ import numpy as np
 
 from maru_vllm.pool import messages as M
 
+#: Tokens per pool object (a chunk) unless configured (`maru_kv_chunk_tokens`): the one home of the default.
+DEFAULT_CHUNK_TOKENS = 256
+
 #: `ChunkMeta.v` values this code writes and reads; bump when ChunkMeta changes incompatibly.
 CHUNK_META_VERSION = 1
 SUPPORTED_CHUNK_META_VERSIONS = frozenset({CHUNK_META_VERSION})

@@ -157,7 +157,17 @@ class PoolService:
             self.publisher = EventPublisher(self.cfg.nats, self.cfg.name, self._snapshot_page)
             self.publisher.start()
         if self.cfg.tier2 is not None:
-            self.tier2 = await start_tier2(self.cfg.tier2, self, self.cfg.nats)
+            assert self.index is not None and self.region is not None
+            self.tier2 = await start_tier2(
+                self.cfg.tier2,
+                index=self.index,
+                view=self.region.view,
+                presence=self.presence,
+                verify=self._verify,
+                pool_name=self.cfg.name,
+                incarnation=self.region.info.incarnation,
+                nats=self.cfg.nats,
+            )
         served = []
         try:
             for a in self.addresses:

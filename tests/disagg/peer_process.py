@@ -16,8 +16,8 @@ import uvloop
 async def main(role: str) -> None:
     from dynamo.runtime import DistributedRuntime
 
-    from maru_vllm.disagg.peers import serve_watch
-    from maru_vllm.disagg.roles import GENERATE, endpoint_path
+    from maru_dynamo.components.disagg.peers import serve_watch
+    from maru_dynamo.components.disagg.roles import GENERATE, endpoint_path
 
     loop = asyncio.get_running_loop()
     runtime = DistributedRuntime(loop, "file", "tcp")

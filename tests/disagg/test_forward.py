@@ -1,5 +1,5 @@
 """A stand-in passes requests on to the live workers of its role and takes over from one that dies
-(`maru_vllm.disagg.relay`, no processes).
+(`maru_dynamo.components.disagg.relay`, no processes).
 
 `FakeClient` stands in for Dynamo's `Client` (what `direct()` returns is an async iterator of the
 peer's answers, or raises as Dynamo does when the peer is gone), `local` for the stood-in role's
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from maru_vllm.disagg.relay import Relay, continuation
+from maru_dynamo.components.disagg.relay import Relay, continuation
 
 PREFILL_ANSWER = {"token_ids": [7], "disaggregated_params": {"kv_transfer_params": {}}}
 PROMPT = [1, 2, 3]

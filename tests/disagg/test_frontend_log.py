@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
+from maru_dynamo.components.disagg.frontend_log import RoleLog
+from maru_dynamo.components.disagg.view import RoleView
 from maru_dynamo.components.frontend import health_url
-from maru_vllm.disagg.frontend_log import RoleLog
-from maru_vllm.disagg.view import RoleView
 
 P, D = 5105075361137414446, 11102425294254454071
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from maru_vllm.disagg.peers import PeerWatch
-from maru_vllm.disagg.roles import GENERATE, endpoint_path
+from maru_dynamo.components.disagg.peers import PeerWatch
+from maru_dynamo.components.disagg.roles import GENERATE, endpoint_path
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]

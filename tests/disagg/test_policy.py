@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from maru_vllm.disagg.policy import StandbyPolicy
-from maru_vllm.disagg.roles import COMPONENT, endpoint_path, other_role
+from maru_dynamo.components.disagg.policy import StandbyPolicy
+from maru_dynamo.components.disagg.roles import COMPONENT, endpoint_path, other_role
 
 
 def test_no_peer_after_the_start_grace_promotes_once() -> None:

@@ -7,7 +7,7 @@ the pool service (--nats), Dynamo's frontend (--router-mode kv), one prefill Mar
 pool; Dynamo hands the decode worker an empty `kv_transfer_params` (Maru is a cache-mediated PD
 connector, `maru_dynamo.components.dynamo_pd`), and the decode worker's connector loads the chunks
 by block hash while it schedules the same prompt. Each worker stands in for the other role while
-that role has no worker (`maru_vllm.disagg`): the checks below run once the graph is
+that role has no worker (`maru_dynamo.components.disagg`): the checks below run once the graph is
 disaggregated, i.e. once no worker serves both roles.
 
 Reference, run before the graph starts: a plain vLLM OpenAI server (no connector) on the decode

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pytest
 
+from maru_dynamo.components.disagg.view import RoleView
 from maru_dynamo.graphs.client import completion, get_json
-from maru_vllm.disagg.view import RoleView
 from maru_vllm.launch.engine_metrics import metric_total
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import token_prompt

@@ -52,7 +52,7 @@ WORKER_BOOT = """
 import os, sys
 from maru_dynamo.components.text_only import install_text_only_stand_ins
 install_text_only_stand_ins()
-from maru_vllm.events import install_pool_event_relay
+from maru_dynamo.components.dynamo_hooks import install_pool_event_relay
 from maru_vllm.launch.handoff import run_module_as_main
 install_pool_event_relay(pool_name=os.environ["MARU_TEST_POOL_NAME"],
                          pool_address=os.environ["MARU_TEST_POOL_ADDRESS"], probe_interval_s=2.0,

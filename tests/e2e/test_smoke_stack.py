@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_dynamo.graphs.client import completion, get_json, post_json
+from maru_dynamo.graphs.client import chat_completion, completion, get_json
 from maru_vllm.launch import ProcessGroup, stack
 from tests.e2e import planned_graph
 
@@ -49,15 +49,7 @@ def test_dynamo_frontend_and_worker_serve(tiny_model: Path, procs: ProcessGroup,
     assert out["usage"]["completion_tokens"] == 6
     assert out["choices"][0]["text"]
 
-    chat = post_json(
-        f"{url}/v1/chat/completions",
-        {
-            "model": str(tiny_model),
-            "messages": [{"role": "user", "content": "hi there"}],
-            "max_tokens": 5,
-            "temperature": 0,
-        },
-    )
+    chat = chat_completion(url, str(tiny_model), [{"role": "user", "content": "hi there"}], max_tokens=5)
     assert chat["choices"][0]["message"]["role"] == "assistant"
     assert chat["usage"]["completion_tokens"] == 5
     # The chat template from tokenizer_config.json was applied: <s><|user|>hi there<|end|><|assistant|>

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_dynamo.graphs.client import post_json
+from maru_dynamo.graphs.client import completions
 from maru_dynamo.graphs.plan import build_plan, resolve_model
 from maru_dynamo.graphs.run import new_work_dir, start_graph, stop_graph, supervise
 from maru_dynamo.graphs.spec import load_graph
@@ -94,8 +94,8 @@ def test_workers_register_only_after_a_settled_warmup() -> None:
         pool_socket = next(plan.work_dir.glob("pool-*.sock"))
         with PoolClient.connect(f"unix://{pool_socket}") as client:
             assert client.snapshot() == [], "a warm-up request was stored in the pool"
-        out = post_json(
-            f"{plan.url}/v1/completions",
+        out = completions(
+            plan.url,
             {"model": model, "prompt": "Ready means warm. " * 4, "max_tokens": 4, "temperature": 1.0},
         )
         assert out["usage"]["completion_tokens"] == 4

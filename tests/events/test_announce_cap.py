@@ -150,8 +150,8 @@ def test_a_real_pool_serves_a_capped_snapshot_over_its_socket(pool_service) -> N
 def test_the_worker_option_reaches_the_relay_and_a_bad_value_stops_it_in_one_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from maru_dynamo.components import dynamo_hooks as dynamo_hook
     from maru_dynamo.components import maru_worker
-    from maru_vllm.events import dynamo_hook
     from tests.events.test_dynamo_hook import FakePublisher, _fake_config
 
     ours, rest = maru_worker.build(["--maru-pool-address", "a", "--maru-pool-name", "kv"])

@@ -1,4 +1,4 @@
-"""The worker-side hook: Dynamo version pin, the seam it patches, and the maru_worker CLI."""
+"""The worker's pool-events hook: Dynamo version pin, the seam it patches, and the maru_worker CLI."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ from typing import ClassVar
 
 import pytest
 
-from maru_vllm.events import dynamo_hook
+from maru_dynamo.components import dynamo_hooks as dynamo_hook
+from maru_vllm.events import publisher_relay
+from maru_vllm.versions import DYNAMO
 
 
 def test_installed_dynamo_is_the_pinned_version() -> None:
     assert importlib.metadata.version("ai-dynamo") == "1.6.1"
     assert importlib.metadata.version("ai-dynamo-runtime") == "1.6.1"
-    assert dynamo_hook.check_dynamo_version() == dynamo_hook.REQUIRED_DYNAMO_VERSION == "1.6.1"
+    assert dynamo_hook.check_dynamo_version() == DYNAMO.releases[-1] == "1.6.1"
 
 
 def test_other_dynamo_versions_are_refused_with_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,7 +46,9 @@ def test_seam_exists_in_dynamo_1_6_1() -> None:
     pytest.importorskip("maru_dynamo.components.text_only").install_text_only_stand_ins()
     import dynamo.vllm.main as dm
 
-    assert list(inspect.signature(dm.setup_kv_event_publisher).parameters)[:3] == list(dynamo_hook._SETUP_PARAMS)
+    assert list(inspect.signature(dm.setup_kv_event_publisher).parameters)[:3] == list(
+        dynamo_hook.declared_params("setup_kv_event_publisher") or ()
+    )
     src = inspect.getsource(dm)
     assert "setup_kv_event_publisher_fn=setup_kv_event_publisher" in src
     body = inspect.getsource(dm.setup_kv_event_publisher)
@@ -118,9 +122,9 @@ def test_relay_failure_falls_back_to_vllms_endpoint(monkeypatch: pytest.MonkeyPa
     def broken(*a, **k):
         raise OSError("no relay today")
 
-    monkeypatch.setattr(dynamo_hook, "_start_relay", broken)
+    monkeypatch.setattr(publisher_relay, "_start_relay", broken)
     FakePublisher.made.clear()
-    make = dynamo_hook._publisher_factory(FakePublisher, None, None)  # type: ignore[arg-type]
+    make = publisher_relay.publisher_factory(FakePublisher, None, None)  # type: ignore[arg-type]
     make(endpoint="EP", zmq_endpoint="tcp://127.0.0.1:5", dp_rank=0)
     assert FakePublisher.made == [{"endpoint": "EP", "zmq_endpoint": "tcp://127.0.0.1:5", "dp_rank": 0}]
 

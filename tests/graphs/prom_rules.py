@@ -140,7 +140,7 @@ def exported_metric_names() -> frozenset[str]:
     connector.observe(dict.fromkeys(MaruPromMetrics._COUNTERS, 1))
     names |= {s.name for family in registry.collect() for s in family.samples if not s.name.endswith("_created")}
 
-    from maru_vllm.disagg.standby import StandbyMetrics
+    from maru_dynamo.components.disagg.standby import StandbyMetrics
 
     standby = StandbyMetrics("prefill")
     standby.requests.inc()

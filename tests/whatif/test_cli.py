@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.components.main import main
+from maru_dynamo.components.whatif.spec import CONFIGS, parse_size
 from maru_vllm.fixtures.calibration import Calibration, write_calibration
-from maru_vllm.whatif.spec import CONFIGS, parse_size
 
 RESULT_KEYS = {
     "workers",
@@ -127,8 +127,8 @@ def test_sweep_weight_reports_the_best_weight_per_worker_count(synthetic_trace: 
 def test_calibration_sets_pool_bandwidth_and_scales_the_mockers_prefill(
     synthetic_trace: Path, tmp_path: Path, capsys
 ) -> None:
-    from maru_vllm.whatif.spec import ClusterSpec
-    from maru_vllm.whatif.timing import mocker_prefill_tokens_per_s
+    from maru_dynamo.components.whatif.spec import ClusterSpec
+    from maru_dynamo.components.whatif.timing import mocker_prefill_tokens_per_s
 
     base_tps = mocker_prefill_tokens_per_s(ClusterSpec(kv_bytes_per_token=131072))
     cal = tmp_path / "cal.json"
@@ -199,7 +199,7 @@ def test_sizes_parse_like_a_user_writes_them() -> None:
 
 
 def test_model_config_gives_kv_bytes_per_token(tmp_path: Path) -> None:
-    from maru_vllm.whatif.spec import DEFAULT_KV_BYTES_PER_TOKEN, kv_bytes_per_token_of_model
+    from maru_dynamo.components.whatif.spec import DEFAULT_KV_BYTES_PER_TOKEN, kv_bytes_per_token_of_model
 
     # Qwen2.5-32B's geometry: 64 layers, 40 query heads, 8 KV heads, hidden 5120, bf16.
     (tmp_path / "config.json").write_text(

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from maru_vllm.whatif import domains as D
-from maru_vllm.whatif.spec import ClusterSpec
-from maru_vllm.whatif.timing import mocker_timing
-from maru_vllm.whatif.trace import TraceRequest
+from maru_dynamo.components.whatif import domains as D
+from maru_dynamo.components.whatif.spec import ClusterSpec
+from maru_dynamo.components.whatif.timing import mocker_timing
+from maru_dynamo.components.whatif.trace import TraceRequest
 
 SPEC = ClusterSpec(block_size=64, trace_block_size=512, gpu_blocks=200, pool_bytes=10**12)
 

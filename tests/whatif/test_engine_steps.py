@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from maru_vllm.whatif import pool_model
-from maru_vllm.whatif.spec import KV_GPU, ClusterSpec
-from maru_vllm.whatif.timing import mocker_timing
-from maru_vllm.whatif.trace import TraceRequest
+from maru_dynamo.components.whatif import pool_model
+from maru_dynamo.components.whatif.spec import KV_GPU, ClusterSpec
+from maru_dynamo.components.whatif.timing import mocker_timing
+from maru_dynamo.components.whatif.trace import TraceRequest
 
 # A linear engine: 10 ms per step plus 0.1 ms per prompt token; decode steps too short to matter.
 PREFILL = ((16, 11.6), (4096, 419.6), (8192, 829.2))

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from maru_vllm.whatif import pool_model
-from maru_vllm.whatif.runner import DYNAMO, MODEL, WhatIf
-from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec
-from maru_vllm.whatif.timing import mocker_timing
-from maru_vllm.whatif.trace import read_trace, unique_prefix_tokens
-from maru_vllm.whatif.validation import (
+from maru_dynamo.components.whatif import pool_model
+from maru_dynamo.components.whatif.runner import DYNAMO, MODEL, WhatIf
+from maru_dynamo.components.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec
+from maru_dynamo.components.whatif.timing import mocker_timing
+from maru_dynamo.components.whatif.trace import read_trace, unique_prefix_tokens
+from maru_dynamo.components.whatif.validation import (
     REAL_BLOCK_TOKENS,
     routing_comparison_trace,
     validation_itl_ms,

@@ -2,7 +2,7 @@
 
 Why this exists: Dynamo 1.6.1's offline replay models the shared tier (``native_host_offload``
 ``scope: "cluster_shared"``) but aborts on the Mooncake traces once GPUs evict (see
-`maru_vllm.whatif`). This model replays the same requests with:
+`maru_dynamo.components.whatif`). This model replays the same requests with:
 
 * **Dynamo's router index**: ``dynamo._core.RadixTree`` (the Rust radix tree the KV router and the
   offline replay use), fed with stored/removed KV events: one tree for the workers' device
@@ -41,9 +41,9 @@ from collections import OrderedDict
 from collections.abc import Container, Sequence
 from typing import Any
 
-from maru_vllm.whatif.spec import KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
-from maru_vllm.whatif.timing import MockerTiming
-from maru_vllm.whatif.trace import TraceRequest
+from maru_dynamo.components.whatif.spec import KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
+from maru_dynamo.components.whatif.timing import MockerTiming
+from maru_dynamo.components.whatif.trace import TraceRequest
 
 POOL_WORKER_ID = 1 << 30  # the pool's own id in the host-tier tree
 _MASK = (1 << 63) - 1
@@ -73,7 +73,7 @@ class _Index:
     """A Dynamo RadixTree fed with KV events as a worker (or the pool) would publish them."""
 
     def __init__(self) -> None:
-        from maru_vllm.whatif.dynamo_backend import quiet_dynamo_logs
+        from maru_dynamo.components.whatif.dynamo_backend import quiet_dynamo_logs
 
         quiet_dynamo_logs()
         from dynamo._core import RadixTree

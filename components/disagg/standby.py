@@ -32,9 +32,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from maru_vllm.disagg.peers import _keep
-from maru_vllm.disagg.relay import Relay
-from maru_vllm.disagg.roles import COMPONENT, DECODE, GENERATE, PREFILL, endpoint_path
+from maru_dynamo.components.disagg.peers import _keep
+from maru_dynamo.components.disagg.relay import Relay
+from maru_dynamo.components.disagg.roles import COMPONENT, DECODE, GENERATE, PREFILL, endpoint_path
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from maru_vllm.whatif.runner import Row
+from maru_dynamo.components.whatif.runner import Row
 
 
 def _num(v: float | int | None, fmt: str) -> str:

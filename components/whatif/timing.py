@@ -26,7 +26,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-from maru_vllm.whatif.spec import MOCKER_STEP_TOKENS, ClusterSpec
+from maru_dynamo.components.whatif.spec import MOCKER_STEP_TOKENS, ClusterSpec
 
 STEP_TOKENS = MOCKER_STEP_TOKENS  # the mocker's prefill chunk
 _PREFILL_POINTS = (64, 256, 512, 1024, 2048, 4096, STEP_TOKENS)
@@ -107,7 +107,7 @@ def _probe_trace(path: Path, block: int, contexts: list[int]) -> None:
 
 @lru_cache(maxsize=16)
 def _measure(block_size: int, kv_bytes_per_token: int, prefill_speedup: float, gpu_blocks: int) -> MockerTiming:
-    from maru_vllm.whatif.dynamo_backend import quiet_dynamo_logs
+    from maru_dynamo.components.whatif.dynamo_backend import quiet_dynamo_logs
 
     quiet_dynamo_logs()
     from dynamo.replay import run_trace_replay

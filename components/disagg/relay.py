@@ -32,7 +32,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from maru_vllm.disagg.roles import DECODE
+from maru_dynamo.components.disagg.roles import DECODE
 
 logger = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, TextIO
 
-from maru_vllm.whatif import dynamo_backend, pool_model
-from maru_vllm.whatif.spec import KV_POOL, ClusterSpec, RunResult
-from maru_vllm.whatif.timing import mocker_timing
-from maru_vllm.whatif.trace import TraceRequest, write_trace
+from maru_dynamo.components.whatif import dynamo_backend, pool_model
+from maru_dynamo.components.whatif.spec import KV_POOL, ClusterSpec, RunResult
+from maru_dynamo.components.whatif.timing import mocker_timing
+from maru_dynamo.components.whatif.trace import TraceRequest, write_trace
 
 MODEL = "model"  # the pool model (all four configurations)
 DYNAMO = "dynamo"  # Dynamo's offline replay as shipped (kv-pool fails in 1.6.1)

@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from maru_vllm.disagg.peers import PeerWatch, serve_watch
-from maru_vllm.disagg.policy import StandbyPolicy, Transition
-from maru_vllm.disagg.roles import COMPONENT, GENERATE, other_role
-from maru_vllm.disagg.standby import Standby
+from maru_dynamo.components.disagg.peers import PeerWatch, serve_watch
+from maru_dynamo.components.disagg.policy import StandbyPolicy, Transition
+from maru_dynamo.components.disagg.roles import COMPONENT, GENERATE, other_role
+from maru_dynamo.components.disagg.standby import Standby
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from maru_vllm.disagg.roles import COMPONENT, GENERATE, WATCH, endpoint_path
+from maru_dynamo.components.disagg.roles import COMPONENT, GENERATE, WATCH, endpoint_path
 
 logger = logging.getLogger(__name__)
 

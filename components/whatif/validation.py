@@ -10,9 +10,9 @@ through the next two arrivals and ends before the third.
 
 from __future__ import annotations
 
+from maru_dynamo.components.whatif.spec import ClusterSpec
+from maru_dynamo.components.whatif.trace import TraceRequest
 from maru_vllm.fixtures.workload import Workload, WorkloadSpec, build_workload
-from maru_vllm.whatif.spec import ClusterSpec
-from maru_vllm.whatif.trace import TraceRequest
 
 # The routing comparison's defaults (benchmarks/routing_comparison.py DEFAULT_SPEC / DEFAULT_WINDOW).
 ROUTING_COMPARISON_SPEC = WorkloadSpec(
@@ -57,7 +57,7 @@ def validation_spec() -> ClusterSpec:
 
 def validation_itl_ms(spec: ClusterSpec) -> float:
     """The mocker's decode step with the window's requests in flight (sizes the outputs to hold the window)."""
-    from maru_vllm.whatif.timing import mocker_timing
+    from maru_dynamo.components.whatif.timing import mocker_timing
 
     prompts = build_workload(ROUTING_COMPARISON_SPEC)
     mean_prompt = prompts.total_prompt_tokens / len(prompts)

@@ -3,7 +3,7 @@
 Dynamo's frontend lists in `/health` every instance of every endpoint it knows, by component and
 endpoint. Every disaggregated Maru worker serves `maru_watch` on its own role's component
 (`prefill` or `backend`), so those ids are the role's workers. Every worker also serves the other
-role's `generate` (its forwarding stand-in, `maru_vllm.disagg.standby`), so the `generate` lists
+role's `generate` (its forwarding stand-in, `maru_dynamo.components.disagg.standby`), so the `generate` lists
 alone do not say which roles have workers. So:
 
 * a role is degraded while workers of the other role are listed and none of its own is;
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from maru_vllm.disagg.roles import COMPONENT, DECODE, GENERATE, PREFILL, WATCH
+from maru_dynamo.components.disagg.roles import COMPONENT, DECODE, GENERATE, PREFILL, WATCH
 
 
 @dataclasses.dataclass(frozen=True)

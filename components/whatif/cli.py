@@ -6,10 +6,10 @@ import argparse
 import dataclasses
 import sys
 
+from maru_dynamo.components.whatif import spec as S
+from maru_dynamo.components.whatif.runner import DYNAMO, MODEL, SIMULATORS, SWEEP_METRICS, WhatIf, best_weights
+from maru_dynamo.components.whatif.trace import TraceError, read_trace
 from maru_vllm.routing import pool_tier_weight, validate_weight
-from maru_vllm.whatif import spec as S
-from maru_vllm.whatif.runner import DYNAMO, MODEL, SIMULATORS, SWEEP_METRICS, WhatIf, best_weights
-from maru_vllm.whatif.trace import TraceError, read_trace
 
 DEFAULT_SWEEP = "0,0.25,0.5,0.6,0.7,0.8,0.9,0.95,0.97,1.0"
 
@@ -136,8 +136,8 @@ def _spec_from_args(args: argparse.Namespace) -> S.ClusterSpec:
         arrival_speedup=args.arrival_speedup,
     )
     if args.calibration:
+        from maru_dynamo.components.whatif.timing import mocker_prefill_tokens_per_s
         from maru_vllm.fixtures.calibration import read_calibration
-        from maru_vllm.whatif.timing import mocker_prefill_tokens_per_s
 
         cal = read_calibration(args.calibration)
         kvbpt = kvbpt or cal.kv_bytes_per_token
@@ -162,8 +162,8 @@ def _spec_from_args(args: argparse.Namespace) -> S.ClusterSpec:
 def run_domains(args: argparse.Namespace) -> int:
     import json
 
-    from maru_vllm.whatif import domains as D
-    from maru_vllm.whatif.timing import mocker_timing
+    from maru_dynamo.components.whatif import domains as D
+    from maru_dynamo.components.whatif.timing import mocker_timing
 
     try:
         workers = S.parse_workers(args.workers)
@@ -218,7 +218,7 @@ def run_whatif(args: argparse.Namespace) -> int:
         else:
             rows = whatif.run(configs, workers)
             best = None
-    from maru_vllm.whatif import report
+    from maru_dynamo.components.whatif import report
 
     if args.json:
         print(report.json_document(args.trace, len(requests), rows, sweep=weights is not None, best=best))

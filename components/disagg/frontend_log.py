@@ -16,8 +16,8 @@ import threading
 import urllib.error
 import urllib.request
 
-from maru_vllm.disagg.roles import DECODE, PREFILL
-from maru_vllm.disagg.view import RoleView
+from maru_dynamo.components.disagg.roles import DECODE, PREFILL
+from maru_dynamo.components.disagg.view import RoleView
 
 logger = logging.getLogger(__name__)
 

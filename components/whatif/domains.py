@@ -28,11 +28,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from maru_dynamo.components.whatif.pool_model import POOL_WORKER_ID, PoolModel, _BlockCache, _Index, _Request, _Worker
+from maru_dynamo.components.whatif.spec import KV_POOL, ClusterSpec, RunResult
+from maru_dynamo.components.whatif.timing import MockerTiming
+from maru_dynamo.components.whatif.trace import TraceRequest
 from maru_vllm.routing import DYNAMO_DISK_TIER_WEIGHT
-from maru_vllm.whatif.pool_model import POOL_WORKER_ID, PoolModel, _BlockCache, _Index, _Request, _Worker
-from maru_vllm.whatif.spec import KV_POOL, ClusterSpec, RunResult
-from maru_vllm.whatif.timing import MockerTiming
-from maru_vllm.whatif.trace import TraceRequest
 
 KV_DOMAINS = "kv-domains"
 KV_TIER2 = "kv-tier2"

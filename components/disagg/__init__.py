@@ -22,6 +22,6 @@ why, measured against Dynamo's own behaviour: docs/design.md ("Losing a role"). 
 operator sees: docs/operations.md.
 """
 
-from maru_vllm.disagg.roles import COMPONENT, DECODE, PREFILL, other_role
+from maru_dynamo.components.disagg.roles import COMPONENT, DECODE, PREFILL, other_role
 
 __all__ = ["COMPONENT", "DECODE", "PREFILL", "other_role"]

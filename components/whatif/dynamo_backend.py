@@ -3,7 +3,7 @@
 `round-robin`, `kv-gpu` and `kv-host` run here as Dynamo ships them. `kv-pool` is Dynamo's
 ``native_host_offload`` with ``scope: "cluster_shared"``; in Dynamo 1.6.1 that replay aborts
 ("failed to apply replay KV event ... removed ...: Failed to find block") once GPUs evict
-(see `maru_vllm.whatif` for what was narrowed down). The runner counts such a run
+(see `maru_dynamo.components.whatif` for what was narrowed down). The runner counts such a run
 in ``failed_runs`` and `pool_model` answers for the pool instead.
 """
 
@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Any, Literal
 
-from maru_vllm.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
+from maru_dynamo.components.whatif.spec import KV_GPU, KV_HOST, KV_POOL, ROUND_ROBIN, ClusterSpec, RunResult
 
 log = logging.getLogger(__name__)
 
