@@ -4,7 +4,7 @@
 Everything is the real component, each in its own process: nats-server, the pool service
 (`python -m maru_vllm.pool serve`), a worker stand-in running our `KvEventRelay` plus Dynamo's
 own `KvEventPublisher` on a served Dynamo endpoint (what `dynamo.vllm` + our hook run, minus the
-engine), and Dynamo's `KvRouter` (`maru_vllm.events.router_probe`). Chunks are what
+engine), and Dynamo's `KvRouter` (`maru_dynamo.components.router_probe`). Chunks are what
 MaruKVConnector commits (`ChunkMeta`: block hashes, token ids; `--chunk-tokens` per chunk,
 `--chunks-per-prompt` chained chunks per prompt) with empty payloads - the pool's metadata and
 the router's state do not depend on payload size, and a 1 TB region does not fit here.
@@ -275,14 +275,14 @@ class Stack:
 
 
 class Router:
-    """Dynamo's KvRouter in its own process (maru_vllm.events.router_probe)."""
+    """Dynamo's KvRouter in its own process (maru_dynamo.components.router_probe)."""
 
     def __init__(self, stack: Stack, block_size: int, log: str = "router.log", event_threads: int = 4) -> None:
         self.proc = stack._spawn(
             [
                 sys.executable,
                 "-m",
-                "maru_vllm.events.router_probe",
+                "maru_dynamo.components.router_probe",
                 "--endpoint",
                 ENDPOINT,
                 "--block-size",

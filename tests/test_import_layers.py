@@ -114,9 +114,7 @@ def test_maru_vllm_never_imports_or_names_the_dynamo_side() -> None:
 
 
 # ---- the engine side stands without Dynamo ------------------------------------------------------
-# What hooks into or drives Dynamo lives on the Dynamo side. The one module left here: the README
-# runs it as `python -m maru_vllm.events.router_probe`, a command that stays as it is.
-DYNAMO_USERS_LEFT = {"maru_vllm/events/router_probe.py"}
+# What hooks into or drives Dynamo lives on the Dynamo side: no module of maru_vllm imports it.
 
 
 def dynamo_imports(source: str) -> list[tuple[int, str]]:
@@ -134,16 +132,14 @@ def test_maru_vllm_imports_no_dynamo() -> None:
     offences = sorted(
         f"{path.relative_to(ROOT.parent)}:{line}: import {module}"
         for path in ROOT.rglob("*.py")
-        if str(path.relative_to(ROOT.parent)) not in DYNAMO_USERS_LEFT
         for line, module in dynamo_imports(path.read_text(encoding="utf-8"))
     )
     assert offences == [], "the engine side must stand without Dynamo:\n" + "\n".join(offences)
-    # the check sees what it forbids, and the modules it lets be still exist
+    # the check sees what it forbids
     assert dynamo_imports("import dynamo.vllm.main as dm\nfrom dynamo.llm import KvRouter\n") == [
         (1, "dynamo.vllm.main"),
         (2, "dynamo.llm"),
     ]
-    assert all((ROOT.parent / left).is_file() for left in DYNAMO_USERS_LEFT)
 
 
 def test_the_check_sees_every_way_of_naming_the_dynamo_side() -> None:

@@ -12,19 +12,34 @@ checked before anything is copied; a failed check is `LayoutMismatch`, a miss.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from maru_vllm.connector.object_format import TRAILER_BYTES, ObjectFormat, converted_pages, page_dim_of, read_format
-from maru_vllm.connector.page_layout import LayoutMismatch, block_runs
-
-if TYPE_CHECKING:
-    from maru_vllm.connector.layouts import KVCacheSet
+from maru_vllm.connector.page_copies import byte_tensor, copy_runs
+from maru_vllm.connector.page_layout import LayoutMismatch, PageLayout, block_runs
 
 
-def own_nbytes(codec: KVCacheSet, nbytes: int, written: ObjectFormat) -> int:
+class PageCodec(Protocol):
+    """What these reads need of a rank's cache set (`layouts.KVCacheSet` is one)."""
+
+    @property
+    def format(self) -> ObjectFormat | None: ...
+
+    @property
+    def unique_layers(self) -> tuple[str, ...]: ...
+
+    @property
+    def layouts(self) -> Mapping[str, PageLayout]: ...
+
+    def pages_of(self, layer: str) -> torch.Tensor: ...
+
+    def check_chunk(self, block_ids: Sequence[int], nbytes: int, what: str, skip_blocks: int = 0) -> int: ...
+
+
+def own_nbytes(codec: PageCodec, nbytes: int, written: ObjectFormat) -> int:
     """The size an object of `written` format and `nbytes` bytes would have holding this rank's
     heads; -1 when the sizes do not scale (a wrong size: a miss)."""
     assert codec.format is not None
@@ -35,7 +50,7 @@ def own_nbytes(codec: KVCacheSet, nbytes: int, written: ObjectFormat) -> int:
 
 
 def convert_unpack(
-    codec: KVCacheSet,
+    codec: PageCodec,
     block_ids: Sequence[int],
     flat: torch.Tensor,
     n: int,
@@ -47,7 +62,6 @@ def convert_unpack(
     """Copy an object of `written` format into the pages of `block_ids`: the KV heads ``heads``
     (default: all of this rank's) of each layer, in this rank's page order. `n` is the chunk's
     block count; with `hasher` every byte of `flat` is hashed first."""
-    from maru_vllm.connector.layouts import _copy_runs
 
     own = codec.format
     assert own is not None
@@ -67,15 +81,14 @@ def convert_unpack(
             assert at is not None  # checked by unpack_heads
             dst, shape[at] = dst.narrow(1 + at, lo - own.heads.lo, hi - lo), hi - lo
         pages = converted_pages(src, written, own, shape, (lo, hi))
-        _copy_runs([(pages, dst)], runs, into_cache=True, skip_blocks=skip_blocks)
+        copy_runs([(pages, dst)], runs, into_cache=True, skip_blocks=skip_blocks)
         off += size
 
 
-def unpack_heads(codec: KVCacheSet, block_ids: Sequence[int], srcs: Sequence[Any], *, skip_blocks: int = 0) -> None:
+def unpack_heads(codec: PageCodec, block_ids: Sequence[int], srcs: Sequence[Any], *, skip_blocks: int = 0) -> None:
     """Copy a chunk written by ranks that split the KV heads finer than this one: `srcs` are their
     objects, whose head ranges together are exactly this rank's. Every source is checked before
     anything is copied (LayoutMismatch: a miss); the caller verifies each one's checksum."""
-    from maru_vllm.connector.layouts import _byte_tensor
 
     own = codec.format
     if own is None:
@@ -83,7 +96,7 @@ def unpack_heads(codec: KVCacheSet, block_ids: Sequence[int], srcs: Sequence[Any
     first = codec.layouts[codec.unique_layers[0]]
     parts: list[tuple[torch.Tensor, ObjectFormat, int]] = []
     for src in srcs:
-        flat = _byte_tensor(src, writable=False)
+        flat = byte_tensor(src, writable=False)
         written = read_format(flat)
         lo, hi = written.heads.lo, written.heads.hi
         problem = own.conversion_problem(written, (lo, hi))

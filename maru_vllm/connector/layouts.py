@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from maru_vllm.connector.converted_reads import convert_unpack, own_nbytes, unpack_heads
 from maru_vllm.connector.object_format import (
     TRAILER_BYTES,
     HeadRange,
@@ -31,6 +31,7 @@ from maru_vllm.connector.object_format import (
     format_of,
     read_format,
 )
+from maru_vllm.connector.page_copies import byte_tensor, copy_runs
 from maru_vllm.connector.page_layout import LayoutError, LayoutMismatch, PageLayout, block_runs, layout_for_backend
 from maru_vllm.connector.page_segments import PageSegments
 from maru_vllm.native import copy_kernel
@@ -42,60 +43,10 @@ __all__ = ["KVCacheSet"]
 
 _SIGNATURE_VERSION = "maru-pages/v1"
 
-
-def _byte_tensor(buf: Any, *, writable: bool) -> torch.Tensor:
-    """A flat uint8 CPU tensor over ``buf`` (buffer protocol or uint8 tensor)."""
-    if isinstance(buf, torch.Tensor):
-        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-            raise LayoutMismatch(f"buffer tensor must be 1-D contiguous uint8, got {buf.dtype} shape {list(buf.shape)}")
-        return buf
-    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if writable and mv.readonly:
-        raise LayoutMismatch("pack() needs a writable buffer, got a read-only one")
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    if mv.nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        # torch warns on read-only buffers; unpack() only reads from it.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(mv, dtype=torch.uint8)
-
-
-_foreach_copy = getattr(torch, "_foreach_copy_", None)
-
 # Bytes copied and then hashed at a time by a verifying unpack on the pure path (whole layers):
 # small enough that a tile is still in cache when it is hashed, large enough that Python's
 # per-tile cost stays small (benchmarks/profile_load.py compares tile sizes).
 TILE_BYTES = 4 * 1024 * 1024
-
-
-def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """All copies in one call where torch offers it (saves ~15% on many layers)."""
-    if _foreach_copy is not None and len(dsts) > 1 and dsts[0].device == srcs[0].device:
-        _foreach_copy(dsts, srcs)
-        return
-    for d, s in zip(dsts, srcs):
-        d.copy_(s)
-
-
-def _copy_runs(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    runs: Sequence[tuple[int, int, int]],
-    *,
-    into_cache: bool,
-    skip_blocks: int = 0,
-) -> None:
-    """Copy each run ``(block id, position in the chunk, length)`` between every (buffer view,
-    cache pages view) pair, all in one call: into the cache (a load, past the chunk's first
-    ``skip_blocks``) or out of it (a store)."""
-    dsts, srcs = [], []
-    for buf, cache in pairs:
-        for bid, pos, ln in runs:
-            part, pages = buf[skip_blocks + pos : skip_blocks + pos + ln], cache[bid : bid + ln]
-            dsts.append(pages if into_cache else part)
-            srcs.append(part if into_cache else pages)
-    _copy_all(dsts, srcs)
 
 
 class KVCacheSet:
@@ -208,7 +159,7 @@ class KVCacheSet:
     def write_trailer(self, payload: Any) -> None:
         """Write the format trailer at the end of an object about to be filled (before it is hashed)."""
         if self._trailer:
-            flat = _byte_tensor(payload, writable=True)
+            flat = byte_tensor(payload, writable=True)
             flat[-TRAILER_BYTES:].numpy()[:] = np.frombuffer(self._trailer, dtype=np.uint8)
 
     def written_format(self, payload: Any, what: str) -> ObjectFormat | None:
@@ -220,7 +171,7 @@ class KVCacheSet:
         pin_bytes = isinstance(payload, memoryview) and payload.format == "B" and payload.ndim == 1
         if pin_bytes and payload.nbytes >= TRAILER_BYTES and payload[-TRAILER_BYTES:] == self._trailer:
             return None  # the hot path: a pool pin's bytes, in this engine's format
-        flat = _byte_tensor(payload, writable=False)
+        flat = byte_tensor(payload, writable=False)
         if flat.numel() >= TRAILER_BYTES and flat[-TRAILER_BYTES:].numpy().tobytes() == self._trailer:
             return None
         assert self.format is not None
@@ -292,7 +243,7 @@ class KVCacheSet:
     def pack_with_checksum(self, block_ids: Sequence[int], out: Any) -> int | None:
         """:meth:`pack`, returning the payload's checksum (`objects.payload_checksum`) when the
         fused kernel computed it in the copy, else None (the pure path: the pool client hashes)."""
-        flat = _byte_tensor(out, writable=True)
+        flat = byte_tensor(out, writable=True)
         n = self.check_chunk(block_ids, flat.numel(), "pack")
         self.write_trailer(flat)
         kernel = self._kernel()
@@ -303,7 +254,7 @@ class KVCacheSet:
         if self.device.type != "cpu" and n:
             self._staged_pack(block_ids, flat, n)
             return None
-        _copy_runs(self._pairs(flat, n), block_runs(block_ids), into_cache=False)
+        copy_runs(self._pairs(flat, n), block_runs(block_ids), into_cache=False)
         return None
 
     def copy_path(self) -> str:
@@ -348,7 +299,7 @@ class KVCacheSet:
         """
         if skip_blocks < 0:
             raise ValueError(f"skip_blocks={skip_blocks} must be >= 0")
-        flat = _byte_tensor(src, writable=False)
+        flat = byte_tensor(src, writable=False)
         n, written = self._check_object(block_ids, flat, "unpack", skip_blocks, chunk_blocks)
         if written is not None:
             self._convert_unpack(block_ids, flat, n, skip_blocks, written, hasher)
@@ -372,11 +323,11 @@ class KVCacheSet:
             return
         runs = block_runs(block_ids)
         if hasher is None:
-            _copy_runs(self._pairs(flat, n), runs, into_cache=True, skip_blocks=skip_blocks)
+            copy_runs(self._pairs(flat, n), runs, into_cache=True, skip_blocks=skip_blocks)
             return
         raw = flat.numpy().data if flat.numel() else memoryview(b"")  # ndarray.data: memoryview(ndarray)
         for lo, hi, tile_pairs in self._tiles(flat, n):
-            _copy_runs(tile_pairs, runs, into_cache=True, skip_blocks=skip_blocks)
+            copy_runs(tile_pairs, runs, into_cache=True, skip_blocks=skip_blocks)
             hasher.update(raw[lo:hi])
         if self._trailer:
             hasher.update(raw[n * self.bytes_per_block :])
@@ -393,27 +344,24 @@ class KVCacheSet:
         return self.check_chunk(block_ids, nbytes, what, skip_blocks, chunk_blocks), written
 
     def _own_nbytes(self, nbytes: int, written: ObjectFormat) -> int:
-        from maru_vllm.connector.converted_reads import own_nbytes
 
         return own_nbytes(self, nbytes, written)
 
     def _convert_unpack(
         self, block_ids: Sequence[int], flat: torch.Tensor, n: int, skip_blocks: int, written: ObjectFormat, hasher: Any
     ) -> None:
-        from maru_vllm.connector.converted_reads import convert_unpack
 
         convert_unpack(self, block_ids, flat, n, skip_blocks, written, hasher)
 
     def unpack_heads(self, block_ids: Sequence[int], srcs: Sequence[Any], *, skip_blocks: int = 0) -> None:
         """Copy a chunk written by ranks that split the KV heads finer than this one
         (converted_reads.unpack_heads)."""
-        from maru_vllm.connector.converted_reads import unpack_heads
 
         unpack_heads(self, block_ids, srcs, skip_blocks=skip_blocks)
 
     def staged_pack(self, block_ids: Sequence[int], out: Any) -> None:
         """:meth:`pack` for caches on a device, always through one buffer there (see below)."""
-        flat = _byte_tensor(out, writable=True)
+        flat = byte_tensor(out, writable=True)
         n = self.check_chunk(block_ids, flat.numel(), "pack")
         self.write_trailer(flat)
         if n:
@@ -421,7 +369,7 @@ class KVCacheSet:
 
     def staged_unpack(self, block_ids: Sequence[int], src: Any, *, skip_blocks: int = 0) -> None:
         """:meth:`unpack` (no hasher) for caches on a device, through one buffer there."""
-        flat = _byte_tensor(src, writable=False)
+        flat = byte_tensor(src, writable=False)
         n, written = self._check_object(block_ids, flat, "unpack", skip_blocks, None)
         if written is not None:
             self._convert_unpack(block_ids, flat, n, skip_blocks, written, None)
@@ -433,7 +381,7 @@ class KVCacheSet:
         contiguous copy to the host (a DMA when the region is registered). A copy per run and
         layer straight into host memory would be a small transfer each, staged by the driver."""
         stage = torch.empty(n * self.bytes_per_block, dtype=torch.uint8, device=self.device)
-        _copy_runs(self._pairs(stage, n), block_runs(block_ids), into_cache=False)
+        copy_runs(self._pairs(stage, n), block_runs(block_ids), into_cache=False)
         flat[: stage.numel()].copy_(stage)
 
     def _staged_unpack(self, block_ids: Sequence[int], flat: torch.Tensor, n: int, skip_blocks: int) -> None:
@@ -441,7 +389,7 @@ class KVCacheSet:
         pages there. Returns once the host object has been read (the pins may go)."""
         stage = torch.empty(n * self.bytes_per_block, dtype=torch.uint8, device=self.device)
         stage.copy_(flat[: stage.numel()])
-        _copy_runs(self._pairs(stage, n), block_runs(block_ids), into_cache=True, skip_blocks=skip_blocks)
+        copy_runs(self._pairs(stage, n), block_runs(block_ids), into_cache=True, skip_blocks=skip_blocks)
 
     def _tiles(self, flat: torch.Tensor, n: int) -> list[tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]]:
         """The chunk cut into consecutive byte ranges of about ``TILE_BYTES`` (whole layers),

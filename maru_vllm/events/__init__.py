@@ -15,7 +15,6 @@ events at medium `CPU_PINNED` (Dynamo's host tier, weighted by the frontend's
 * `relay`       - ZMQ in (vLLM) + pool events -> one sequenced ZMQ stream out (to Dynamo)
 * `downstream`  - the relay's flow-controlled, gap-free sends to Dynamo's publisher
 * `publisher_relay` - a relay in front of each KV publisher a worker sets up (the options below)
-* `router_probe`- a diagnostic: ask a KV router for per-worker, per-tier overlap of a prompt
 
 The relay's options, as the Maru worker gives them (`relay_options`; the Dynamo side's hook
 puts the relay in front of `dynamo.vllm`'s publisher)::

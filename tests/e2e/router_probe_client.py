@@ -18,11 +18,11 @@ BLOCK = 128
 
 
 class RouterProbe:
-    """`python -m maru_vllm.events.router_probe`: overlap per tier, without routing."""
+    """`python -m maru_dynamo.components.router_probe`: overlap per tier, without routing."""
 
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maru_vllm.events.router_probe", "--block-size", str(BLOCK)],
+            [sys.executable, "-m", "maru_dynamo.components.router_probe", "--block-size", str(BLOCK)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=open(log_path, "ab"),

@@ -1,6 +1,6 @@
 """Ask a KV router which blocks of a prompt each worker holds, per tier - without routing it.
 
-`python -m maru_vllm.events.router_probe --block-size 128 [--endpoint dynamo.backend.generate]`
+`python -m maru_dynamo.components.router_probe --block-size 128 [--endpoint dynamo.backend.generate]`
 starts its own Dynamo `KvRouter` on the workers' endpoint (it learns the same KV events the
 frontend's router does, and recovers existing state from the workers' local indexers), prints
 `ready`, then answers each stdin line `{"token_ids": [...]}` with one JSON line: Dynamo's
