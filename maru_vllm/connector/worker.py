@@ -434,7 +434,7 @@ class MaruWorkerSide(WorkerSide):
     def release_held(self, finished_req_ids: set[str]) -> set[str]:
         self._recent_finished.append(set(finished_req_ids))
         finished = set().union(*self._recent_finished)
-        done = (self._held_finished | finished) & self._held_announced | self._held_finished
+        done = self._held_finished | (finished & self._held_announced)
         self._held_finished -= done
         self._held_announced -= done
         return done
