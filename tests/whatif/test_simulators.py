@@ -41,9 +41,16 @@ def test_routing_comparison_workload_keeps_the_real_stacks_order(simulator: str)
 
 
 def test_pool_model_agrees_with_dynamos_replay_where_both_run(synthetic_trace: Path) -> None:
+    """Medians of 7 runs each: both break routing ties at random, so one kv-gpu run of either swings ~2.5%.
+
+    Medians of 7 stayed within 0.9% of each other over 20 trials; the 3% bound leaves room for that spread.
+    """
     requests = read_trace(synthetic_trace, 512, 300)
     spec = ClusterSpec()
-    with WhatIf(requests, spec, MODEL, progress=None) as model, WhatIf(requests, spec, DYNAMO, progress=None) as dyn:
+    with (
+        WhatIf(requests, spec, MODEL, repeats=7, progress=None) as model,
+        WhatIf(requests, spec, DYNAMO, repeats=7, progress=None) as dyn,
+    ):
         for config in (ROUND_ROBIN, KV_GPU, KV_HOST):
             ours, theirs = model.one(config, 8), dyn.one(config, 8)
             assert abs(ours.prefill_tokens - theirs.prefill_tokens) <= 0.03 * theirs.prefill_tokens, config
