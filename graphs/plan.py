@@ -20,7 +20,7 @@ from pathlib import Path
 
 from maru_dynamo.components import commands
 from maru_dynamo.graphs.client import COMPLETIONS
-from maru_dynamo.graphs.spec import GraphSpec
+from maru_dynamo.graphs.spec import GraphSpec, WorkerSpec
 from maru_vllm.launch import free_port, free_ports, mooncake, stack
 from maru_vllm.launch.argv import has_flag
 from maru_vllm.launch.lifecycle import INSTANCE_FILE_ENV
@@ -93,14 +93,24 @@ def _with_defaults(args: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _parallel_args(worker: WorkerSpec) -> list[str]:
+    """The worker's tensor-parallel size; a multi-rank engine runs its ranks as processes on this
+    host (vLLM's `mp` executor, what vLLM CPU needs) unless its args pick another executor."""
+    args = ["--tensor-parallel-size", str(worker.tensor_parallel_size)]
+    if worker.tensor_parallel_size > 1 and not has_flag(worker.args, "--distributed-executor-backend"):
+        args += ["--distributed-executor-backend", "mp"]
+    return args
+
+
 def build_plan(
     spec: GraphSpec, *, model: str, work_dir: Path, http_port: int | None = None, pin_workers: bool = False
 ) -> Plan:
     """Every process of `spec` with its command line and environment (nothing is started).
 
-    A pool is planned only where a Maru worker uses it (plain `vllm` workers have none). Each
-    worker's process tree is pinned to its engine's core where the cores are too few for two per
-    engine (`stack.worker_cpus`), or always with `pin_workers` (benchmarks that must not depend
+    A pool is planned only where a Maru worker uses it (plain `vllm` workers have none). Every
+    tensor-parallel rank gets a core of its own, round-robin over the machine's cores. Each
+    worker's process tree is pinned to its ranks' cores where the cores are too few for two per
+    rank (`stack.worker_cpus`), or always with `pin_workers` (benchmarks that must not depend
     on the machine's size)."""
     py = sys.executable
     logs = work_dir / "logs"
@@ -167,12 +177,12 @@ def build_plan(
         if path is not None:
             regions.append(Path(path))
 
-    engine = 0
-    engines = sum(worker.replicas for worker in spec.workers)
+    rank = 0  # the first core-slot of the next engine: each tensor-parallel rank takes one
+    ranks = sum(worker.replicas * worker.tensor_parallel_size for worker in spec.workers)
     for worker in spec.workers:
         for replica in range(worker.replicas):
             if worker.engine == "vllm":  # plain dynamo.vllm: vLLM's own prefix cache, no pool
-                argv = [*commands.vllm_worker_command(model), *_with_defaults(worker.args)]
+                argv = [*commands.vllm_worker_command(model), *_parallel_args(worker), *_with_defaults(worker.args)]
             else:
                 argv = commands.maru_worker_command(
                     model,
@@ -183,6 +193,7 @@ def build_plan(
                         str(spec.pool.chunk_tokens),
                         "--disaggregation-mode",
                         worker.role,
+                        *_parallel_args(worker),
                         *_with_defaults(worker.args),
                     ],
                 )
@@ -191,17 +202,15 @@ def build_plan(
             system = {"DYN_SYSTEM_PORT": str(free_system_port())}
             if worker.engine != "vllm":  # a Maru worker records its instance id (supervision)
                 system[INSTANCE_FILE_ENV] = str(instance_file(work_dir, name))
+            cores = tuple(stack.cpu_thread_for(rank + i) for i in range(worker.tensor_parallel_size))
+            if len(cores) > 1:  # vLLM CPU: one OpenMP core per rank, ranks separated by '|'
+                system["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cores))
             system.update(worker.env)
-            env = env_for(cpu_thread=stack.cpu_thread_for(engine), **system)
+            env = env_for(cpu_thread=cores[0] if len(cores) == 1 else None, **system)
             metrics = f"http://{stack.LOOPBACK}:{env['DYN_SYSTEM_PORT']}/metrics"
-            add(
-                name,
-                argv,
-                env,
-                cpus=(stack.cpu_thread_for(engine),) if pin_workers else stack.worker_cpus(engine, engines),
-                metrics_url=metrics,
-            )
-            engine += 1
+            pin = pin_workers or stack.worker_cpus(rank, ranks) is not None
+            add(name, argv, env, cpus=tuple(dict.fromkeys(cores)) if pin else None, metrics_url=metrics)
+            rank += worker.tensor_parallel_size
 
     weight = spec.frontend.pool_tier_weight
     if weight is None:

@@ -112,7 +112,8 @@ def chart_values(spec: GraphSpec, opts: RenderOptions) -> dict[str, Any]:
                     "name": w.name,
                     "type": _WORKER_TYPE[w.role],
                     "replicas": w.replicas,
-                    "gpus": k8s.gpus_per_worker,
+                    "tensorParallelSize": w.tensor_parallel_size,
+                    "gpus": w.tensor_parallel_size * k8s.gpus_per_rank,
                     "args": list(w.args),
                     "env": dict(w.env),
                 }

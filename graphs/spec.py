@@ -27,8 +27,16 @@ ROLES = ("agg", "prefill", "decode")
 ENGINES = ("maru", "vllm")
 ROUTER_MODES = ("kv", "round-robin", "random", "power-of-two", "least-loaded", "direct", "device-aware-weighted")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-# Set by the graph itself (role, pool); a copy in `args` would contradict it.
-_RESERVED_WORKER_ARGS = ("--disaggregation-mode", "--maru-pool-address", "--maru-pool-name", "--maru-chunk-tokens")
+# Set by the graph itself; a copy in `args` would contradict it: flag -> the field that sets it.
+_RESERVED_WORKER_ARGS = {
+    "--disaggregation-mode": "role (agg, prefill, decode)",
+    "--maru-pool-address": "the pool section",
+    "--maru-pool-name": "the pool section",
+    "--maru-chunk-tokens": "pool.chunk_tokens",
+    "--tensor-parallel-size": "tensor_parallel_size",
+    "-tp": "tensor_parallel_size",
+}
+MAX_TENSOR_PARALLEL_SIZE = 64
 
 T = TypeVar("T")
 
@@ -78,6 +86,7 @@ class WorkerSpec:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     engine: str = "maru"
     domain: str | None = None  # the domain (pool) it uses, in a graph with `domains`
+    tensor_parallel_size: int = 1  # its engine's ranks: cores locally, GPUs on Kubernetes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +97,7 @@ class KubernetesSpec:
     pool_size: int | None = None
     pool_backend: str | None = None
     pool_path: str | None = None
-    gpus_per_worker: int = 1
+    gpus_per_rank: int = 1  # a worker gets tensor_parallel_size x this many GPUs; 0: CPU nodes
     http_port: int = 8000
     socket_dir: str = "/run/maru"
 
@@ -221,7 +230,9 @@ def _nats_url(value: Any) -> str:
 
 
 def _worker(data: object, where: str, source: str) -> WorkerSpec:
-    f = _Fields(data, where, source, ("name", "role", "replicas", "args", "env", "engine", "domain"))
+    f = _Fields(
+        data, where, source, ("name", "role", "replicas", "args", "env", "engine", "domain", "tensor_parallel_size")
+    )
     w = WorkerSpec(
         name=f.get("name", "", _dns_label, "a lowercase DNS label (a-z, 0-9, '-')", required=True),
         role=f.get("role", "agg", _choice(ROLES), "one of " + ", ".join(ROLES)),
@@ -230,15 +241,19 @@ def _worker(data: object, where: str, source: str) -> WorkerSpec:
         env=f.get("env", {}, _env, "a mapping of environment variable names to strings"),
         engine=f.get("engine", "maru", _choice(ENGINES), "one of " + ", ".join(ENGINES)),
         domain=f.get("domain", None, _dns_label, "a domain named in `domains`"),
+        tensor_parallel_size=f.get(
+            "tensor_parallel_size",
+            1,
+            _int_in(1, MAX_TENSOR_PARALLEL_SIZE),
+            f"an integer from 1 to {MAX_TENSOR_PARALLEL_SIZE} (the engine's tensor-parallel ranks)",
+        ),
     )
     if w.engine == "vllm" and w.role != "agg":
         raise GraphSpecError(f"{source}: {where}.engine: 'vllm' workers are agg only (role {w.role!r})")
     for arg in w.args:
-        if arg.split("=", 1)[0] in _RESERVED_WORKER_ARGS:
-            raise GraphSpecError(
-                f"{source}: {where}.args: {arg!r} is set by the graph; use role (agg, prefill, "
-                "decode) and the pool section instead"
-            )
+        field = _RESERVED_WORKER_ARGS.get(arg.split("=", 1)[0])
+        if field is not None:
+            raise GraphSpecError(f"{source}: {where}.args: {arg!r} is set by the graph; use {field} instead")
     return w
 
 
@@ -285,7 +300,7 @@ def parse_graph(data: object, source: str = "<graph>") -> GraphSpec:
         top.data.get("kubernetes"),
         "kubernetes",
         source,
-        ("model", "pool_size", "pool_backend", "pool_path", "gpus_per_worker", "http_port", "socket_dir"),
+        ("model", "pool_size", "pool_backend", "pool_path", "gpus_per_rank", "http_port", "socket_dir"),
     )
     raw_workers = top.data.get("workers")
     if not isinstance(raw_workers, list) or not raw_workers:
@@ -325,7 +340,9 @@ def parse_graph(data: object, source: str = "<graph>") -> GraphSpec:
             pool_size=k8s.get("pool_size", None, _size, "bytes or a size like 512M, 64G"),
             pool_backend=k8s.get("pool_backend", None, _choice(BACKENDS), "one of " + ", ".join(BACKENDS)),
             pool_path=k8s.get("pool_path", None, _abs_path, "an absolute path (/dev/shm/NAME or /dev/daxX.Y)"),
-            gpus_per_worker=k8s.get("gpus_per_worker", 1, _int_in(0, 64), "an integer from 0 to 64"),
+            gpus_per_rank=k8s.get(
+                "gpus_per_rank", 1, _int_in(0, 1), "1 (one GPU per tensor-parallel rank) or 0 (CPU nodes)"
+            ),
             http_port=k8s.get("http_port", 8000, _int_in(1, 65535), "a port from 1 to 65535"),
             socket_dir=k8s.get("socket_dir", "/run/maru", _abs_path, "an absolute directory path"),
         ),

@@ -83,7 +83,7 @@ BAD = [
     ("frontend.pool_tier_weight", 1.5, ["frontend.pool_tier_weight", "1.5", "0.0 to 1.0"]),
     ("nats.url", "127.0.0.1:4222", ["nats.url", "nats://host:port"]),
     ("name", "Maru Agg", ["name", "'Maru Agg'", "DNS label"]),
-    ("kubernetes.gpus_per_worker", -1, ["kubernetes.gpus_per_worker", "0 to 64"]),
+    ("kubernetes.gpus_per_rank", 2, ["kubernetes.gpus_per_rank", "1 (one GPU per tensor-parallel rank) or 0"]),
     ("kubernetes.socket_dir", "run/maru", ["kubernetes.socket_dir", "absolute"]),
     ("extra", 1, ["extra: unknown field", "allowed fields: name, model, nats"]),
 ]

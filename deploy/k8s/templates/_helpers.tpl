@@ -119,25 +119,38 @@ imagePullSecrets:
 {{- end }}
 {{- end }}
 
-{{/* The worker list of the chosen graph, checked: agg has only `worker`s, disagg prefill + decode. */}}
+{{/*
+The worker list of the chosen graph, checked: agg has only `worker`s, disagg prefill + decode.
+Each worker comes out with its tensorParallelSize (default 1) and gpus (default: one per rank);
+gpus other than 0 (CPU nodes) must give every rank the same number of GPUs.
+*/}}
 {{- define "maru.checkedWorkers" -}}
 {{- $graph := .Values.graph }}
 {{- $workers := index .Values.workers $graph }}
 {{- if not $workers }}{{ fail (printf "workers.%s: empty; list at least one worker for graph %q" $graph $graph) }}{{ end }}
 {{- $types := list }}
 {{- $names := list }}
-{{- range $workers }}
+{{- $checked := list }}
+{{- range $w := $workers }}
 {{- if has .name $names }}{{ fail (printf "workers.%s: duplicate worker name %q" $graph .name) }}{{ end }}
 {{- if eq .name "frontend" }}{{ fail (printf "workers.%s: worker name %q is taken by the Frontend component (names are unique case-insensitively)" $graph .name) }}{{ end }}
 {{- $names = append $names .name }}
 {{- $types = append $types .type }}
+{{- $tp := int64 (hasKey $w "tensorParallelSize" | ternary $w.tensorParallelSize 1) }}
+{{- $gpus := int64 (hasKey $w "gpus" | ternary $w.gpus $tp) }}
+{{- if and $gpus (mod $gpus $tp) }}{{ fail (printf "workers.%s: worker %q: gpus %d with tensorParallelSize %d; use a multiple of tensorParallelSize (one GPU per rank), or 0 for CPU nodes" $graph .name $gpus $tp) }}{{ end }}
+{{- range .args }}
+{{- $flag := regexReplaceAll "=.*" (toString .) "" }}
+{{- if has $flag (list "--tensor-parallel-size" "-tp") }}{{ fail (printf "workers.%s: worker %q: args: %s is set by tensorParallelSize; use that instead" $graph $w.name $flag) }}{{ end }}
+{{- end }}
+{{- $checked = append $checked (merge (dict "tensorParallelSize" $tp "gpus" $gpus) (omit $w "tensorParallelSize" "gpus")) }}
 {{- end }}
 {{- if eq $graph "agg" }}
 {{- if ne (uniq $types | join ",") "worker" }}{{ fail (printf "workers.agg: types %v: an agg graph has only type worker (use graph=disagg for prefill/decode)" (uniq $types)) }}{{ end }}
 {{- else }}
 {{- if or (has "worker" $types) (not (has "prefill" $types)) (not (has "decode" $types)) }}{{ fail (printf "workers.disagg: types %v: a disagg graph needs at least one prefill and one decode worker and no type worker" (uniq $types)) }}{{ end }}
 {{- end }}
-{{- toYaml $workers }}
+{{- toYaml $checked }}
 {{- end }}
 
 {{/* HOST:PORT of the pools' Mooncake master: mooncake.master, this release's master, or "" (no second tier). */}}
