@@ -127,3 +127,25 @@ def test_the_runbook_names_tests_only_in_its_last_table_and_each_exists() -> Non
         elif name and not re.search(rf"^\s*(async\s+)?def {re.escape(name)}\(", f.read_text(), re.M):
             problems.append(f"{path}::{name}: no such test")
     assert not problems, "\n".join(problems)
+
+
+MODEL_MATRIX = ROOT / "tests" / "e2e" / "test_model_matrix.py"
+
+
+def test_the_readme_model_tables_tp_column_is_what_the_matrix_runs() -> None:
+    """Each row of "Supported models" gives a TP size for the fixtures it names; the matrix runs a
+    case of each of them at that size (`tp=N` in its Case, 1 when it has none)."""
+    section = README.read_text().split("## Supported models", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| Shape")]
+    cases = re.findall(r'Case\(\s*"([\w-]+)"[^)]*?\)', MODEL_MATRIX.read_text())
+    sized = {(f, int(tp)) for f, tp in re.findall(r'Case\(\s*"([\w-]+)"[^)]*?\btp=(\d+)', MODEL_MATRIX.read_text())}
+    sizes = {(f, 1) for f in cases} | sized
+    checked = 0
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) != 5 or not cells[1].isdigit():
+            continue
+        for fixture in [f for f in re.findall(r"`([\w-]+)`", cells[0]) if f in cases]:
+            assert (fixture, int(cells[1])) in sizes, f"{fixture} at TP {cells[1]}: no such case in {MODEL_MATRIX.name}"
+            checked += 1
+    assert checked >= 10 and any(size > 1 for _, size in sized), f"read only {checked} rows"
