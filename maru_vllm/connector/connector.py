@@ -49,7 +49,7 @@ from maru_vllm.connector.engine_support import EngineSupport, engine_support
 from maru_vllm.connector.log_summary import ConnectorLogSummary
 from maru_vllm.connector.logging_setup import follow_vllm_logging
 from maru_vllm.connector.metadata import MaruConnectorMetadata
-from maru_vllm.connector.object_format import HeadRange
+from maru_vllm.connector.parallel_place import ParallelPlace
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.serving import serving_path
 from maru_vllm.connector.sides import SchedulerSide, WorkerSide
@@ -164,9 +164,10 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 "MaruKVConnector sets kv_load_failure_policy=recompute (was %r)", transfer.kv_load_failure_policy
             )
             transfer.kv_load_failure_policy = "recompute"
-        parallel = vllm_config.parallel_config
-        ranks = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
-        geometry = ChunkGeometry(block_size, self.config.blocks_per_chunk, ranks)
+        place = ParallelPlace.of_engine(vllm_config)
+        splits = place.splits(reads_other_tp=self.copy_format == FORMAT_PAGES)
+        ranks = place.tp * place.pp
+        geometry = ChunkGeometry(block_size, self.config.blocks_per_chunk, ranks, splits)
         who = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self.pool = self._pool_access(who)
         # The role's side (the other is None).
@@ -188,13 +189,15 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             if store_pool is not None:
                 pools.append(store_pool)
             worker_args: dict[str, Any] = dict(
-                rank=_worker_rank(),
+                rank=place.rank,
+                slot=place.slice,
+                splits=splits,
                 pool=self.pool,
                 store_pool=store_pool,
                 write_behind=self.can_load and not self.config.store_inline,
                 blocks_per_chunk=self.config.blocks_per_chunk,
                 expected_format=self.copy_format,
-                heads=_head_range(vllm_config),
+                heads=place.heads,
                 block_size=block_size,
                 num_blocks=getattr(kv_cache_config, "num_blocks", None),
                 use_lmcache_kernels=self.config.use_lmcache_kernels,
@@ -432,39 +435,6 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> MaruPromMetrics | None:
         return MaruPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def _worker_rank() -> int:
-    """This worker's rank in the TP x PP world (0 without distributed state)."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        tp = get_tp_group()
-        pp = get_pp_group()
-        return pp.rank_in_group * tp.world_size + tp.rank_in_group
-    except (AssertionError, ImportError, AttributeError):
-        return 0
-
-
-def _head_range(vllm_config: Any) -> HeadRange:
-    """The KV heads this worker's pages hold (what its objects state, object_format.py)."""
-    model = vllm_config.model_config
-    try:
-        from vllm.distributed.parallel_state import get_tp_group
-
-        tp_rank = get_tp_group().rank_in_group
-    except (AssertionError, ImportError, AttributeError):
-        tp_rank = 0
-    try:
-        total = int(model.get_total_num_kv_heads())
-    except (AttributeError, TypeError, ValueError):
-        return HeadRange(0, 0, 0)  # unknown: its objects are read only by engines of its own format
-    return HeadRange.for_rank(
-        total,
-        int(vllm_config.parallel_config.tensor_parallel_size),
-        int(tp_rank),
-        bool(getattr(model, "use_mla", False)),
-    )
 
 
 def _kv_layout(vllm_config: Any) -> str | None:

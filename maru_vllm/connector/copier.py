@@ -71,6 +71,10 @@ class Copier(Protocol):
     def unpack_many(self, items: Sequence[tuple[Sequence[int], Any, int]]) -> None:
         """`unpack` of several (block_ids, src, skip_blocks) objects, already verified."""
 
+    def unpack_heads(self, block_ids: Sequence[int], srcs: Sequence[Any], *, skip_blocks: int = 0) -> None:
+        """Copy one chunk out of the objects of writers that split the KV heads finer (each holds
+        a part of this rank's heads; together exactly its heads), already verified."""
+
     def unpack_whole_many(self, items: Sequence[WholeChunk]) -> list[int | None] | None:
         """Whole chunks in one batched pass: per chunk the XXH3-64 digest of its payload when
         `hashed` (None: verify it another way), or None when this copier has no batched pass

@@ -20,11 +20,12 @@ class ChunkLoad:
     """
 
     req_id: str
-    key: bytes  # rank-less key; the worker appends its own rank
+    key: bytes  # slice-less key; the worker appends the names of the slices it reads
     block_ids: list[int]
     skip_blocks: int = 0
     chunk_blocks: int = 0
     group: int = 0  # the KV cache group whose layers and namespace the blocks are of
+    split: int = 0  # which of the geometry's splits holds the chunk (0: this engine's own)
 
 
 @dataclasses.dataclass

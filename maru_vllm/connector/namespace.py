@@ -2,8 +2,10 @@
 
 Two engines may load each other's chunks only when their KV pages hold the same content and
 their block hashes mean the same tokens. The namespace is a digest over the model identity,
-dtypes, block size, layer/head geometry, device type, parallel layout, vLLM's hash algorithm,
-the object format version and the user's `maru_namespace` salt. The scheduler and the worker
+dtypes, block size, layer/head geometry (the model's KV heads, not a rank's), device type,
+pipeline stages, vLLM's hash algorithm, the object format version and the user's
+`maru_namespace` salt. The TP size is not in it: an object names the KV heads it holds in its
+key and its trailer (chunks.py), so engines of every TP size share one namespace. The scheduler and the worker
 compute it from the same `VllmConfig`, so both sides agree without talking to each other.
 (`cache_salt` and LoRA already change vLLM's block hashes, so they need no place here.) The
 page layout is not in it: each object states its own (object_format.py), and a load checks it.
@@ -26,7 +28,7 @@ from typing import Any
 from maru_vllm.connector.kv_groups import FULL, announced_group, kv_groups
 from maru_vllm.pool.chunk_codec import model_namespace_prefix
 
-NAMESPACE_VERSION = 1
+NAMESPACE_VERSION = 2  # 2: the TP size left out, the model's KV heads in
 # object_format.FORMAT_VERSION, without importing torch here (tests/connector/test_object_format.py
 # checks that they agree).
 OBJECT_FORMAT = 2
@@ -45,10 +47,12 @@ class KVIdentity:
     num_kv_heads: int
     head_size: int
     attention: str  # layout family: the KV spec class, MLA or not, and the device type
-    tp_size: int
     pp_size: int
     hash_algo: str
     salt: str
+    # The TP size, only where the model's KV head count is unknown: keys then name ranks, which
+    # mean the same pages only at the same TP size (0 otherwise: every TP size shares).
+    rank_named_tp: int = 0
     # The object format (object_format.py): objects of an older format are never found.
     object_format: int = OBJECT_FORMAT
     # Several KV cache groups, or a sliding-window one: every group's layout, this group's index,
@@ -90,6 +94,14 @@ def _kv_spec_facts(kv_cache_config: Any, group: int = 0) -> tuple[int, int, int,
     return num_layers, heads, head, kind, int(spec.block_size)
 
 
+def _total_kv_heads(model_config: Any) -> int:
+    """The model's KV heads (a rank's pages hold a share of them, which differs by TP size); 0 if unknown."""
+    try:
+        return max(0, int(model_config.get_total_num_kv_heads()))
+    except (AttributeError, TypeError, ValueError):
+        return 0
+
+
 def identity_from_vllm(vllm_config: Any, kv_cache_config: Any, salt: str, group: int = 0) -> KVIdentity:
     """Build the identity of one KV cache group from a vLLM `VllmConfig` and `KVCacheConfig`."""
     from vllm.platforms import current_platform
@@ -98,6 +110,7 @@ def identity_from_vllm(vllm_config: Any, kv_cache_config: Any, salt: str, group:
     cache_config = vllm_config.cache_config
     parallel = vllm_config.parallel_config
     num_layers, heads, head, kind, block_size = _kv_spec_facts(kv_cache_config, group)
+    total_heads = _total_kv_heads(model_config)
     groups = kv_groups(kv_cache_config)
     plain = len(groups) == 1 and groups[0].kind == FULL  # one full-attention group: the digest as it always was
     layout = "" if plain else "; ".join(g.describe() for g in groups)
@@ -108,11 +121,11 @@ def identity_from_vllm(vllm_config: Any, kv_cache_config: Any, salt: str, group:
         kv_cache_dtype=str(cache_config.cache_dtype),
         block_size=block_size,
         num_layers=num_layers,
-        num_kv_heads=heads,
+        num_kv_heads=total_heads or heads,
         head_size=head,
         attention=f"{kind}@{current_platform.device_type}",
-        tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),
+        rank_named_tp=0 if total_heads else int(parallel.tensor_parallel_size),
         hash_algo=str(getattr(cache_config, "prefix_caching_hash_algo", "sha256")),
         salt=salt,
         group_layout=layout,

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import xxhash
 
+from maru_vllm.connector.chunks import rank_heads
 from maru_vllm.connector.page_layout import LayoutMismatch, PageLayout
 
 FORMAT_VERSION = 2  # 1: pages without a trailer
@@ -97,12 +98,8 @@ class HeadRange:
         """vLLM's split: ``total / tp`` heads per rank, or one replicated head when ``total < tp``."""
         if mla:
             return cls(0, 1, 1, True)
-        total, tp_size = max(1, int(total)), max(1, int(tp_size))
-        if total >= tp_size:
-            per = total // tp_size
-            return cls(tp_rank * per, (tp_rank + 1) * per, total)
-        head = tp_rank * total // tp_size
-        return cls(head, head + 1, total)
+        lo, hi = rank_heads(total, tp_size, tp_rank)
+        return cls(lo, hi, max(1, int(total)))
 
 
 @dataclasses.dataclass(frozen=True)

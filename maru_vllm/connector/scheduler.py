@@ -71,6 +71,8 @@ class RequestState:
     checked_blocks: int = -1
     pool_chunks: int = 0
     part_blocks: int = 0
+    # Which of the geometry's splits holds those whole chunks (0: this engine's own TP split).
+    split: int = 0
     # Tokens computed locally (prefix cache) when vLLM asked; where a load starts.
     local_tokens: int = 0
     # Load decided in update_state_after_alloc, emitted in the next build_connector_meta.
@@ -129,14 +131,17 @@ class MaruSchedulerSide(SchedulerSide):
         if st.checked_blocks != max_blocks:
             g = self.geometry
             max_chunks = max_blocks // g.blocks_per_chunk
-            present = 0
+            present = split = 0
             if max_chunks:
                 keys = g.keys_all_ranks(request.block_hashes, max_chunks)
                 present, fetching = self._lookup(st, keys)
                 if fetching:
                     return None, False  # vLLM asks again next step
+                present //= g.objects_per_chunk()
+                if present < max_chunks:
+                    present, split = self._other_splits(request, max_chunks, present)
             st.checked_blocks = max_blocks
-            st.pool_chunks = present // g.ranks
+            st.pool_chunks, st.split = present, split
             st.part_blocks = self._shared_part(request, st.pool_chunks, max_blocks)
             # Chunks the pool has need no store.
             st.next_store_chunk = max(st.next_store_chunk, st.pool_chunks)
@@ -157,6 +162,18 @@ class MaruSchedulerSide(SchedulerSide):
                 st.fetch_asked = now
         return present, lower
 
+    def _other_splits(self, request: Request, max_chunks: int, own: int) -> tuple[int, int]:
+        """(whole leading chunks, split) of the split that holds the most, when another TP size's
+        split holds more than this engine's own (`own` chunks); ties keep the own split."""
+        g = self.geometry
+        best, split = own, 0
+        for s in range(1, len(g.splits)):
+            keys = g.keys_all_ranks(request.block_hashes, max_chunks, s)
+            found = self.pool.lookup_prefix(keys, self.namespace) // g.objects_per_chunk(s)
+            if found > best:
+                best, split = found, s
+        return best, split
+
     def _shared_part(self, request: Request, chunk: int, max_blocks: int) -> int:
         """How many leading blocks of `chunk` (not in the pool whole) some pool chunk holds, on
         every rank (each rank's part key names the same blocks of that rank's object)."""
@@ -165,12 +182,14 @@ class MaruSchedulerSide(SchedulerSide):
         n = min(g.blocks_per_chunk - 1, max_blocks - first)
         if n <= 0:
             return 0
-        keys = [chunk_key(request.block_hashes[first + j], r) for j in range(n) for r in range(g.ranks)]
+        names = [s.name for s in g.splits[0].slices]
+        per = len(names)
+        keys = [chunk_key(request.block_hashes[first + j], name) for j in range(n) for name in names]
         units = self.pool.lookup_parts(keys, self.namespace)
         if not units:
             return 0
         shared = 0
-        while shared < n and all(u == shared + 1 for u in units[shared * g.ranks : (shared + 1) * g.ranks]):
+        while shared < n and all(u == shared + 1 for u in units[shared * per : (shared + 1) * per]):
             shared += 1
         return shared
 
@@ -224,10 +243,11 @@ class MaruSchedulerSide(SchedulerSide):
                 last_block = min((c + 1) * bpc, end_block)
                 block_ids = st.block_ids[first_block:last_block]
                 if last_block == (c + 1) * bpc:
-                    key, chunk_blocks = g.chunk_hash(req.block_hashes, c), 0
-                else:  # the chunk shared in part: found by the part key of its last shared block
-                    key, chunk_blocks = hash_bytes(req.block_hashes[last_block - 1]), bpc
-                meta.loads.append(ChunkLoad(req.request_id, key, block_ids, first_block - c * bpc, chunk_blocks))
+                    key, chunk_blocks, split = g.chunk_hash(req.block_hashes, c), 0, st.split
+                else:  # the chunk shared in part: found by the part key of its last shared block (own split)
+                    key, chunk_blocks, split = hash_bytes(req.block_hashes[last_block - 1]), bpc, 0
+                skip = first_block - c * bpc
+                meta.loads.append(ChunkLoad(req.request_id, key, block_ids, skip, chunk_blocks, split=split))
         if not self.can_store:
             return
         # Prompt chunks whose KV is complete once this step's forward ran.

@@ -101,7 +101,7 @@ class GroupedSchedulerSide(MaruSchedulerSide):
     def _hit_chunks(self, request: Request, max_chunks: int) -> int:
         """The most leading chunks whose objects every group needs are in the pool."""
         g = self.geometry
-        ranks = g.ranks
+        ranks = g.objects_per_chunk()
         keys = g.keys_all_ranks(request.block_hashes, max_chunks)
         hit = max_chunks
         for grp in self.groups:

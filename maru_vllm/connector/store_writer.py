@@ -86,10 +86,13 @@ class StoreWriter:
         *,
         write_behind: bool = True,
         host_registry: HostRegistry | None = None,
+        slot: str | None = None,
     ) -> None:
         self.pool = pool
         self.namespace = namespace
         self.rank = rank
+        # The name of the slice of each chunk this rank stores (chunks.Slice.name; default its rank).
+        self.slot: str | int = slot if slot is not None else rank
         self.copier = copier
         self.write_behind = write_behind
         # The copy seams (tests hold and break them). `pack_many`: a job's chunks in one batched
@@ -212,7 +215,7 @@ class StoreWriter:
         t0 = time.perf_counter()
         counters = TransferCounters()
         try:
-            items = [(chunk_key(s.key, self.rank), copier.chunk_nbytes(len(s.block_ids))) for s in job.stores]
+            items = [(chunk_key(s.key, self.slot), copier.chunk_nbytes(len(s.block_ids))) for s in job.stores]
             reservations = self.pool.reserve(items, self.namespace)
             if reservations is None:
                 counters.store_failures += len(job.stores)
@@ -238,7 +241,7 @@ class StoreWriter:
                             continue
                     to_commit.append(res)
                     metas.append(with_rank(store.meta, self.rank))
-                    parts.append([chunk_key(h, self.rank) for h in store.parts])
+                    parts.append([chunk_key(h, self.slot) for h in store.parts])
                 if self._stream is not None:
                     self._stream.synchronize()  # the bytes are in the region before any commit
             if not to_commit:

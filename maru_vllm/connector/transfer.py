@@ -95,6 +95,9 @@ class TorchPageCopier:
         for block_ids, src, skip in items:
             self.unpack(block_ids, src, skip_blocks=skip)
 
+    def unpack_heads(self, block_ids: Sequence[int], srcs: Sequence[Any], *, skip_blocks: int = 0) -> None:
+        self.codec.unpack_heads(block_ids, srcs, skip_blocks=skip_blocks)
+
     def unpack_whole_many(self, items: Sequence[WholeChunk]) -> list[int | None] | None:
         """Whole chunks into their pages, the step's chunks at once: host caches through the fused
         kernel, GPU caches one DMA per chunk with the payloads hashed on host threads meanwhile.
@@ -264,6 +267,9 @@ class LMCacheBlockCopier:
             # tokens are a strided slice of every layer; the kernel wants one contiguous object.
             obj = obj[..., : used * self.block_size, :].contiguous()
         self._launch([obj], ids, store=False, skip=skip_blocks)
+
+    def unpack_heads(self, block_ids: Sequence[int], srcs: Sequence[Any], *, skip_blocks: int = 0) -> None:
+        raise LayoutMismatch("LMCache's block objects hold one rank's pages: read only at the same TP size")
 
     def unpack_many(self, items: Sequence[tuple[Sequence[int], Any, int]]) -> None:
         """Fused load: every whole chunk of the step in one launch (a partial first chunk alone)."""

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 import torch
 from vllm.logger import init_logger
 
-from maru_vllm.connector.chunks import chunk_key
+from maru_vllm.connector.chunks import Slice, Split, rank_split
 from maru_vllm.connector.copier import Copier, WholeChunk
 from maru_vllm.connector.cpu_amx import request_amx_permission
 from maru_vllm.connector.cuda_host import HostRegistry
@@ -41,6 +41,7 @@ from maru_vllm.connector.object_format import HeadRange
 from maru_vllm.connector.page_layout import LayoutError
 from maru_vllm.connector.pool_interface import ConnectorPool
 from maru_vllm.connector.sides import WorkerSide
+from maru_vllm.connector.slice_pins import SlicePins, flat_pins, load_keys
 from maru_vllm.connector.stats import TransferCounters
 from maru_vllm.connector.store_writer import StoreWriter
 from maru_vllm.connector.transfer import FORMAT_PAGES, make_copier
@@ -72,9 +73,14 @@ class MaruWorkerSide(WorkerSide):
         blocks_per_chunk: int = 1,
         expected_format: str = FORMAT_PAGES,
         heads: HeadRange | None = None,
+        slot: Slice | None = None,
+        splits: tuple[Split, ...] = (),
     ) -> None:
         self.namespace = namespace
         self.rank = rank
+        # The slice of every chunk this rank stores, and the splits its loads may name (chunks.py).
+        self.slot = slot if slot is not None else Slice(0, 0, 0, rank)
+        self.splits = splits or (rank_split(1),)
         self.pool = pool
         # Stores use their own connection when given one, so loads never queue behind them.
         self.store_pool = store_pool or pool
@@ -167,6 +173,7 @@ class MaruWorkerSide(WorkerSide):
             codec.device,
             write_behind=self.write_behind,
             host_registry=self.host_registry,
+            slot=self.slot.name,
         )
         logger.info(
             "Maru connector: %d KV layers (%d unique), %d bytes per block, layout %s, copies %s (%s objects%s), "
@@ -215,7 +222,7 @@ class MaruWorkerSide(WorkerSide):
             t2 = time.perf_counter()
             # The reply is not waited for (it is read before the next pool request's): the
             # service unpins while the forward runs. A corrupt object's report is waited for.
-            self.pool.release(pins, bad=bad, wait=bool(bad))
+            self.pool.release(flat_pins(pins), bad=bad, wait=bool(bad))
             t3 = time.perf_counter()
             self.counters.load_copy_seconds += t2 - t1
             self.counters.load_release_seconds += t3 - t2
@@ -226,6 +233,8 @@ class MaruWorkerSide(WorkerSide):
         """Copy one pinned chunk (or its leading blocks) into its blocks, verifying its checksum on
         the way; the bytes copied, 0 on a miss (a corrupt object is added to `bad`)."""
         assert self.copier is not None
+        if isinstance(pin, SlicePins):
+            return self._load_slices(load, pin, bad)
         if pin is None:
             self._fail(load, "missing or invalid in the pool")
             return 0
@@ -252,6 +261,25 @@ class MaruWorkerSide(WorkerSide):
             return 0
         return self._loaded(load)
 
+    def _load_slices(self, load: ChunkLoad, slices: SlicePins, bad: list[ReadPin]) -> int:
+        """A chunk stored by writers that split the KV heads finer: each object verified, then
+        this rank's heads assembled from them."""
+        assert self.copier is not None
+        if not slices.complete:
+            self._fail(load, "a slice of it is missing or invalid in the pool")
+            return 0
+        pins = [p for p in slices.pins if p is not None]
+        for pin in pins:
+            if not pin.verify():
+                self._corrupt(load, pin, bad)
+                return 0
+        try:
+            self.copier.unpack_heads(load.block_ids, [p.data for p in pins], skip_blocks=load.skip_blocks)
+        except (LayoutError, IndexError, RuntimeError, ValueError) as exc:
+            self._fail(load, f"cannot be copied in: {exc}")
+            return 0
+        return self._loaded(load)
+
     def _loaded(self, load: ChunkLoad) -> int:
         """Count a chunk whose blocks now hold its bytes; the bytes it brought."""
         assert self.copier is not None
@@ -274,7 +302,8 @@ class MaruWorkerSide(WorkerSide):
         whole: list[int] = []
         items: list[WholeChunk] = []
         for i, (load, pin) in enumerate(zip(loads, pins)):
-            if pin is not None and not isinstance(pin, PartPin) and not load.chunk_blocks:
+            own_whole = not load.chunk_blocks and not load.split
+            if own_whole and pin is not None and not isinstance(pin, (PartPin, SlicePins)):
                 whole.append(i)
                 hashed = pin.checksum is not None and not pin.payload_verified
                 items.append(WholeChunk(load.block_ids, pin.data, load.skip_blocks, hashed))
@@ -311,7 +340,7 @@ class MaruWorkerSide(WorkerSide):
         loaded = 0
         present = []
         for load, pin in zip(meta.loads, pins):
-            if pin is None or isinstance(pin, PartPin):
+            if pin is None or isinstance(pin, (PartPin, SlicePins)) or load.split:
                 loaded += self._load_one(load, pin, bad)
             elif not pin.verify():
                 self._corrupt(load, pin, bad)
@@ -327,23 +356,27 @@ class MaruWorkerSide(WorkerSide):
             return loaded
         return loaded + sum(self._loaded(load) for load, _ in present)
 
-    def _acquire(self, loads: list[ChunkLoad]) -> list[ReadPin | None] | None:
-        """Pin every chunk of the step (headers checked, payloads not yet): whole chunks by key,
-        chunks shared in part by part key."""
-        keys = [chunk_key(load.key, self.rank) for load in loads]
-        whole = [i for i, load in enumerate(loads) if not load.chunk_blocks]
+    def _acquire(self, loads: list[ChunkLoad]) -> list[ReadPin | SlicePins | None] | None:
+        """Pin every chunk of the step (headers checked, payloads not yet): whole chunks by key
+        (the several slices of a chunk stored at a finer TP split as one `SlicePins`), chunks
+        shared in part by part key."""
+        keys = [load_keys(load, self.slot, self.splits) for load in loads]
+        whole = [i for i, load in enumerate(loads) if not load.chunk_blocks and keys[i]]
         parts = [i for i, load in enumerate(loads) if load.chunk_blocks]
-        pins: list[ReadPin | None] = [None] * len(loads)
+        pins: list[ReadPin | SlicePins | None] = [None] * len(loads)
         if whole:
-            got = self.pool.acquire([keys[i] for i in whole], self.namespace, verify_payload=False)
+            flat = [k for i in whole for k in keys[i]]
+            got = self.pool.acquire(flat, self.namespace, verify_payload=False)
             if got is None:
                 return None
-            for i, pin in zip(whole, got):
-                pins[i] = pin
+            at = 0
+            for i in whole:
+                mine, at = got[at : at + len(keys[i])], at + len(keys[i])
+                pins[i] = mine[0] if len(mine) == 1 else SlicePins(list(mine))
         if parts:
-            got_parts = self.pool.acquire_parts([keys[i] for i in parts], self.namespace, verify_payload=False)
+            got_parts = self.pool.acquire_parts([keys[i][0] for i in parts], self.namespace, verify_payload=False)
             if got_parts is None:
-                self.pool.release(pins)
+                self.pool.release(flat_pins(pins))
                 return None
             for i, pin in zip(parts, got_parts):
                 pins[i] = pin

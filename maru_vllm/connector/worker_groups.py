@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
+from maru_vllm.connector.chunks import Slice, Split
 from maru_vllm.connector.kv_groups import KVGroup
 from maru_vllm.connector.metadata import MaruConnectorMetadata
 from maru_vllm.connector.object_format import HeadRange
@@ -62,6 +63,8 @@ class GroupedWorkerSide(WorkerSide):
         blocks_per_chunk: int,
         expected_format: str,
         heads: HeadRange | None = None,
+        slot: Slice | None = None,
+        splits: tuple[Split, ...] = (),
     ) -> None:
         self.groups = groups
         self.pool = pool
@@ -76,6 +79,8 @@ class GroupedWorkerSide(WorkerSide):
                 blocks_per_chunk=blocks_per_chunk,
                 expected_format=expected_format,
                 heads=heads,
+                slot=slot,
+                splits=splits,
                 block_size=block_size,
                 num_blocks=num_blocks,
                 use_lmcache_kernels=use_lmcache_kernels,

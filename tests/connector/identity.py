@@ -14,7 +14,6 @@ IDENTITY = KVIdentity(
     num_kv_heads=2,
     head_size=64,
     attention="FullAttentionSpec@cpu",
-    tp_size=1,
     pp_size=1,
     hash_algo="sha256",
     salt="",

@@ -172,9 +172,13 @@ def tokens(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 31 + (i * i) % 97) % 250 + 3 for i in range(n)]
 
 
-def pool_keys(req: Request, num_chunks: int, rank: int = 0) -> list[bytes]:
+# The one slice of every chunk a TP 1 engine of the tiny fixture (2 KV heads) stores (chunks.py).
+SLOT = "p0h0-2"
+
+
+def pool_keys(req: Request, num_chunks: int, slot: str | int = SLOT) -> list[bytes]:
     """The pool keys MaruKVConnector uses for chunks 0..num_chunks-1 of `req`."""
-    return [chunk_key(req.block_hashes[(c + 1) * BPC - 1], rank) for c in range(num_chunks)]
+    return [chunk_key(req.block_hashes[(c + 1) * BPC - 1], slot) for c in range(num_chunks)]
 
 
 # ---- the probe -----------------------------------------------------------------------------
@@ -363,11 +367,11 @@ class Sim:
             assert self.client is not None
             for s in meta.stores:
                 self.client.put(
-                    chunk_key(s.key, 0),
+                    chunk_key(s.key, SLOT),
                     b"kv" * 32,
                     self.namespace,
                     meta=s.meta,
-                    parts=[chunk_key(h, 0) for h in s.parts] if self.play_part_keys else None,
+                    parts=[chunk_key(h, SLOT) for h in s.parts] if self.play_part_keys else None,
                 )
         for rid in sending:
             self.finished_sending[rid] = rec.index

@@ -84,7 +84,7 @@ def test_token_file_and_env_address(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         {"num_kv_heads": 4},
         {"head_size": 128},
         {"attention": "MLAAttentionSpec:mla@cuda"},
-        {"tp_size": 2},
+        {"rank_named_tp": 2},
         {"pp_size": 2},
         {"hash_algo": "sha256_cbor"},
         {"salt": "tenant-b"},

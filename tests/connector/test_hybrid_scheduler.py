@@ -41,6 +41,7 @@ from tests.connector.sched_harness import (
     BLOCK_SIZE,
     CHUNK_TOKENS,
     SAMPLE_TOKEN,
+    SLOT,
     make_request,
     model_runner_output,
     tokens,
@@ -125,7 +126,7 @@ class Engine:
         after = {rid: self._blocks(rid) for rid in sched.requests}
         self._check_flushes(before, after, meta)
         for s in meta.stores:
-            self.client.put(chunk_key(s.key, 0), b"kv" * 32, self.side.namespaces[s.group], meta=s.meta)
+            self.client.put(chunk_key(s.key, SLOT), b"kv" * 32, self.side.namespaces[s.group], meta=s.meta)
             if s.group == SLIDING:
                 for b in s.block_ids:
                     self.window_reads.setdefault(b, set()).add(s.req_id)
@@ -235,7 +236,7 @@ def test_a_missing_window_object_shortens_the_hit(pool: PoolProcess, client: Poo
     hashes = make_request("x", prompt).block_hashes
     g = first.side.geometry
     window_ns = first.side.namespaces[SLIDING]
-    assert client.remove([chunk_key(g.chunk_hash(hashes, 2), 0)], window_ns) == 1
+    assert client.remove([chunk_key(g.chunk_hash(hashes, 2), SLOT)], window_ns) == 1
     engine = Engine(pool.address, client)
     engine.sched.add_request(make_request("again", prompt))
     engine.step()

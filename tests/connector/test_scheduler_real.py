@@ -24,6 +24,7 @@ from tests.connector.sched_harness import (
     BLOCK_SIZE,
     BPC,
     CHUNK_TOKENS,
+    SLOT,
     Sim,
     StepRecord,
     make_request,
@@ -101,10 +102,10 @@ def check_step(sim: Sim, rec: StepRecord, client: PoolClient | None = None) -> N
         assert sum(len(ld.block_ids) for ld in loads) * BLOCK_SIZE == ext
         if client is not None:
             whole = [ld for ld in loads if not ld.chunk_blocks]
-            present = client.lookup([chunk_key(ld.key, 0) for ld in whole], sim.namespace)
+            present = client.lookup([chunk_key(ld.key, SLOT) for ld in whole], sim.namespace)
             assert all(present), f"{rid} loads chunks the pool does not hold: {present}"
             parts = [ld for ld in loads if ld.chunk_blocks]
-            units = client.lookup_parts([chunk_key(ld.key, 0) for ld in parts], sim.namespace)
+            units = client.lookup_parts([chunk_key(ld.key, SLOT) for ld in parts], sim.namespace)
             assert units == [ld.skip_blocks + len(ld.block_ids) for ld in parts], (rid, units)
 
 
@@ -164,7 +165,7 @@ def test_concurrent_requests_store_every_chunk_once(new_sim, client, play_worker
     else:
         # Distinct keys reached the pool; the requests that came later skipped what it held.
         assert len(sim.stores) < expected
-        keys = {chunk_key(s.key, 0) for rec in sim.steps for s in rec.meta.stores}
+        keys = {chunk_key(s.key, SLOT) for rec in sim.steps for s in rec.meta.stores}
         assert all(client.lookup(sorted(keys), sim.namespace))
     # One lookup per request (none of them waited twice or was preempted).
     assert dict(sim.probe.lookups_by_req) == dict.fromkeys(sim.requests, 1)
@@ -174,7 +175,7 @@ def test_concurrent_requests_store_every_chunk_once(new_sim, client, play_worker
 def _put_chunks(client: PoolClient, sim: Sim, req, n: int, parts: bool = False) -> None:
     """Put `req`'s first `n` chunks; with `parts`, with the part keys the worker commits."""
     for c, key in enumerate(pool_keys(req, n)):
-        part_keys = [chunk_key(req.block_hashes[b], 0) for b in range(c * BPC, (c + 1) * BPC - 1)]
+        part_keys = [chunk_key(req.block_hashes[b], SLOT) for b in range(c * BPC, (c + 1) * BPC - 1)]
         assert client.put(key, b"x" * 64, sim.namespace, parts=part_keys if parts else None)
 
 

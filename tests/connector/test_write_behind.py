@@ -15,7 +15,7 @@ from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.launch.stack import PoolProcess
 from maru_vllm.pool import PoolClient
 from tests.connector.chunk_meta import chunk_meta
-from tests.connector.sched_harness import Sim, make_request, make_scheduler, pool_keys, tokens
+from tests.connector.sched_harness import SLOT, Sim, make_request, make_scheduler, pool_keys, tokens
 from tests.connector.worker_side import model_worker
 
 NUM_BLOCKS = 64
@@ -139,19 +139,19 @@ def test_failed_copy_is_aborted_and_never_visible(pool: PoolProcess, client: Poo
     assert worker.writer.wait(timeout=30)
     counters = worker.take_counters()
     assert counters.store_failures == 1 and counters.chunks_stored == 0
-    assert client.lookup([chunk_key(b"f0", 0)], "wb-fail") == [False]
+    assert client.lookup([chunk_key(b"f0", SLOT)], "wb-fail") == [False]
     # The reservation was aborted: the same chunk stores fine afterwards.
     worker.writer.pack, worker.writer.pack_many = real, real_many
     worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"f0", [1, 2], chunk_meta(0))]))
     assert worker.writer.wait(timeout=30)
-    assert client.lookup([chunk_key(b"f0", 0)], "wb-fail") == [True]
+    assert client.lookup([chunk_key(b"f0", SLOT)], "wb-fail") == [True]
 
 
 def test_inline_mode_stores_before_the_step_returns(pool: PoolProcess, client: PoolClient) -> None:
     # A producer-only engine (disaggregated prefill): the decode engine looks right after the response.
     worker, _ = model_worker(pool.address, "wb-inline", block_size=8, write_behind=False)
     worker.store(MaruConnectorMetadata(stores=[ChunkStore("r", b"i0", [1, 2], chunk_meta(0))]))
-    assert client.lookup([chunk_key(b"i0", 0)], "wb-inline") == [True]
+    assert client.lookup([chunk_key(b"i0", SLOT)], "wb-inline") == [True]
 
 
 def test_shutdown_finishes_queued_stores(pool: PoolProcess, client: PoolClient) -> None:
@@ -161,4 +161,4 @@ def test_shutdown_finishes_queued_stores(pool: PoolProcess, client: PoolClient) 
             MaruConnectorMetadata(stores=[ChunkStore(f"r{i}", f"s{i}".encode(), [2 * i, 2 * i + 1], chunk_meta(0))])
         )
     worker.shutdown()
-    assert client.lookup([chunk_key(f"s{i}".encode(), 0) for i in range(4)], "wb-shutdown") == [True] * 4
+    assert client.lookup([chunk_key(f"s{i}".encode(), SLOT) for i in range(4)], "wb-shutdown") == [True] * 4

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from maru_vllm.connector.chunks import Slice
+from maru_vllm.connector.object_format import HeadRange
 from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.worker import MaruWorkerSide
 from tests.connector.sched_harness import BLOCK_SIZE
@@ -68,7 +70,14 @@ def model_worker(
         for i in range(2)
     }
     side = worker_side(
-        address, namespace, caches, block_size=block_size, num_blocks=num_blocks, write_behind=write_behind
+        address,
+        namespace,
+        caches,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        write_behind=write_behind,
+        heads=HeadRange(0, 2, 2),
+        slot=Slice(0, 0, 2),  # a TP 1 engine of the model: its one slice holds both KV heads
     )
     return side, caches
 
