@@ -54,7 +54,8 @@ from maru_vllm.connector.pool_access import PoolAccess
 from maru_vllm.connector.serving import serving_path
 from maru_vllm.connector.sides import SchedulerSide, WorkerSide
 from maru_vllm.connector.startup import copy_path, stack_line
-from maru_vllm.connector.stats import MaruConnectorStats, MaruPromMetrics
+from maru_vllm.connector.stats import MaruConnectorStats, MaruPromMetrics, TransferCounters
+from maru_vllm.connector.token_sources import TokenSources
 from maru_vllm.connector.transfer import FORMAT_PAGES, copy_format
 from maru_vllm.connector.upstream_check import moved_contracts
 from maru_vllm.versions import VLLM
@@ -175,6 +176,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side: WorkerSide | None = None
         self.store_pool: PoolAccess | None = None  # the worker's stores' own connection
         self.load_guard = self.path.load_guard(block_size)
+        self.token_sources = TokenSources(self.config.chunk_tokens, ranks)
         pools = [self.pool]  # the links the periodic log summary reports on
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = self.path.scheduler_side(
@@ -333,8 +335,13 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_contained(None)
     def get_kv_connector_stats(self) -> MaruConnectorStats | None:
-        if self.worker_side is None:
-            return None
+        if self.worker_side is None:  # the scheduler side: where the external prompt tokens came from
+            tokens = self.token_sources.take()
+            if not tokens:
+                return None
+            return MaruConnectorStats.from_counters(
+                TransferCounters(**{f"prompt_tokens_{source}": n for source, n in tokens.items()})
+            )
         counters = self.worker_side.take_counters()
         if counters is None:
             return None
@@ -355,12 +362,16 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler_side is not None
         self.load_guard.asked(request.request_id, num_computed_tokens)
-        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        finally:
+            self.token_sources.asked(request.request_id, num_computed_tokens, self.pool.take_tier_fetch())
 
     @_contained(None, on_error="_alloc_failed")
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         # Recorded before anything can fail: vLLM now counts these tokens as loaded.
         self.load_guard.granted_load(request.request_id, num_external_tokens, blocks)
+        self.token_sources.granted(request, num_external_tokens)
         self._plan_after_alloc(request, blocks, num_external_tokens)
 
     @_contained(None, on_error="_alloc_failed")
@@ -391,6 +402,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # True: a write-behind store may still read the blocks; the worker reports them in get_finished.
         self.load_guard.forget(request.request_id)
+        self.token_sources.forget(request.request_id)
         if self.scheduler_side is None:
             return False, None
         return bool(self.scheduler_side.request_finished(request)), None

@@ -65,6 +65,9 @@ class PoolAccess(ConnectorPool):
         self._lock = threading.Lock()
         self._down = False
         self.failures = 0
+        # Since the last take_tier_fetch: the least key index from which a lookup found the lower
+        # tier holding keys and asked for them (the connector's token sources: tier 2's tokens).
+        self._tier_fetch_from: int | None = None
         if connect_timeout_s is not None:
             try:
                 self._client.connect_now(connect_timeout_s)
@@ -98,7 +101,15 @@ class PoolAccess(ConnectorPool):
             and self._contained(self._client.promote, keys[present : present + lower], namespace) is None
         ):
             lower = 0
+        if lower:
+            self._tier_fetch_from = min(present, present if self._tier_fetch_from is None else self._tier_fetch_from)
         return present, lower
+
+    def take_tier_fetch(self) -> int | None:
+        """The least key index from which a lookup since the last call fetched keys from the lower
+        tier (None: none did); resets it."""
+        found, self._tier_fetch_from = self._tier_fetch_from, None
+        return found
 
     def distrust_lookups(self, seconds: float) -> None:
         self._client.ask_service_for(seconds)

@@ -1,9 +1,10 @@
 """Connector transfer statistics: vLLM's KV connector stats hook and Prometheus.
 
-The worker side counts chunks/bytes loaded and stored, time spent, failures; vLLM ships those
-counters from the worker to the front-end process (`get_kv_connector_stats`), aggregates them,
-logs them, and hands them to `MaruPromMetrics.observe`, which exports `maru_connector_*`
-counters on vLLM's own `/metrics` endpoint.
+The worker side counts chunks/bytes loaded and stored, time spent, failures; the scheduler side
+counts where the external prompt tokens came from (`token_sources.py`). vLLM ships those counters
+from the worker and the scheduler to the front-end process (`get_kv_connector_stats`),
+aggregates them, logs them, and hands them to `MaruPromMetrics.observe`, which exports
+`maru_connector_*` counters on vLLM's own `/metrics` endpoint.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import dataclasses
 from typing import Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from maru_vllm.connector.token_sources import POOL, TIER2
 
 
 @dataclasses.dataclass
@@ -32,6 +35,9 @@ class TransferCounters:
     store_hold_seconds: float = 0.0
     store_failures: int = 0
     stores_skipped: int = 0
+    # Scheduler side: the external prompt tokens vLLM granted, by where they came from.
+    prompt_tokens_pool: int = 0
+    prompt_tokens_tier2: int = 0
 
     # Called every engine step (take_counters): field by field, without astuple's deep copy.
     def is_empty(self) -> bool:
@@ -83,8 +89,13 @@ class MaruConnectorStats(KVConnectorStats):
         return self.counters().is_empty()
 
 
+# TransferCounters field -> the `source` of vllm:maru_connector_prompt_tokens_by_source_total.
+_SOURCE_FIELDS = {"prompt_tokens_pool": POOL, "prompt_tokens_tier2": TIER2}
+
+
 class MaruPromMetrics(KVConnectorPromMetrics):
-    """`maru_connector_*` counters on vLLM's /metrics, one series per engine."""
+    """`maru_connector_*` counters on vLLM's /metrics, one series per engine (and per source for
+    `prompt_tokens_by_source`, each there from the start: a source that never served is a 0)."""
 
     _COUNTERS: ClassVar[dict[str, str]] = {
         "chunks_loaded": "KV chunks loaded from the Maru pool",
@@ -115,6 +126,16 @@ class MaruPromMetrics(KVConnectorPromMetrics):
         for field, doc in self._COUNTERS.items():
             metric = self._counter_cls(name=f"vllm:maru_connector_{field}", documentation=doc, labelnames=labelnames)
             self._counters[field] = {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        by_source = self._counter_cls(
+            name="vllm:maru_connector_prompt_tokens_by_source",
+            documentation="prompt tokens the connector supplied (vLLM's external_kv_transfer), by where they came "
+            "from: the pool, or its second tier",
+            labelnames=[*labelnames, "source"],
+        )
+        for field, source in _SOURCE_FIELDS.items():
+            self._counters[field] = {
+                idx: by_source.labels(*values, source) for idx, values in per_engine_labelvalues.items()
+            }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for field, per_engine in self._counters.items():

@@ -3,19 +3,21 @@ Store, behind one frontend.
 
 The bundled graph starts a real mooncake_master, nats-server, a pool per domain (each a client of
 the master), a Maru worker on each pool and Dynamo's frontend. A prompt pinned to domain a's worker
-(Dynamo's ``nvext.backend_instance_id``) is written through to the tier; domain b's pool learns
-its keys over NATS, and the same prompt pinned to domain b's worker is served from the tier
-(cached tokens >= its full chunks) with the tokens and logprobs of b's own prefix-cache hit
-after it. With tier-2 credit on in domain b's worker only (`MARU_TIER2_CREDIT=1` in its env), a
-router probe shows b's worker credited at the disk tier with a prompt domain a prefilled, and
-a's worker (credit off) not credited with one b prefilled. A SIGINT then stops everything: no
-process, no region, nothing pinned before it.
+(Dynamo's ``nvext.backend_instance_id``) is written through to the tier; domain b's pool learns its
+keys over NATS, and the same prompt pinned to domain b's worker is served from the tier (cached
+tokens >= its full chunks, counted by b's worker as prompt tokens from tier 2) with the tokens and
+logprobs of b's own prefix-cache hit after it. With tier-2 credit on in domain b's worker only
+(`MARU_TIER2_CREDIT=1` in its env), a router probe shows b's worker credited at the disk tier with
+a prompt domain a prefilled, and a's worker (credit off) not credited with one b prefilled. A
+SIGINT then stops everything: no process, no region, nothing pinned before it.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ import yaml
 
 from maru_dynamo.graphs import control
 from maru_dynamo.graphs.client import cached_tokens, completion
+from maru_dynamo.graphs.prometheus import token_sources_text
 from maru_vllm.pool import PoolClient
 from tests.e2e.conftest import CHUNK, token_prompt
 from tests.e2e.router_probe_client import BLOCK, RouterProbe
@@ -36,6 +39,19 @@ pytestmark = pytest.mark.e2e
 def _stats(work: Path, pool: str) -> dict:
     with PoolClient.connect(f"unix://{work}/pool-{pool}.sock") as c:
         return c.stats()
+
+
+def _token_sources(run_pid: int, pool: str) -> dict[str, float]:
+    """Where the prompt tokens of the worker on `pool` came from, off its /metrics."""
+    (pid,) = [
+        p
+        for p in descendants(run_pid)
+        if "maru_dynamo.components.maru_worker" in cmdline(p) and f"pool-{pool}.sock" in cmdline(p)
+        if os.getpgid(p) == p  # the worker's leader, whose environment names its system port
+    ]
+    port = environ_of(pid)["DYN_SYSTEM_PORT"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return token_sources_text([resp.read().decode()])
 
 
 def _lp(out: dict) -> tuple[list[str], list[float]]:
@@ -73,8 +89,16 @@ def test_the_domains_graph_serves_domain_a_prompts_from_the_tier_in_domain_b(tin
         )
         assert _stats(work, "kv-b")["objects"] == 0  # nothing of it in b's pool yet
 
+        before = _token_sources(run.proc.pid, "kv-b")
         from_tier = ask("worker-b", prompt)  # b's pool fetches a's chunks; b's engine loads them
         assert cached_tokens(from_tier) >= 3 * CHUNK
+        after = wait_until(
+            lambda: (t := _token_sources(run.proc.pid, "kv-b"))["prompt tokens"] > before["prompt tokens"] and t,
+            10,
+            "worker b counting the prompt",
+        )
+        assert after["tier 2"] - before["tier 2"] == 3 * CHUNK  # b's worker: its three chunks came from tier 2
+        assert after["pool"] == before["pool"]
         b = _stats(work, "kv-b")
         assert b["tier2_hits"] >= 3 and b["tier2_corrupt"] == 0, b
         local = ask("worker-b", prompt)  # b's own prefix cache now
