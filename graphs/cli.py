@@ -29,6 +29,12 @@ def register(subparsers: Any) -> None:
     run.add_argument("--http-port", type=_port, help="frontend port on 127.0.0.1 (default: a free port)")
     run.add_argument("--dry-run", action="store_true", help="print each process's command and env; start nothing")
     run.add_argument("--keep-logs", action="store_true", help="keep the work dir with the logs after a clean stop")
+    run.add_argument(
+        "--prometheus",
+        type=_port,
+        metavar="PORT",
+        help="also run a Prometheus on 127.0.0.1:PORT that scrapes the graph, with the chart's alert rules",
+    )
     run.set_defaults(func=cmd_run)
 
     restart = gsub.add_parser(
@@ -93,7 +99,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(graph_plan.format_plan(plan))
         work_dir.rmdir()
         return 0
-    return runner.run_plan(plan, keep_logs=args.keep_logs, out=lambda line: print(line, flush=True))
+    return runner.run_plan(
+        plan, keep_logs=args.keep_logs, prometheus_port=args.prometheus, out=lambda line: print(line, flush=True)
+    )
 
 
 def _control(args: argparse.Namespace, command: str, request: Any) -> Any:

@@ -13,7 +13,8 @@ of 5-20x its time, as on a GPU serving a 32B model from CXL), and shows what the
    the prefill's time: the demo prints the ratio, and the same prompt served from that
    worker's own prefix cache for reference.
 
-Then it prints the pool's status and stops everything.
+Then it prints the pool's status and, last, where the two requests' prompt tokens came from (the
+workers' token-source counters: computed, local prefix cache, pool, tier 2), and stops everything.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import random
 import time
 from typing import Any
 
-from maru_dynamo.graphs.client import cached_tokens, get_json, stream_events
+from maru_dynamo.graphs.client import cached_tokens, get_json, prompt_tokens, stream_events
 from maru_vllm.launch import ProcessGroup
 
 
@@ -67,6 +68,30 @@ def _selected_worker(log_text: str, after: int) -> int | None:
     return int(lines[after].split("worker_id=")[1].split()[0])
 
 
+def _token_sources(plan: Any) -> dict[str, float]:
+    """Where the workers' prompt tokens came from so far, read off their /metrics."""
+    import urllib.request
+
+    from maru_dynamo.graphs.prometheus import token_sources_text
+
+    texts = []
+    for worker in plan.workers:
+        with urllib.request.urlopen(worker.metrics_url, timeout=10) as resp:
+            texts.append(resp.read().decode())
+    return token_sources_text(texts)
+
+
+def _token_sources_after(plan: Any, before: dict[str, float], sent: int) -> dict[str, float]:
+    """The readings once the workers count `sent` more prompt tokens (their metrics follow the
+    replies by an engine step), or after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        now = _token_sources(plan)
+        if now["prompt tokens"] - before["prompt tokens"] >= sent or time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from maru_dynamo.graphs.plan import build_plan, resolve_model
     from maru_dynamo.graphs.run import new_work_dir, start_graph, stop_graph
@@ -91,6 +116,7 @@ def run_demo(args: argparse.Namespace) -> int:
         prompt = [rng.randrange(32, 127) for _ in range(args.prompt_tokens)]
         body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
 
+        sources_before = _token_sources(plan)
         first, t_first = _post(url, body)
         worker_a = _selected_worker(frontend.log_text(), 0)
         print(
@@ -121,6 +147,8 @@ def run_demo(args: argparse.Namespace) -> int:
             f"(loaded from the pool), first token after {t_second:.2f}s, same output: {same}"
         )
         print(f"[demo]    output: {second['text']!r}")
+        sent = prompt_tokens(first) + prompt_tokens(second)
+        sources_after = _token_sources_after(plan, sources_before, sent)
         _, t_local = _post(url, on_b)
         print(
             f"[demo]    recompute-to-load: the prefill took {t_first / t_second:.1f}x as long as the pool hit "
@@ -128,6 +156,10 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         with PoolClient.connect(pool_address) as c:
             print("\n[demo] pool status:\n" + format_status(c.stats()))
+        from maru_dynamo.graphs.prometheus import token_sources_line
+
+        line = token_sources_line(sources_before, sources_after)
+        print(f"\n[demo] where the two requests' prompt tokens came from: {line}")
         return 0 if same and cached_tokens(second) > 0 else 1
     finally:
         stop_graph(group)

@@ -16,7 +16,9 @@ A worker that dies is taken out of Dynamo's discovery at once (each worker recor
 id in `<work dir>/instances/`; `maru_vllm.launch.file_discovery`), so the frontend stops routing
 to it before its registration would expire. While the graph serves, `<work dir>/control.sock`
 takes status and rolling-restart requests (`maru_dynamo.graphs.control`: `maru-dynamo graph
-restart`, `graph status`).
+restart`, `graph status`). With `--prometheus PORT` a Prometheus scrapes every process of the
+graph, with the chart's alert rules (`maru_dynamo.graphs.prometheus`); it is supervised like the
+rest, but the graph serves on without it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 
+from maru_dynamo.graphs import prometheus as graph_prometheus
 from maru_dynamo.graphs.plan import DISCOVERY_DIR, Plan, PlannedProcess, curl_example, instance_file
 from maru_vllm.launch import ManagedProcess, ProcessFailed, ProcessGroup
 from maru_vllm.launch.file_discovery import remove_instance
@@ -218,15 +221,18 @@ def out_of_discovery(plan: Plan, name: str, out: Callable[[str], None] = print) 
 def essential_lost(plan: Plan, given_up: Mapping[str, str]) -> str | None:
     """Why the graph cannot serve once `given_up` are given up on, or None while it can."""
     for name in given_up:
-        if not name.startswith("worker:"):
+        if not name.startswith("worker:") and name != graph_prometheus.PROCESS:
             return f"{name} is given up on"
     if plan.workers and all(w.name in given_up for w in plan.workers):
         return "every worker is given up on"
     return None
 
 
-def run_plan(plan: Plan, *, keep_logs: bool = False, out: Callable[[str], None] = print) -> int:
-    """Start the graph, serve (restarting dead processes) until SIGINT/SIGTERM, stop it. Returns the exit code."""
+def run_plan(
+    plan: Plan, *, keep_logs: bool = False, prometheus_port: int | None = None, out: Callable[[str], None] = print
+) -> int:
+    """Start the graph (and a Prometheus on `prometheus_port`), serve (restarting dead processes)
+    until SIGINT/SIGTERM, stop it. Returns the exit code."""
     group = ProcessGroup()
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     logs = plan.work_dir / "logs"
@@ -237,6 +243,12 @@ def run_plan(plan: Plan, *, keep_logs: bool = False, out: Callable[[str], None] 
         out(f"[graph] {plan.spec.name}: model {plan.model}; logs in {logs}")
         supervisor = supervise(plan, group, out=out)
         start_graph(plan, group, supervisor=supervisor)
+        if prometheus_port is not None:
+            try:
+                prometheus = graph_prometheus.start_prometheus(plan, group, prometheus_port)
+            except graph_prometheus.PrometheusUnavailable as exc:
+                raise ProcessFailed(f"cannot start Prometheus: {exc}") from exc
+            out(f"[graph] prometheus: {prometheus.url} (the graph's metrics and the chart's alerts)")
         from maru_dynamo.graphs.control import ControlServer
 
         control = ControlServer(plan, group, supervisor, out=out).start()

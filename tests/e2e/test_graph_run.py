@@ -1,7 +1,7 @@
 """`maru-dynamo graph run graphs/agg.yaml`: the whole graph from one command, then a clean stop.
 
-One test only: it starts nats-server, the pool, two vLLM workers and the frontend (~1 min and
-~6 GB on this machine).
+One test only: it starts nats-server, the pool, two vLLM workers, the frontend and (`--prometheus
+PORT`) a Prometheus scraping them (~1 min and ~6 GB on this machine).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from maru_dynamo.graphs.client import completion
-from maru_vllm.launch import rpc_dir, stack
+from maru_dynamo.graphs.prometheus import Prometheus
+from maru_vllm.launch import free_port, rpc_dir, stack
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,8 +68,18 @@ def alive(pid: int) -> bool:
 
 
 def test_graph_run_serves_and_stops_cleanly(tiny_model: Path) -> None:
+    prometheus_port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "maru_dynamo.components.main", "graph", "run", "graphs/agg.yaml"],
+        [
+            sys.executable,
+            "-m",
+            "maru_dynamo.components.main",
+            "graph",
+            "run",
+            "graphs/agg.yaml",
+            "--prometheus",
+            str(prometheus_port),
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -84,7 +96,7 @@ def test_graph_run_serves_and_stops_cleanly(tiny_model: Path) -> None:
     threading.Thread(target=pump, daemon=True).start()
     children: set[int] = set()
     try:
-        url = work = None
+        url = work = prometheus_url = None
         deadline = time.monotonic() + 600
         while url is None:
             assert proc.poll() is None, "graph run exited early:\n" + "".join(output)
@@ -95,11 +107,20 @@ def test_graph_run_serves_and_stops_cleanly(tiny_model: Path) -> None:
                 continue
             if m := re.search(r"logs in (/\S+)/logs", line):
                 work = Path(m.group(1))
+            if m := re.match(r"\[graph\] prometheus: (http://127\.0\.0\.1:\d+) ", line):
+                prometheus_url = m.group(1)
             if m := re.match(r"\[graph\] ready: (http://127\.0\.0\.1:\d+) \(2 workers\)", line):
                 url = m.group(1)
         assert work is not None
         out = completion(url, str(tiny_model), "Maru shares KV across workers. " * 8, max_tokens=8)
         assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["text"]
+        # The Prometheus it printed (announced before ready) scrapes the pool, both workers and the frontend.
+        assert prometheus_url == f"http://127.0.0.1:{prometheus_port}", "".join(output)
+        prometheus = Prometheus(prometheus_url)
+        everyone = {"pool", "worker:worker-0", "worker:worker-1", "frontend"}
+        wait_until(lambda: prometheus.targets_up() == dict.fromkeys(everyone, True), 30, "every process scraped", 0.5)
+        served = wait_until(lambda: prometheus.value("sum(vllm:prompt_tokens_total)"), 10, "the workers' counters")
+        assert served >= out["usage"]["prompt_tokens"]
 
         children = descendants(proc.pid)
         # nats-server, the pool, 2 workers (each with its engine core), the frontend
