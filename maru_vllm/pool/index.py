@@ -67,6 +67,7 @@ COUNTERS = (
     *("hits", "misses", "stores", "duplicate_commits", "evictions", "corrupt_reads"),
     *("reserve_failures", "reserve_existing", "aborts", "sessions_expired", "quota_refusals"),
     *("object_cap_refusals", "metadata_budget_refusals", "metadata_space_refusals", "metadata_unreadable"),
+    *(f"evictions_{reason}" for reason in ("space", "object_cap", "metadata_budget")),
 )
 
 
@@ -255,7 +256,7 @@ class PoolIndex:
             if not self._sessions.may_reserve(s, size):
                 out.append(None)
                 continue
-            if not self._evict_until(lambda: len(self.live) < self.max_objects):
+            if not self._evict_until(lambda: len(self.live) < self.max_objects, "object_cap"):
                 self.counters["object_cap_refusals"] += 1
                 self.counters["reserve_failures"] += 1
                 out.append(None)
@@ -306,7 +307,7 @@ class PoolIndex:
             obj.parts = tuple(part_keys[:MAX_PARTS]) if part_keys else ()
             cost = obj.meta_cost
             # _evict_until calls the predicate before it returns, so it sees this iteration's `cost`.
-            if not self._evict_until(lambda: self.metadata_bytes + cost <= self.metadata_budget):  # noqa: B023
+            if not self._evict_until(lambda: self.metadata_bytes + cost <= self.metadata_budget, "metadata_budget"):  # noqa: B023
                 logger.debug(
                     "commit of %s/%s refused: metadata budget of %d bytes is full of pinned objects",
                     obj.ns,
@@ -409,7 +410,7 @@ class PoolIndex:
         if self.presence is not None:
             self.presence.put_many(tags + part_tags, [0] * len(tags) + part_units)
         # a smaller budget than the last service had: the least recently used go, as at a commit
-        self._evict_until(lambda: self.metadata_bytes <= self.metadata_budget)
+        self._evict_until(lambda: self.metadata_bytes <= self.metadata_budget, "metadata_budget")
 
     # -- views ------------------------------------------------------------------------------
     def snapshot(self, ns: str | None = None) -> list[ObjectInfo]:
@@ -505,15 +506,20 @@ class PoolIndex:
     def _touch(self, obj: Obj) -> None:
         self._lru.used(obj)
 
-    def _evict_until(self, ok: Callable[[], bool]) -> bool:
-        """Evict LRU objects until `ok()`; False when it still fails with nothing left to evict."""
+    def _evict_until(self, ok: Callable[[], bool], reason: str) -> bool:
+        """Evict LRU objects until `ok()`, counted as evictions for `reason` (`object_cap`,
+        `metadata_budget`); False when it still fails with nothing left to evict."""
         while not ok():
             victim = self._lru.pop_victim()
             if victim is None:
                 return False
-            self.counters["evictions"] += 1
-            self._hide(victim, "removed")
+            self._evict(victim, reason)
         return True
+
+    def _evict(self, victim: Obj, reason: str) -> None:
+        self.counters["evictions"] += 1
+        self.counters[f"evictions_{reason}"] += 1
+        self._hide(victim, "removed")
 
     def _compact_order(self) -> None:
         """Drop stale entries of the commit-order list once they outnumber the visible objects."""
@@ -528,8 +534,7 @@ class PoolIndex:
             victim = self._lru.pop_victim()
             if victim is None:
                 return None
-            self.counters["evictions"] += 1
-            self._hide(victim, "removed")
+            self._evict(victim, "space")  # region space, for an object or its metadata
             a = self.alloc.alloc(nbytes)
         return a
 

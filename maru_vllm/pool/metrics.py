@@ -36,6 +36,7 @@ _GAUGES = {
     "recovery_dropped": "Objects in the region at its start that did not verify and were freed",
     "recovery_seconds": "Seconds this service took to rebuild its index from the region at its start",
 }
+EVICTION_REASONS = ("space", "object_cap", "metadata_budget")  # the index's evictions_<reason> counters
 _COUNTERS = {
     "hits": "Lookups/acquires that found the key",
     "misses": "Lookups/acquires that did not find the key (or found it corrupt)",
@@ -71,6 +72,14 @@ class _StatsCollector:
             c = CounterMetricFamily(f"maru_pool_{name}", doc, labels=["pool"])
             c.add_metric([self.pool], float(st.get(name, 0)))
             yield c
+        by_reason = CounterMetricFamily(
+            "maru_pool_evictions_by_reason",
+            "Objects evicted (LRU), by what needed the room: region space, the object cap, the metadata budget",
+            labels=["pool", "reason"],
+        )
+        for reason in EVICTION_REASONS:
+            by_reason.add_metric([self.pool, reason], float(st.get(f"evictions_{reason}", 0)))
+        yield by_reason
         yield from tier2_metrics.families(self.pool, st)
 
 

@@ -150,6 +150,7 @@ def test_index_object_cap_evicts_lru_and_refuses_only_when_everything_is_pinned(
         assert o is not None and idx.commit(sid, [o.oid], [None], lambda o: None) == [True]
     st = idx.stats()
     assert st["objects"] == st["live_objects"] == 10 and st["evictions"] == 15 and st["max_objects"] == 10
+    assert (st["evictions_object_cap"], st["evictions_space"], st["evictions_metadata_budget"]) == (15, 0, 0)
     assert [o is not None for o in idx.acquire(sid, "ns", [b"k%d" % i for i in range(15, 25)])] == [True] * 10
     assert idx.reserve(sid, "ns", [(b"new", 100)]) == [None]  # every object pinned: a clean refusal
     assert idx.stats()["object_cap_refusals"] == 1
@@ -167,6 +168,7 @@ def test_index_metadata_budget_evicts_lru_and_refuses_a_commit_only_when_everyth
         assert idx.commit(sid, [o.oid], [meta], lambda o: None) == [True]
         assert idx.metadata_bytes <= budget
     assert idx.stats()["objects"] == 10 and idx.stats()["metadata_bytes"] == 10 * (len(meta) + 8)
+    assert idx.stats()["evictions_metadata_budget"] == idx.stats()["evictions"] == 20
     idx.acquire(sid, "ns", [b"k%07d" % i for i in range(20, 30)])
     (o,) = idx.reserve(sid, "ns", [(b"x%07d" % 1, 10)])
     used = idx.alloc.allocated_bytes

@@ -106,6 +106,7 @@ def test_eviction_keeps_pinned_objects_intact(pool_factory):
             stored += 1
         st = c.stats()
         assert st["evictions"] >= stored - 30
+        assert st["evictions_space"] == st["evictions"]  # the region was full, not the object cap
         for i, pin in enumerate(pins):  # pinned objects survived every eviction round, byte-exact
             assert bytes(pin.data) == bytes([i + 1]) * size
         assert c.lookup(pinned_keys) == [True] * 5
@@ -146,6 +147,8 @@ def test_metrics_and_status_cli(pool_factory):
     assert f'maru_pool_capacity_bytes{{pool="{p.pool_name}"}}' in text
     assert 'maru_pool_op_latency_seconds_count{op="lookup"' in text or 'op="lookup",pool=' in text
     assert f'maru_pool_hits_total{{pool="{p.pool_name}"}} 1.0' in text
+    for reason in ("space", "object_cap", "metadata_budget"):  # every reason there from the start
+        assert f'maru_pool_evictions_by_reason_total{{pool="{p.pool_name}",reason="{reason}"}} 0.0' in text
     out = pool_cli("status", "--address", p.address, "--json")
     assert out.returncode == 0, out.stderr
     st = json.loads(out.stdout)
