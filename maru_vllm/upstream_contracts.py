@@ -193,6 +193,22 @@ VLLM_CONTRACTS: tuple[Contract, ...] = (
         ("enable_chunked_prefill?",),
         used_in=("maru_vllm/connector/engine_support.py",),
     ),
+    Contract(
+        "vllm",
+        "vllm.config.speculative",
+        "SpeculativeConfig",
+        ("method", "uses_draft_kv_cache()"),
+        why="whether a speculative drafter keeps KV layers of its own beside the target's",
+        used_in=("maru_vllm/connector/engine_support.py",),
+    ),
+    Contract(
+        "vllm",
+        "vllm.config.model",
+        "ModelConfig",
+        ("get_num_layers_by_block_type(parallel_config, block_type)",),
+        why="the target model's attention layers on this stage, against the KV cache's",
+        used_in=("maru_vllm/connector/engine_support.py",),
+    ),
     Contract("vllm", "vllm.config.logging", "LoggingConfig", ("configure_logging",), used_in=(_CONN,)),
     Contract(
         "vllm",

@@ -20,7 +20,13 @@ prefix-cache hit when vLLM itself would serve such a hit. Two outcomes:
     state of hybrid SSM models), or attention whose blocks the connector does not know how long
     vLLM keeps (chunked local attention, and any spec class not checked here);
   - the groups' block sizes differ (vLLM aligns prefix hits to all of them; the pool's chunks
-    are one block size).
+    are one block size);
+  - the KV cache holds a speculative drafter's layers beside the target model's (draft-model,
+    EAGLE, MTP and other methods that run a drafter with a KV cache of its own: the layers in
+    the `KVCacheConfig` beyond the target's attention layers). A drafter's KV at a position can
+    depend on tokens after it (vLLM drops the last block of an EAGLE prefix hit for that
+    reason), which a chunk's key does not cover. Methods without draft layers (n-gram, suffix
+    decoding) leave the KV cache the target's alone and are served as without them.
 
 The decision reads vLLM's effective configuration (after the platform adjusted it), never a
 model name, so it covers every model and platform that ends up in the same state.
@@ -75,6 +81,14 @@ def engine_support(vllm_config: Any, kv_cache_config: Any) -> EngineSupport:
             "know how long vLLM keeps (it serves full-attention, MLA and sliding-window layers), so it "
             "neither loads nor stores here"
         )
+    drafter = _draft_layers(vllm_config, groups)
+    if drafter:
+        method = vllm_config.speculative_config.method
+        return EngineSupport(
+            f"speculative decoding ({method}) keeps {drafter} drafter layer(s) in the KV cache beside the "
+            "target model's, whose KV the pool's chunks do not hold, so the Maru connector neither loads "
+            "nor stores here"
+        )
     sizes = sorted({g.block_size for g in groups})
     if len(sizes) > 1:
         return EngineSupport(
@@ -82,3 +96,17 @@ def engine_support(vllm_config: Any, kv_cache_config: Any) -> EngineSupport:
             "Maru connector serves one block size, so it neither loads nor stores here"
         )
     return EngineSupport(grouped=not (len(groups) == 1 and groups[0].kind == FULL))
+
+
+def _draft_layers(vllm_config: Any, groups: list[Any]) -> int:
+    """How many of the KV cache's layers are a speculative drafter's (0 without one).
+
+    vLLM says whether the method's drafter keeps KV (`uses_draft_kv_cache`); its layers are then
+    the KV cache layers beyond the target model's attention layers on this pipeline stage.
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or not groups or not spec.uses_draft_kv_cache():
+        return 0
+    layers = {name for g in groups for name in g.layer_names}
+    target = vllm_config.model_config.get_num_layers_by_block_type(vllm_config.parallel_config, "attention")
+    return max(0, len(layers) - target)

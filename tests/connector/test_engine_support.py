@@ -155,3 +155,38 @@ def test_state_the_pool_cannot_hold_stands_aside_in_one_line(specs: tuple, says:
     support = engine_support(engine(), kv_config(*specs))
     assert not support.serves
     assert says in (support.reason or "") and "\n" not in (support.reason or "")
+
+
+def speculative_engine_config(speculative: dict) -> VllmConfig:
+    """The VllmConfig vLLM builds for the `tiny` fixture decoding with `speculative`."""
+    from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SpeculativeConfig
+
+    target = ModelConfig(model=str(ensure_model("tiny")), max_model_len=2048, dtype="bfloat16", seed=0)
+    spec = SpeculativeConfig(target_model_config=target, target_parallel_config=ParallelConfig(), **speculative)
+    return VllmConfig(
+        model_config=target, cache_config=CacheConfig(enable_prefix_caching=True), speculative_config=spec
+    )
+
+
+def test_drafter_layers_in_the_kv_cache_stand_aside_and_ngram_is_served() -> None:
+    """A draft model's layers join the target's in one KV cache group (same geometry, vLLM's
+    `draft_model.` prefix): the connector stands aside and names how many. The n-gram proposer
+    keeps no KV: the same two-layer cache is served."""
+    drafted = speculative_engine_config(
+        {"method": "draft_model", "model": str(ensure_model("tiny", seed=1)), "num_speculative_tokens": 3}
+    )
+    target_layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    with_drafter = KVCacheConfig(
+        num_blocks=100,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(target_layers + [f"draft_model.{n}" for n in target_layers], FULL)],
+    )
+    support = engine_support(drafted, with_drafter)
+    assert not support.serves
+    assert "speculative decoding (draft_model) keeps 2 drafter layer(s)" in (support.reason or "")
+    target_only = KVCacheConfig(
+        num_blocks=100, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(target_layers, FULL)]
+    )
+    ngram = speculative_engine_config({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert engine_support(ngram, target_only).serves
+    assert engine_support(ngram, target_only) == engine_support(engine(), target_only)
