@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from maru_vllm.connector.chunks import Slice, own_slice, rank_heads, slices_to_read, splits_for
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
+from maru_vllm.connector.namespace import identity_from_vllm
 from maru_vllm.connector.object_format import HeadRange
+from maru_vllm.connector.parallel_place import ParallelPlace
 from maru_vllm.connector.worker import MaruWorkerSide
 from maru_vllm.launch.stack import PoolProcess
 from tests.connector.chunk_meta import chunk_meta
+from tests.connector.sched_harness import BLOCK_SIZE, make_vllm_config
 from tests.connector.worker_side import worker_side
 
 HEADS = 4
@@ -107,3 +111,26 @@ def test_a_missing_slice_is_a_miss_and_nothing_is_copied(pool: PoolProcess) -> N
     # An unknown split (a scheduler of another layout) is a miss too, never another rank's bytes.
     reader.load(MaruConnectorMetadata(loads=[ChunkLoad("r", b"chunk", [12, 13], split=9)]))
     assert reader.take_failed_blocks() == {12, 13}
+
+
+def _kv_cache_config(heads_per_rank: int) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads_per_rank, head_size=64, dtype=torch.bfloat16)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    return KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+
+
+def test_engines_of_every_tp_size_get_one_namespace_and_each_others_splits(tiny_model) -> None:
+    """From vLLM's own configs: TP 1 and TP 2 engines of one model share a namespace (so the pool,
+    and the router's credit, which follows the namespace), each tries the other's split."""
+    config = make_vllm_config(tiny_model, "unix:///tmp/unused.sock")
+    tp1 = identity_from_vllm(config, _kv_cache_config(2), "").namespace()
+    place1 = ParallelPlace.of_engine(config)
+    config.parallel_config.tensor_parallel_size = 2
+    tp2 = identity_from_vllm(config, _kv_cache_config(1), "").namespace()
+    place2 = ParallelPlace.of_engine(config)
+    assert tp1 == tp2
+    assert place1.slice.name == "p0h0-2" and place2.slice.name == "p0h0-1"  # scheduler-side view: rank 0
+    assert [s.writer_tp for s in place1.splits(reads_other_tp=True)] == [1, 2]
+    assert [s.writer_tp for s in place2.splits(reads_other_tp=True)] == [2, 1]
+    # LMCache-format engines (no trailer to read a head range by) look only under their own split.
+    assert [s.writer_tp for s in place2.splits(reads_other_tp=False)] == [2]
