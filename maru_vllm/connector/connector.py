@@ -176,7 +176,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side: WorkerSide | None = None
         self.store_pool: PoolAccess | None = None  # the worker's stores' own connection
         self.load_guard = self.path.load_guard(block_size)
-        self.token_sources = TokenSources(self.config.chunk_tokens, ranks)
+        self.token_sources = TokenSources(self.config.chunk_tokens, geometry.objects_per_chunk())
         pools = [self.pool]  # the links the periodic log summary reports on
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = self.path.scheduler_side(

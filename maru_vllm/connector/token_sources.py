@@ -33,9 +33,9 @@ class TokenSources:
     """Per request, from vLLM's scheduler calls: where its external tokens start and whether part
     of them came up from the second tier; `take()` hands the counts to the stats, once each."""
 
-    def __init__(self, chunk_tokens: int, ranks: int) -> None:
+    def __init__(self, chunk_tokens: int, objects_per_chunk: int) -> None:
         self.chunk_tokens = chunk_tokens
-        self.ranks = max(1, ranks)
+        self.objects_per_chunk = max(1, objects_per_chunk)  # keys a lookup asks per chunk
         self._local: dict[str, int] = {}  # req_id -> its local prefix-cache hit when vLLM asked
         self._tier_from: dict[str, int] = {}  # req_id -> first prompt token fetched from tier 2
         self._counted: set[str] = set()
@@ -47,7 +47,7 @@ class TokenSources:
         found the second tier holding keys from key index `tier_from_key` on (None: they did not)."""
         self._local[req_id] = num_local_tokens
         if tier_from_key is not None:
-            first = tier_from_key // self.ranks * self.chunk_tokens
+            first = tier_from_key // self.objects_per_chunk * self.chunk_tokens
             self._tier_from[req_id] = min(first, self._tier_from.get(req_id, first))
 
     def granted(self, request: Any, num_external_tokens: int) -> None:

@@ -229,7 +229,7 @@ class MaruWorkerSide(WorkerSide):
             self.counters.bytes_loaded += loaded_bytes
             self.counters.load_seconds += t3 - t0
 
-    def _load_one(self, load: ChunkLoad, pin: ReadPin | None, bad: list[ReadPin]) -> int:
+    def _load_one(self, load: ChunkLoad, pin: ReadPin | SlicePins | None, bad: list[ReadPin]) -> int:
         """Copy one pinned chunk (or its leading blocks) into its blocks, verifying its checksum on
         the way; the bytes copied, 0 on a miss (a corrupt object is added to `bad`)."""
         assert self.copier is not None
@@ -293,7 +293,9 @@ class MaruWorkerSide(WorkerSide):
         bad.append(pin)
         self._fail(load, "payload checksum mismatch")
 
-    def _load_batched(self, meta: MaruConnectorMetadata, pins: list[ReadPin | None], bad: list[ReadPin]) -> int:
+    def _load_batched(
+        self, meta: MaruConnectorMetadata, pins: list[ReadPin | SlicePins | None], bad: list[ReadPin]
+    ) -> int:
         """The step's whole chunks in one batched kernel pass where the copier has one (host
         caches with the fused kernel), each verified by the digest its copy computed; chunks
         shared in part, misses, and every chunk when the batch cannot run go one by one."""
@@ -320,7 +322,7 @@ class MaruWorkerSide(WorkerSide):
         loaded = sum(self._load_one(loads[i], pins[i], bad) for i in range(len(loads)) if i not in batched)
         for i, item, digest in zip(whole, items, digests):
             load, pin = loads[i], pins[i]
-            assert pin is not None
+            assert isinstance(pin, ReadPin)  # only single pins are batched
             if item.hashed and not self._digest_matches(pin, digest):
                 self._corrupt(load, pin, bad)
                 continue
