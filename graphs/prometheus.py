@@ -87,16 +87,19 @@ def scrape_targets(plan: Plan) -> dict[str, list[tuple[str, str]]]:
     return {job: targets for job, targets in jobs.items() if targets}
 
 
-def alert_rules(plan: Plan) -> dict[str, Any]:
+def alert_rules(plan: Plan, pool_down_for: str | None = None) -> dict[str, Any]:
     """The chart's PrometheusRule for this graph (release `plan.spec.name`, namespace `local`),
-    as a Prometheus rule file: its `spec` (`groups`)."""
+    as a Prometheus rule file: its `spec` (`groups`); `pool_down_for` sets the chart's
+    `metrics.prometheusRule.poolDownFor` (default: the chart's)."""
     from maru_dynamo.graphs import helm
 
-    values = {
+    values: dict[str, Any] = {
         "image": "local",
         "pool": {"name": plan.spec.pool_name_of(None)},
         "metrics": {"prometheusRule": {"enabled": True}, "serviceMonitor": {"enabled": True}},
     }
+    if pool_down_for is not None:
+        values["metrics"]["prometheusRule"]["poolDownFor"] = pool_down_for
     try:
         manifest = helm.template(values, release=plan.spec.name, namespace=NAMESPACE)
     except (helm.HelmUnavailable, helm.ChartError) as exc:
@@ -170,17 +173,24 @@ class Prometheus:
 
 
 def start_prometheus(
-    plan: Plan, group: ProcessGroup, port: int, *, interval_s: float = 5.0, work_dir: Path | None = None
+    plan: Plan,
+    group: ProcessGroup,
+    port: int,
+    *,
+    interval_s: float = 5.0,
+    work_dir: Path | None = None,
+    pool_down_for: str | None = None,
 ) -> Prometheus:
     """Start Prometheus for `plan` on 127.0.0.1:`port` into `group` (its config, rules, data and
-    log under `work_dir`, default the graph's) and wait until it is ready."""
+    log under `work_dir`, default the graph's) and wait until it is ready; `pool_down_for`: as
+    in `alert_rules`."""
     binary = shutil.which("prometheus")
     if binary is None:
         raise PrometheusUnavailable("no prometheus on PATH: install it (make setup, or apt-get install prometheus)")
     home = (work_dir or plan.work_dir) / "prometheus"
     home.mkdir(parents=True, exist_ok=True)
     rule_file = home / "rules.yml"
-    rule_file.write_text(yaml.safe_dump(alert_rules(plan), sort_keys=False))
+    rule_file.write_text(yaml.safe_dump(alert_rules(plan, pool_down_for), sort_keys=False))
     config_file = home / "prometheus.yml"
     config_file.write_text(yaml.safe_dump(config(plan, rule_file, interval_s), sort_keys=False))
     argv = [

@@ -75,7 +75,8 @@ def observed(tiny_model: Path, module_procs: ProcessGroup, tmp_path_factory: pyt
     work = tmp_path_factory.mktemp("graph")
     plan = planned_graph.plan(ROOT / "graphs" / "agg.yaml", tiny_model, work)
     graph = planned_graph.start(plan, module_procs)
-    p = prom.start_prometheus(plan, module_procs, free_port(), interval_s=1.0)
+    # The chart's rules, MaruPoolDown's window shortened as an operator may (poolDownFor; 2m by default).
+    p = prom.start_prometheus(plan, module_procs, free_port(), interval_s=1.0, pool_down_for="20s")
     want = {name for targets in prom.scrape_targets(plan).values() for _, name in targets}
     wait_until(lambda: set(p.targets_up()) == want and all(p.targets_up().values()), 30, "every target scraped")
     wait_until(lambda: source_totals(p).get(""), 30, "the workers' prompt token counters in Prometheus")
