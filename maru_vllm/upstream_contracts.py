@@ -87,7 +87,7 @@ VLLM_CONTRACTS: tuple[Contract, ...] = (
         "vllm",
         "vllm.v1.request",
         "Request",
-        ("request_id", "block_hashes", "num_prompt_tokens", "prompt_token_ids", "lora_request"),
+        ("request_id", "block_hashes", "num_prompt_tokens", "prompt_token_ids", "lora_request", "cache_salt"),
         why="what the scheduler side plans chunks from",
         used_in=(_SCHED, _GROUPS),
     ),
@@ -288,7 +288,8 @@ VLLM_CONTRACTS: tuple[Contract, ...] = (
         "vllm",
         "vllm.distributed.kv_events",
         "BlockStored",
-        ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+        ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+        + ("lora_id", "medium", "lora_name", "extra_keys"),
         why="the pool's chunks are announced as vLLM's own events (encoded field by field)",
         used_in=("maru_vllm/events/vllm_format.py",),
     ),

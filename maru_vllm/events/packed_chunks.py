@@ -3,9 +3,9 @@
 A resync of 10^6 chunks cannot afford Python objects per chunk and token: the relay's share
 must stay within a few microseconds per chunk. `ChunkColumns.of` reads the headers of a whole
 page of binary chunk metadata (`maru_vllm.pool.chunk_codec`) at once with numpy, and keeps the
-chunks that share one geometry (block size, blocks per chunk, hash length, no LoRA) as arrays:
+chunks that share one geometry (block size, blocks per chunk, hash length, no LoRA, no cache salt) as arrays:
 block hashes as vLLM announces int hashes (their low 64 bits), parents, token ids. Everything
-else (another geometry, a LoRA name, a malformed value, bytes hashes) is left to the per-chunk
+else (another geometry, a LoRA name, a cache salt, a malformed value, bytes hashes) is left to the per-chunk
 path, which reads it or refuses it exactly as before.
 
 `ChunkStores` announces a run of such chunks, each stored whole; `vllm_format` encodes it as
@@ -37,7 +37,8 @@ _HEADER = np.dtype(
         ("flags", "u1"),
         ("zero", "u1"),
         ("lora_len", "<u2"),
-        ("pad", "V6"),
+        ("salt_len", "<u2"),
+        ("pad", "V4"),
     ]
 )
 assert _HEADER.itemsize == C.HEADER_SIZE
@@ -81,7 +82,8 @@ class ChunkColumns:
         buf = np.frombuffer(b"".join(metas), dtype=np.uint8)
         starts = np.cumsum(lengths) - lengths
         head = buf[starts[:, None] + np.arange(C.HEADER_SIZE)].view(_HEADER).reshape(-1)
-        ok = (head["magic"] == _MAGIC) & np.isin(head["v"], _VERSIONS) & (head["lora_len"] == 0)
+        ok = (head["magic"] == _MAGIC) & np.isin(head["v"], _VERSIONS)
+        ok &= (head["lora_len"] == 0) & (head["salt_len"] == 0)
         ok &= (head["flags"] & ~np.uint8(C.FLAG_PARENT)) == 0
         first = np.flatnonzero(ok & (head["nblocks"] > 0) & (head["hash_len"] % 8 == 0) & (head["hash_len"] > 0))
         if block_size is not None:

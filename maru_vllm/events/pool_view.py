@@ -469,6 +469,7 @@ def stored_runs(chunk: PoolChunk, fresh: list[bool]) -> list[BlocksStored]:
                 token_ids=chunk.tokens_of(i, j),
                 block_size=chunk.block_size,
                 lora_name=chunk.lora_name,
+                cache_salt=chunk.cache_salt,
             )
         )
         i = j

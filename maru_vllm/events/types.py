@@ -66,6 +66,7 @@ class _ChunkFacts(msgspec.Struct):
     token_ids: msgspec.Raw
     lora_name: str | None = None
     rank: int = 0
+    cache_salt: str | None = None
 
 
 _facts_decoder = msgspec.json.Decoder(_ChunkFacts)
@@ -113,6 +114,7 @@ class PoolChunk:
     lora_name: str | None = None
     chunk_index: int = 0
     rank: int = 0
+    cache_salt: str | None = None
 
     @classmethod
     def from_meta(cls, meta: Any, int_hashes: bool = True) -> PoolChunk | None:
@@ -156,7 +158,7 @@ class PoolChunk:
                 mine = tokens[start : start + n] if tokens is not None else _parse_tokens(text, n)
                 start += n
                 if mine is not None:
-                    out[i] = cls(hashes, parent, mine, f.block_size, f.lora_name, f.chunk, f.rank)
+                    out[i] = cls(hashes, parent, mine, f.block_size, f.lora_name, f.chunk, f.rank, f.cache_salt)
         return out
 
     @classmethod
@@ -166,6 +168,7 @@ class PoolChunk:
         try:
             lay = chunk_codec.Layout(data)
             lora = lay.lora_name(data)
+            salt = lay.cache_salt(data)
         except M.MessageError:
             return None
         hashes: tuple[ExternalHash, ...] = tuple(lay.low64(data)) if int_hashes else tuple(lay.hashes(data))
@@ -177,7 +180,7 @@ class PoolChunk:
             )
         else:
             parent = lay.parent_hash(data)
-        return cls(hashes, parent, lay.token_array(data), lay.block_size, lora, lay.chunk, lay.rank)
+        return cls(hashes, parent, lay.token_array(data), lay.block_size, lora, lay.chunk, lay.rank, salt)
 
     @classmethod
     def _from_struct(cls, meta: Any, int_hashes: bool) -> PoolChunk | None:
@@ -191,7 +194,9 @@ class PoolChunk:
         tokens = np.array(list(itertools.chain.from_iterable(cm.token_ids)), dtype=np.int64)
         if len(tokens) and (tokens.min() < 0 or tokens.max() >= 1 << 32):
             return None
-        return cls(hashes, parent, tokens.astype(np.uint32), cm.block_size, cm.lora_name, cm.chunk, cm.rank)
+        return cls(
+            hashes, parent, tokens.astype(np.uint32), cm.block_size, cm.lora_name, cm.chunk, cm.rank, cm.cache_salt
+        )
 
     def tokens_of(self, first: int, end: int) -> np.ndarray:
         """The token ids of blocks first..end-1, flattened (a view)."""
@@ -310,6 +315,7 @@ class BlocksStored:
     token_ids: Sequence[int] | np.ndarray  # flattened, len == block_size * len(block_hashes)
     block_size: int
     lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

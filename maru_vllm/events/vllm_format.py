@@ -36,6 +36,7 @@ __all__ = [
     "encode_batch",
     "encode_seq",
     "external_hash",
+    "extra_keys",
     "int_block_hashes",
     "store_template",
     "to_vllm_event",
@@ -137,10 +138,20 @@ def to_vllm_event(a: Announcement, medium: str) -> BlockStored | BlockRemoved:
             lora_id=None,
             medium=medium,
             lora_name=a.lora_name,
+            extra_keys=extra_keys(a),
         )
     if isinstance(a, BlocksRemoved):
         return BlockRemoved(block_hashes=list(a.block_hashes), medium=medium)
     raise TypeError(f"not an announcement: {a!r}")
+
+
+def extra_keys(a: BlocksStored) -> list[tuple[Any, ...] | None] | None:
+    """The per-block `extra_keys` of `a` in vLLM's event form (untagged: the LoRA name, then the
+    cache salt), from which Dynamo's router derives the adapter and the tenant of each block it
+    hashes. Every block carries both: a pool chunk is announced on its own, without the prompt's
+    first block that vLLM's own events name the salt in."""
+    keys = tuple(k for k in (a.lora_name, a.cache_salt) if k is not None)
+    return [keys] * len(a.block_hashes) if keys else None
 
 
 def encode_announcements(

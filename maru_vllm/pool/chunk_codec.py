@@ -21,13 +21,16 @@ offset  size                 field
 12      4                    block_size
 16      4                    nblocks (len(block_hashes), >= 1)
 20      2                    hash_len (bytes per block hash, 1..MAX_HASH_BYTES; every hash of the chunk has it)
-22      1                    flags (1: a parent block hash follows the hashes, 2: a LoRA name follows)
+22      1                    flags (1: a parent block hash follows the hashes, 2: a LoRA name follows,
+                             4: a cache salt follows)
 23      1                    0
 24      2                    lora_len (UTF-8 bytes)
-26      6                    0
+26      2                    salt_len (UTF-8 bytes)
+28      4                    0
 32      nblocks * hash_len   block hashes, in prompt order
         hash_len             parent block hash (flag 1)
         lora_len             LoRA name (flag 2)
+        salt_len             cache salt (flag 4)
         0..3                 zero padding to a multiple of 4
         4 * nblocks * block_size   token ids, uint32 little-endian, block after block
 ```
@@ -77,6 +80,9 @@ class ChunkMeta(msgspec.Struct, omit_defaults=False):
     `block_hashes` are vLLM BlockHash bytes as hex, in prompt order; `token_ids[i]` are the
     `block_size` tokens of block i; `parent_block_hash` is the hash of the block before the first
     one (None for the first chunk of a prompt); `rank` is the writer's rank in the TP x PP world.
+    `lora_name` and `cache_salt` are the request's adapter and tenant salt as vLLM hashed them
+    (both already in the block hashes; the relay announces them so that Dynamo's router credits
+    the chunk only to requests with the same ones). Every chunk of a salted prompt carries its salt.
     """
 
     v: int
@@ -87,6 +93,7 @@ class ChunkMeta(msgspec.Struct, omit_defaults=False):
     token_ids: list[list[int]]
     lora_name: str | None = None
     rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.v not in SUPPORTED_CHUNK_META_VERSIONS:
@@ -105,9 +112,11 @@ FORMAT = 1
 MAGIC = M.BINARY_META_PREFIX + bytes([FORMAT])
 MAX_HASH_BYTES = 128  # as `HexHash` (256 hex digits)
 MAX_LORA_BYTES = 1024
+MAX_SALT_BYTES = 1024
 FLAG_PARENT = 1
 FLAG_LORA = 2
-_HEADER = struct.Struct("<4sHHIIIHBBH6x")
+FLAG_SALT = 4
+_HEADER = struct.Struct("<4sHHIIIHBBHH4x")
 HEADER_SIZE = _HEADER.size  # 32
 
 
@@ -118,7 +127,7 @@ def is_binary(data: bytes | bytearray | memoryview) -> bool:
 
 def encode(meta: ChunkMeta) -> bytes | None:
     """The binary form of `meta`; None when it has no binary form (block hashes of different
-    lengths, a token id outside uint32, an overlong LoRA name): store such a chunk as JSON."""
+    lengths, a token id outside uint32, an overlong LoRA name or salt): store such a chunk as JSON."""
     try:
         hashes = [bytes.fromhex(h) for h in meta.block_hashes]
         parent = bytes.fromhex(meta.parent_block_hash) if meta.parent_block_hash is not None else b""
@@ -130,6 +139,9 @@ def encode(meta: ChunkMeta) -> bytes | None:
     if meta.parent_block_hash is not None and len(parent) != hash_len:
         return None
     lora = meta.lora_name.encode() if meta.lora_name is not None else b""
+    salt = meta.cache_salt.encode() if meta.cache_salt is not None else b""
+    if len(salt) > MAX_SALT_BYTES:
+        return None
     if len(lora) > MAX_LORA_BYTES or not 0 <= meta.rank < 1 << 16 or not 0 <= meta.v < 1 << 16:
         return None
     if not 0 <= meta.chunk < 1 << 32 or not 0 < meta.block_size < 1 << 32:
@@ -140,13 +152,15 @@ def encode(meta: ChunkMeta) -> bytes | None:
         return None
     if tokens.size != len(hashes) * meta.block_size or (tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 32)):
         return None
-    flags = (FLAG_PARENT if meta.parent_block_hash is not None else 0) | (
-        FLAG_LORA if meta.lora_name is not None else 0
+    flags = (
+        (FLAG_PARENT if meta.parent_block_hash is not None else 0)
+        | (FLAG_LORA if meta.lora_name is not None else 0)
+        | (FLAG_SALT if meta.cache_salt is not None else 0)
     )
     head = _HEADER.pack(
-        MAGIC, meta.v, meta.rank, meta.chunk, meta.block_size, len(hashes), hash_len, flags, 0, len(lora)
+        MAGIC, meta.v, meta.rank, meta.chunk, meta.block_size, len(hashes), hash_len, flags, 0, len(lora), len(salt)
     )
-    body = b"".join(hashes) + parent + lora
+    body = b"".join(hashes) + parent + lora + salt
     pad = b"\0" * (-len(body) % 4)
     return head + body + pad + tokens.astype("<u4").tobytes()
 
@@ -154,7 +168,7 @@ def encode(meta: ChunkMeta) -> bytes | None:
 class Layout:
     """Where the parts of one binary chunk metadata value are (offsets into it)."""
 
-    __slots__ = ("v", "rank", "chunk", "block_size", "nblocks", "hash_len", "parent", "lora", "tokens")
+    __slots__ = ("v", "rank", "chunk", "block_size", "nblocks", "hash_len", "parent", "lora", "salt", "tokens")
 
     def __init__(self, data: bytes | memoryview) -> None:
         """Raise MessageError naming the problem unless `data` is a well-formed binary chunk."""
@@ -162,7 +176,7 @@ class Layout:
             raise M.MessageError(
                 f"binary chunk metadata of {len(data)} bytes is shorter than its {HEADER_SIZE}-byte header"
             )
-        magic, v, rank, chunk, bs, nblocks, hash_len, flags, _zero, lora_len = _HEADER.unpack_from(data, 0)
+        magic, v, rank, chunk, bs, nblocks, hash_len, flags, _zero, lora_len, salt_len = _HEADER.unpack_from(data, 0)
         if magic != MAGIC:
             raise M.MessageError(
                 f"binary chunk metadata format {magic[3]} is not supported (supported: {FORMAT})"
@@ -173,18 +187,23 @@ class Layout:
             raise M.MessageError(
                 f"chunk metadata version {v} is not supported (supported: {sorted(SUPPORTED_CHUNK_META_VERSIONS)})"
             )
-        if bs < 1 or nblocks < 1 or not 1 <= hash_len <= MAX_HASH_BYTES or flags & ~(FLAG_PARENT | FLAG_LORA):
+        bad_flags = flags & ~(FLAG_PARENT | FLAG_LORA | FLAG_SALT)
+        if bs < 1 or nblocks < 1 or not 1 <= hash_len <= MAX_HASH_BYTES or bad_flags:
             raise M.MessageError(
                 f"binary chunk metadata header is invalid (block_size={bs}, blocks={nblocks}, "
                 f"hash_len={hash_len} (1..{MAX_HASH_BYTES}), flags={flags})"
             )
         if (not flags & FLAG_LORA and lora_len) or lora_len > MAX_LORA_BYTES:
             raise M.MessageError(f"binary chunk metadata has an invalid LoRA name length {lora_len}")
+        if (not flags & FLAG_SALT and salt_len) or salt_len > MAX_SALT_BYTES:
+            raise M.MessageError(f"binary chunk metadata has an invalid cache salt length {salt_len}")
         at = HEADER_SIZE + nblocks * hash_len
         self.parent = at if flags & FLAG_PARENT else -1
         at += hash_len if flags & FLAG_PARENT else 0
         self.lora = (at, at + lora_len) if flags & FLAG_LORA else None
         at += lora_len
+        self.salt = (at, at + salt_len) if flags & FLAG_SALT else None
+        at += salt_len
         at += -at % 4
         self.tokens = at
         expected = at + 4 * nblocks * bs
@@ -194,12 +213,10 @@ class Layout:
         self.nblocks, self.hash_len = nblocks, hash_len
 
     def lora_name(self, data: bytes | memoryview) -> str | None:
-        if self.lora is None:
-            return None
-        try:
-            return bytes(data[self.lora[0] : self.lora[1]]).decode()
-        except UnicodeDecodeError:
-            raise M.MessageError("binary chunk metadata has a LoRA name that is not UTF-8") from None
+        return _text(data, self.lora, "a LoRA name")
+
+    def cache_salt(self, data: bytes | memoryview) -> str | None:
+        return _text(data, self.salt, "a cache salt")
 
     def hashes(self, data: bytes | memoryview) -> list[bytes]:
         h = self.hash_len
@@ -221,11 +238,21 @@ class Layout:
         return np.frombuffer(data, dtype="<u4", count=self.nblocks * self.block_size, offset=self.tokens)
 
 
+def _text(data: bytes | memoryview, span: tuple[int, int] | None, what: str) -> str | None:
+    if span is None:
+        return None
+    try:
+        return bytes(data[span[0] : span[1]]).decode()
+    except UnicodeDecodeError:
+        raise M.MessageError(f"binary chunk metadata has {what} that is not UTF-8") from None
+
+
 def problem(data: bytes | memoryview) -> str | None:
     """None when `data` is well-formed binary chunk metadata, else what is wrong with it."""
     try:
         lay = Layout(data)
         lay.lora_name(data)
+        lay.cache_salt(data)
     except M.MessageError as exc:
         return str(exc)
     return None
@@ -246,6 +273,7 @@ def decode(data: bytes | memoryview) -> ChunkMeta:
         token_ids=[tokens[i * bs : (i + 1) * bs] for i in range(lay.nblocks)],
         lora_name=lay.lora_name(data),
         rank=lay.rank,
+        cache_salt=lay.cache_salt(data),
     )
 
 

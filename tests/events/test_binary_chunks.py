@@ -172,3 +172,24 @@ def test_binary_form_round_trips_and_odd_chunks_have_none() -> None:
     uneven = msgspec.structs.replace(meta, block_hashes=["00" * 16, "00" * 32])
     assert chunk_codec.encode(uneven) is None  # stored as JSON instead
     assert chunk_codec.encode(msgspec.structs.replace(meta, token_ids=[[2**32] * BLOCK] * 2)) is None
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_salted_and_adapter_chunks_are_announced_with_their_keys_on_every_block(binary: bool) -> None:
+    """A tenant's (cache_salt) and an adapter's (LoRA) chunks carry both in every block's
+    `extra_keys`, as vLLM names them: Dynamo's router hashes each block with them, so it credits
+    such a chunk only to requests with the same salt and adapter. Plain chunks carry none."""
+    meta = msgspec.convert(chunk_meta(5, 1), chunk_codec.ChunkMeta)
+    salted = msgspec.structs.replace(meta, cache_salt="dynamo-cache-salt:tenant-a", lora_name="adapter-a")
+    stored: Any = chunk_codec.encode(salted) if binary else msgspec.Raw(msgspec.json.encode(salted))
+    assert stored is not None
+    if binary:
+        assert chunk_codec.decode(stored) == salted
+    plain = _obj(6, 1, binary)
+    view = PoolView(NamespaceFilter.exactly(NS), BLOCK, int_hashes=True)
+    ann = view.resync(_snap([PoolObject(NS, "aa", 1, stored), plain]))
+    events = {e.block_hashes[0]: e for e in vf.decode_batch(vf.encode_announcements(ann, "CPU_PINNED")).events}
+    mine = events[ext(5, 2)]
+    assert mine.lora_name == "adapter-a"
+    assert mine.extra_keys == [("adapter-a", "dynamo-cache-salt:tenant-a")] * 2
+    assert events[ext(6, 2)].extra_keys is None and events[ext(6, 2)].lora_name is None
