@@ -20,7 +20,7 @@ first j + 1 blocks, so a request that shares only the start of a chunk finds the
 loads those blocks (the pool's part index, `PoolClient.lookup_parts` / `acquire_parts`).
 
 The metadata committed with a chunk carries what a KV event needs per block - the block
-hashes, the parent block hash, each block's token ids, the block size, the LoRA name - so the
+hashes, the parent block hash, each block's token ids, the block size, the LoRA name, the cache salt - so the
 pool's events can be turned into router events without re-deriving anything. Its shape and
 version are defined once, as `maru_vllm.pool.chunk_codec.ChunkMeta`, which the event relay decodes.
 """
@@ -177,6 +177,7 @@ class ChunkGeometry:
         token_ids: Sequence[int],
         chunk_index: int,
         lora_name: str | None,
+        cache_salt: str | None = None,
     ) -> ChunkMeta:
         """The per-block facts committed with chunk `chunk_index` (see module docstring); the
         worker sets `rank` (`with_rank`)."""
@@ -191,6 +192,7 @@ class ChunkGeometry:
             parent_block_hash=hash_bytes(block_hashes[first - 1]).hex() if first > 0 else None,
             token_ids=[list(token_ids[b * bs : (b + 1) * bs]) for b in blocks],
             lora_name=lora_name,
+            cache_salt=cache_salt,
         )
 
 

@@ -263,7 +263,7 @@ class MaruSchedulerSide(SchedulerSide):
                     req.request_id,
                     g.chunk_hash(req.block_hashes, c),
                     block_ids,
-                    g.chunk_meta(req.block_hashes, req.prompt_token_ids or [], c, lora),
+                    g.chunk_meta(req.block_hashes, req.prompt_token_ids or [], c, lora, req.cache_salt),
                     g.part_hashes(req.block_hashes, c),
                 )
             )

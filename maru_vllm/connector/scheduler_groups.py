@@ -229,7 +229,7 @@ class GroupedSchedulerSide(MaruSchedulerSide):
             if any(len(group_ids) < (c + 1) * bpc for group_ids in ids):
                 break  # blocks not known yet (should not happen); retry next step
             key = g.chunk_hash(req.block_hashes, c)
-            chunk_meta = g.chunk_meta(req.block_hashes, req.prompt_token_ids or [], c, lora)
+            chunk_meta = g.chunk_meta(req.block_hashes, req.prompt_token_ids or [], c, lora, req.cache_salt)
             for grp in self.groups:
                 block_ids = ids[grp.index][c * bpc : (c + 1) * bpc]
                 if NULL_BLOCK_ID in block_ids:
