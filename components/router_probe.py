@@ -3,7 +3,9 @@
 `python -m maru_dynamo.components.router_probe --block-size 128 [--endpoint dynamo.backend.generate]`
 starts its own Dynamo `KvRouter` on the workers' endpoint (it learns the same KV events the
 frontend's router does, and recovers existing state from the workers' local indexers), prints
-`ready`, then answers each stdin line `{"token_ids": [...]}` with one JSON line: Dynamo's
+`ready`, then answers each stdin line `{"token_ids": [...]}` (optionally with `"lora_name"`, the
+adapter a request names, and `"cache_namespace"`, the tenant salt Dynamo's frontend takes from a
+request's `nvext.cache_salt`) with one JSON line: Dynamo's
 `get_overlap_scores` result (`workers`: rows with `worker_id`, `dp_rank`, `device_blocks`,
 `host_pinned_blocks`, `disk_blocks`, ...; plus `probe_lookup_s`, the time the router call took).
 Run it with the graph's environment (discovery,
@@ -45,7 +47,9 @@ async def _serve(args: argparse.Namespace) -> None:
         try:
             req = json.loads(line)
             t0 = time.perf_counter()
-            scores = await router.get_overlap_scores(list(req["token_ids"]))
+            scores = await router.get_overlap_scores(
+                list(req["token_ids"]), lora_name=req.get("lora_name"), cache_namespace=req.get("cache_namespace")
+            )
             scores["probe_lookup_s"] = time.perf_counter() - t0  # the router call alone, no pipe/JSON
             print(json.dumps(scores, default=str), flush=True)
         except Exception as exc:  # keep answering

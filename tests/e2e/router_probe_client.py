@@ -51,18 +51,20 @@ class RouterProbe:
         while self._next(max(1.0, deadline - time.monotonic())) != "ready":
             pass
 
-    def scores(self, tokens: list[int]) -> dict[str, Any]:
+    def scores(self, tokens: list[int], **keys: str | None) -> dict[str, Any]:
+        """Dynamo's overlap scores of `tokens`; `keys`: `lora_name`, `cache_namespace` (a request's
+        adapter and tenant salt, as the frontend's router hashes them)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"token_ids": tokens}) + "\n")
+        self.proc.stdin.write(json.dumps({"token_ids": tokens, **keys}) + "\n")
         self.proc.stdin.flush()
         while True:
             line = self._next(60)
             if line.startswith("{"):
                 return json.loads(line)
 
-    def tiers_by_worker(self, tokens: list[int]) -> dict[int, tuple[int, int, int]]:
+    def tiers_by_worker(self, tokens: list[int], **keys: str | None) -> dict[int, tuple[int, int, int]]:
         """worker_id -> (device_blocks, host_pinned_blocks, host_pinned_extension_blocks)."""
-        rows = self.scores(tokens).get("workers") or []
+        rows = self.scores(tokens, **keys).get("workers") or []
         return {
             int(r["worker_id"]): (
                 int(r.get("device_blocks") or 0),
