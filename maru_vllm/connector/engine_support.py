@@ -23,9 +23,10 @@ prefix-cache hit when vLLM itself would serve such a hit. Two outcomes:
     are one block size);
   - the KV cache holds a speculative drafter's layers beside the target model's (draft-model,
     EAGLE, MTP and other methods that run a drafter with a KV cache of its own: the layers in
-    the `KVCacheConfig` beyond the target's attention layers). A drafter's KV at a position can
-    depend on tokens after it (vLLM drops the last block of an EAGLE prefix hit for that
-    reason), which a chunk's key does not cover. Methods without draft layers (n-gram, suffix
+    the `KVCacheConfig` beyond the target's attention layers). Loading them would mean objects
+    holding the drafter's KV beside the target's, and an EAGLE-family drafter's KV at a block's
+    last token depends on the token after it (vLLM drops the last block of such a prefix hit),
+    which a chunk's key does not cover. Methods without draft layers (n-gram, suffix
     decoding) leave the KV cache the target's alone and are served as without them.
 
 The decision reads vLLM's effective configuration (after the platform adjusted it), never a

@@ -168,25 +168,34 @@ def speculative_engine_config(speculative: dict) -> VllmConfig:
     )
 
 
-def test_drafter_layers_in_the_kv_cache_stand_aside_and_ngram_is_served() -> None:
-    """A draft model's layers join the target's in one KV cache group (same geometry, vLLM's
-    `draft_model.` prefix): the connector stands aside and names how many. The n-gram proposer
-    keeps no KV: the same two-layer cache is served."""
+TARGET_LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+
+
+def one_group(layers: list[str]) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=100, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, FULL)])
+
+
+@pytest.mark.parametrize(
+    ("method", "drafter_layers"),
+    [
+        # vLLM's draft model runs under the `draft_model.` prefix
+        ("draft_model", [f"draft_model.{name}" for name in TARGET_LAYERS]),
+        # an EAGLE head's layers are numbered on from the target's
+        ("eagle", [f"model.layers.{i}.self_attn.attn" for i in (2, 3)]),
+    ],
+)
+def test_drafter_layers_in_the_kv_cache_stand_aside(method: str, drafter_layers: list[str]) -> None:
+    """A drafter's layers of the target's geometry join its KV cache group: the connector stands
+    aside and says how many (the `tiny` fixture of another seed is the drafter)."""
     drafted = speculative_engine_config(
-        {"method": "draft_model", "model": str(ensure_model("tiny", seed=1)), "num_speculative_tokens": 3}
+        {"method": method, "model": str(ensure_model("tiny", seed=1)), "num_speculative_tokens": 3}
     )
-    target_layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-    with_drafter = KVCacheConfig(
-        num_blocks=100,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(target_layers + [f"draft_model.{n}" for n in target_layers], FULL)],
-    )
-    support = engine_support(drafted, with_drafter)
+    support = engine_support(drafted, one_group(TARGET_LAYERS + drafter_layers))
     assert not support.serves
-    assert "speculative decoding (draft_model) keeps 2 drafter layer(s)" in (support.reason or "")
-    target_only = KVCacheConfig(
-        num_blocks=100, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(target_layers, FULL)]
-    )
+    assert f"speculative decoding ({method}) keeps 2 drafter layer(s)" in (support.reason or "")
+
+
+def test_ngram_proposer_keeps_no_kv_and_is_served_as_without_it() -> None:
     ngram = speculative_engine_config({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
-    assert engine_support(ngram, target_only).serves
-    assert engine_support(ngram, target_only) == engine_support(engine(), target_only)
+    assert engine_support(ngram, one_group(TARGET_LAYERS)) == engine_support(engine(), one_group(TARGET_LAYERS))
+    assert engine_support(ngram, one_group(TARGET_LAYERS)).serves
