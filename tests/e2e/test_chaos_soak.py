@@ -76,6 +76,9 @@ def test_short_chaos_soak_loses_truncates_and_leaks_nothing(tmp_path: Path, tiny
     assert report["shm_left"] == [], f"{report['shm_left']}\n{summary}"
     assert report["processes_left"] == [], f"{report['processes_left']}\n{summary}"
     for row in report["rss"]:
-        slope = row["anon_slope_mib_min"]
+        # A process restarted by a fault starts during the run: how long its start-up grows depends
+        # on how busy the cores are (over a minute on a loaded machine), so its fit can hold start-up
+        # growth, not a leak. The processes that live through the whole soak are held to the bound.
+        slope = None if row["started_during_run"] else row["anon_slope_mib_min"]
         assert slope is None or slope < GROSS_LEAK_MIB_PER_MIN, row
     assert report["ok"] and res.returncode == 0, summary
