@@ -126,8 +126,9 @@ def test_images_through_the_frontend_never_share_chunks_and_load_bit_identical(t
             f"[e2e] images: each image's {WHOLE} whole-chunk tokens loaded from the pool, bit-identical; "
             f"router credit for an image prompt both workers hold: {credit} blocks"
         )
-        # Dynamo 1.6.1's router hashes the prompt's tokens without the image: it credits nothing,
-        # where it credits the same text without an image once a worker holds it.
+        # Dynamo 1.6.1's router matches an image prompt to none of the workers' blocks (vLLM's,
+        # keyed with the image's hash): it credits nothing, where it credits the same text
+        # without an image once a worker holds it.
         assert credit == 0
         text_only = [{"role": "user", "content": TEXT}]
         chat_completion(url, str(model), text_only, max_tokens=1, nvext={"backend_instance_id": a})
