@@ -20,44 +20,10 @@ DYNAMO_VERSION=1.6.1
 LMCACHE_VERSION=0.5.6
 MOONCAKE_VERSION=0.3.13.post1
 
-CURRENT_STEP="start"
-STEP_NO=0
 STEP_TOTAL=12
-T0=$SECONDS
-
-step() {
-    STEP_NO=$((STEP_NO + 1))
-    CURRENT_STEP="$1"
-    STEP_START=$SECONDS
-    printf '[setup] (%d/%d) %s\n' "$STEP_NO" "$STEP_TOTAL" "$CURRENT_STEP"
-}
-
-done_step() {
-    printf '[setup]       %s (%ds)\n' "$1" "$((SECONDS - STEP_START))"
-}
-
-# fd 3 is the real stderr: the ERR trap can fire inside a command whose output goes to a log.
-exec 3>&2
-
-on_error() {
-    local rc=$?
-    trap - ERR
-    exec 2>&3
-    printf '\n[setup] FAILED at step %d/%d "%s" (exit %d).\n' "$STEP_NO" "$STEP_TOTAL" "$CURRENT_STEP" "$rc" >&2
-    if [[ -n "${LAST_LOG:-}" && -f "$LAST_LOG" ]]; then
-        printf '[setup] last lines of %s:\n' "$LAST_LOG" >&2
-        tail -n 25 "$LAST_LOG" | sed 's/^/    /' >&2
-    fi
-    exit "$rc"
-}
-trap on_error ERR
-
-# Run a command with its output in a per-step log (shown when it fails).
-run_logged() {
-    mkdir -p "$LOG_DIR"
-    LAST_LOG="$LOG_DIR/step-${STEP_NO}.log"
-    "$@" >"$LAST_LOG" 2>&1
-}
+SETUP_TAG=setup
+# shellcheck source=scripts/setup_lib.sh
+source "$ROOT/scripts/setup_lib.sh"
 
 # Install Debian packages $2... (through sudo when not root); $1 says what is missing, for the
 # one-line error when neither root nor sudo can install them.
@@ -72,21 +38,6 @@ apt_install() {
     [[ $(id -u) -ne 0 ]] && sudo="sudo"
     run_logged $sudo apt-get update
     run_logged env DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends "$@"
-}
-
-pip_() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
-
-# True when distribution $1 is installed at exactly version $2 (local version labels ignored).
-has_version() {
-    "$VENV/bin/python" - "$1" "$2" <<'PY'
-import sys
-from importlib import metadata
-try:
-    v = metadata.version(sys.argv[1])
-except metadata.PackageNotFoundError:
-    sys.exit(1)
-sys.exit(0 if v.split("+")[0] == sys.argv[2] else 1)
-PY
 }
 
 # Install the requirements a wheel declares in its metadata, minus the ones listed in

