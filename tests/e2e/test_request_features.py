@@ -31,6 +31,7 @@ from maru_dynamo.graphs import plan as graph_plan
 from maru_dynamo.graphs.client import cached_tokens, completions
 from maru_vllm.fixtures.lora import ensure_lora
 from maru_vllm.launch import ProcessGroup
+from maru_vllm.launch.engine_metrics import EngineCounters, read_counters, running_requests
 from maru_vllm.launch.lifecycle import read_instance_file
 from maru_vllm.pool import PoolClient
 from tests.e2e import planned_graph
@@ -48,11 +49,21 @@ ADAPTERS = ("alpha", "beta")
 
 
 class Graph:
-    def __init__(self, started: planned_graph.StartedGraph, probe: RouterProbe, workers: dict[str, int]) -> None:
+    def __init__(self, started: planned_graph.StartedGraph, probe: RouterProbe, workers: dict[int, str]) -> None:
+        """`workers`: each worker's Dynamo instance id -> the URL of its system server."""
         self.started, self.probe = started, probe
         self.url, self.model = started.url, started.model
         self.pool_address = started.pool_address()
-        self.a, self.b = workers["worker-a"], workers["worker-b"]
+        self.a, self.b = workers
+        self.system = workers
+
+    def counters(self, worker: int) -> EngineCounters:
+        return read_counters(f"{self.system[worker]}/metrics")
+
+    def flush(self, worker: int) -> None:
+        """Empty `worker`'s own prefix cache (Dynamo's `/engine/flush_cache`), once it runs nothing."""
+        wait_until(lambda: running_requests(f"{self.system[worker]}/metrics") == 0, 30, "an idle worker")
+        assert _post(f"{self.system[worker]}/engine/flush_cache", {}).get("status") == "ok"
 
     def ask(self, prompt: list[int], worker: int, *, max_tokens: int = 6, model: str | None = None, **extra: Any):
         nvext = {"backend_instance_id": worker, **extra.pop("nvext", {})}
@@ -98,14 +109,17 @@ def answer(response: dict) -> list[tuple[list[str], list[float]]]:
     return [(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in choices]
 
 
-def load_adapter(system_url: str, name: str, path: Path) -> None:
-    """Dynamo's own LoRA route on a worker's system server (`/engine/load_lora`)."""
-    body = json.dumps({"lora_name": name, "source": {"uri": f"file://{path}"}}).encode()
+def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(
-        f"{system_url}/engine/load_lora", data=body, headers={"content-type": "application/json"}, method="POST"
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}, method="POST"
     )
     with urllib.request.urlopen(req, timeout=120) as resp:
-        out = json.loads(resp.read())
+        return json.loads(resp.read())
+
+
+def load_adapter(system_url: str, name: str, path: Path) -> None:
+    """Dynamo's own LoRA route on a worker's system server (`/engine/load_lora`)."""
+    out = _post(f"{system_url}/engine/load_lora", {"lora_name": name, "source": {"uri": f"file://{path}"}})
     assert out.get("status") == "success", out
 
 
@@ -130,7 +144,7 @@ def graph(module_procs: ProcessGroup, tmp_path_factory: pytest.TempPathFactory, 
     started = planned_graph.start(planned_graph.plan(spec, tiny_model, work), module_procs)
     probe = RouterProbe(started.env(), work / "logs" / "probe.log")
     probe.wait_ready()
-    ids = {}
+    ids: dict[int, str] = {}
     for name in ("worker-a", "worker-b"):
         env = started.plan.process(f"worker:{name}-0").env
         system_url = f"http://127.0.0.1:{env['DYN_SYSTEM_PORT']}"
@@ -138,10 +152,10 @@ def graph(module_procs: ProcessGroup, tmp_path_factory: pytest.TempPathFactory, 
             load_adapter(system_url, adapter, ensure_lora(tiny_model, adapter))
         instance = read_instance_file(graph_plan.instance_file(work, f"worker:{name}-0"))
         assert instance is not None, f"{name} wrote no instance id"
-        ids[name] = instance
+        ids[instance] = system_url
     wait_until(lambda: {m["id"] for m in _models(started.url)} >= set(ADAPTERS), 60, "the frontend lists the adapters")
     view = probe.wait_for(token_prompt(999, 10), lambda v: len(v) == 2, timeout=120)
-    assert sorted(view) == sorted(ids.values())
+    assert sorted(view) == sorted(ids)
     yield Graph(started, probe, ids)
     probe.stop()
 
@@ -159,17 +173,22 @@ def no_pins_after(graph: Graph) -> Iterator[None]:
 
 
 def three_ways(graph: Graph, prompt: list[int], *, cached: int, **request: Any) -> dict:
-    """Cold on worker A, from the pool on worker B, from A's own prefix cache: the same greedy
-    tokens and logprobs; B and A's second answer did not compute the `cached` tokens."""
+    """Cold on worker A, from the pool on worker B, from A's own prefix cache, and from the pool
+    on A once its prefix cache is emptied: the same tokens and logprobs each time; the pool's
+    answers did not compute the `cached` tokens, and A's second one loaded them."""
     cold = graph.ask(prompt, graph.a, **request)
     assert cached_tokens(cold) == 0
-    keys = {k: request[k] for k in ("cache_salt",) if k in request}
-    graph.wait_chunks(prompt, cached // 256, **keys)
+    graph.wait_chunks(prompt, cached // 256)
     pooled = graph.ask(prompt, graph.b, **request)
     local = graph.ask(prompt, graph.a, **request)
     assert cached_tokens(pooled) == cached
     assert cached_tokens(local) >= cached - 128  # vLLM's own hit stops a block short of the last token
-    assert answer(pooled) == answer(cold) == answer(local)
+    graph.flush(graph.a)
+    before = graph.counters(graph.a)
+    again = graph.ask(prompt, graph.a, **request)
+    assert cached_tokens(again) == cached
+    assert (graph.counters(graph.a) - before).external_kv_transfer == cached  # from the pool, on A
+    assert answer(pooled) == answer(cold) == answer(local) == answer(again)
     return cold
 
 
@@ -271,15 +290,21 @@ def test_a_client_that_disconnects_during_its_load_leaves_no_pin_and_no_wrong_an
         }
     ).encode()
     host, port = graph.url.removeprefix("http://").split(":")
-    for delay in (0.0, 0.02, 0.1, 0.3):  # gone before, during and after worker B's load of 15 chunks
+    before = graph.counters(graph.b)
+    for delay in (0.0, 0.01, 0.02, 0.05, 0.1):  # gone before, during and after worker B's load of 15 chunks
+        graph.flush(graph.b)  # each request loads its chunks from the pool, not from B's own cache
         with socket.create_connection((host, int(port))) as s:
             head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\n"
             s.sendall(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
             time.sleep(delay)
     with PoolClient.connect(graph.pool_address) as c:
         wait_until(lambda: settled(c), 30, "no pin and no reservation left after the disconnects")
+    gone = graph.counters(graph.b) - before
+    assert gone.chunks_loaded >= 15  # at least one of them got to its load
+    assert gone.requests < 5  # and at least one was cut off by its client
+    graph.flush(graph.b)
     after = graph.ask(prompt, graph.b)
-    assert cached_tokens(after) >= 15 * 256 - 128
+    assert cached_tokens(after) == 15 * 256
     assert answer(after) == answer(cold)
 
 
