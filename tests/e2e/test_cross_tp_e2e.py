@@ -16,7 +16,6 @@ prefills are from each other (plus vLLM's own local-hit rounding on this CPU, me
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -59,7 +58,10 @@ def objects_of(address: str, prompt: list[int]) -> int:
 
 
 @pytest.fixture(scope="module")
-def engines(module_procs: ProcessGroup, module_log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+def engines(
+    module_procs: ProcessGroup, module_log_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[stack.PoolProcess, dict[str, str], str]:
+    """The pool and the two engines (stopped with the module's processes)."""
     pool = start_pool(module_procs, module_log_dir, f"xtp{os.getpid()}")
     model = ensure_model(FIXTURE)
     tmp = tmp_path_factory.mktemp("xtp")
@@ -84,7 +86,7 @@ def engines(module_procs: ProcessGroup, module_log_dir: Path, tmp_path_factory: 
         started[name] = (proc, url)
     for proc, url in started.values():
         proc.wait_for_http(f"{url}/v1/models", timeout=300)
-    yield pool, {name: url for name, (_, url) in started.items()}, str(model)
+    return pool, {name: url for name, (_, url) in started.items()}, str(model)
 
 
 def test_chunks_load_across_tp_sizes_and_answer_as_the_loaders_cold_prefill(engines) -> None:
