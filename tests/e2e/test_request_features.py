@@ -172,12 +172,16 @@ def no_pins_after(graph: Graph) -> Iterator[None]:
         wait_until(lambda: settled(c), 30, "no pin and no reservation left in the pool")
 
 
-def three_ways(graph: Graph, prompt: list[int], *, cached: int, **request: Any) -> dict:
+def three_ways(graph: Graph, prompt: list[int], *, cached: int, choices: int = 1, **request: Any) -> dict:
     """Cold on worker A, from the pool on worker B, from A's own prefix cache, and from the pool
     on A once its prefix cache is emptied: the same tokens and logprobs each time; the pool's
-    answers did not compute the `cached` tokens, and A's second one loaded them."""
+    answers did not compute the `cached` tokens, and A's second one loaded them.
+
+    With several `choices` (n > 1) vLLM runs one request per choice: one scheduled a step after
+    another finds the other's prefix in the engine's cache, or loads it from the pool too, so a
+    cold answer may report the prefix cached and a load may count once per choice."""
     cold = graph.ask(prompt, graph.a, **request)
-    assert cached_tokens(cold) == 0
+    assert cached_tokens(cold) == 0 or choices > 1
     graph.wait_chunks(prompt, cached // 256)
     pooled = graph.ask(prompt, graph.b, **request)
     local = graph.ask(prompt, graph.a, **request)
@@ -187,7 +191,8 @@ def three_ways(graph: Graph, prompt: list[int], *, cached: int, **request: Any) 
     before = graph.counters(graph.a)
     again = graph.ask(prompt, graph.a, **request)
     assert cached_tokens(again) == cached
-    assert (graph.counters(graph.a) - before).external_kv_transfer == cached  # from the pool, on A
+    loaded = (graph.counters(graph.a) - before).external_kv_transfer  # from the pool, on A
+    assert loaded == cached if choices == 1 else cached <= loaded <= choices * cached
     assert answer(pooled) == answer(cold) == answer(local) == answer(again)
     return cold
 
@@ -244,7 +249,7 @@ def test_n_greater_than_one_answers_every_choice_from_the_pool(graph: Graph) -> 
     # Dynamo 1.6.1 refuses n > 1 at temperature 0 (its choices would be the same); sampled with a
     # seed, each choice is reproducible, so the pool's answer must be the cold one, choice by choice
     prompt = token_prompt(53, PROMPT_LEN)
-    out = three_ways(graph, prompt, cached=3 * 256, n=2, temperature=1.0, seed=7)
+    out = three_ways(graph, prompt, cached=3 * 256, choices=2, n=2, temperature=1.0, seed=7)
     assert len(answer(out)) == 2 and answer(out)[0] != answer(out)[1]
     assert len(graph.chunks(prompt)) == 3  # stored once, not once per choice
 
