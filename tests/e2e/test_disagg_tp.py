@@ -7,8 +7,10 @@ objects. Streaming load - 48 greedy completions of 48 tokens, 6 in flight, promp
 
 * every request completes in full;
 * of the whole-chunk prompt tokens the decode worker did not hold in its own prefix cache, at least
-  90% came from the pool (vLLM's `prompt_tokens_by_source` on the decode worker's metrics), and it
-  stored nothing: the chunks it needed were all there;
+  90% came from the pool (vLLM's `prompt_tokens_by_source` on the decode worker's metrics), not
+  counting the chunks whose store the prefill worker gave up (a store is skipped when a pool call
+  passes its deadline, which busy cores can make happen: the decode worker then computes that
+  chunk, correctly); it stores only what it computed;
 * afterwards the pool holds no pin and no reservation.
 """
 
@@ -44,6 +46,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CHUNK = 256
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+STORE_FAILURES = "vllm:maru_connector_store_failures_total"
+DECODE_RANKS = 2
 
 
 def by_source(text: str, source: str) -> float:
@@ -76,7 +80,9 @@ def test_prefill_tp1_decode_tp2_under_streaming_load(tiny_model: Path) -> None:
         )
         leaders = role_leaders(run.proc.pid)
         decode = f"http://127.0.0.1:{environ_of(leaders['decode'])['DYN_SYSTEM_PORT']}/metrics"
+        prefill = f"http://127.0.0.1:{environ_of(leaders['prefill'])['DYN_SYSTEM_PORT']}/metrics"
         before = metrics_text(decode)
+        prefill_before = metrics_text(prefill)
 
         results = Load(url, str(tiny_model), prompt, MAX_TOKENS, threads=THREADS, requests=REQUESTS).start().wait()
         counts = verdict(results)
@@ -91,17 +97,21 @@ def test_prefill_tp1_decode_tp2_under_streaming_load(tiny_model: Path) -> None:
         local_hit = by_source(after, "local_cache_hit") - by_source(before, "local_cache_hit")
         whole = REQUESTS * (PREFIX_TOKENS // CHUNK) * CHUNK
         computed_whole = max(0.0, whole - external - local_hit)
-        share = external / (external + computed_whole) if external + computed_whole else 0.0
+        failed = STORE_FAILURES
+        not_stored = (metric_total(metrics_text(prefill), failed) - metric_total(prefill_before, failed)) * CHUNK
+        there = external + computed_whole - min(not_stored, computed_whole)  # what the pool held
+        share = external / there if there else 0.0
         stored = metric_total(after, "vllm:maru_connector_chunks_stored_total") - metric_total(
             before, "vllm:maru_connector_chunks_stored_total"
         )
         print(
             f"[e2e] decode TP 2: {counts['complete']}/{REQUESTS} complete; whole-chunk tokens {whole}: "
             f"{external:.0f} from the pool, {local_hit:.0f} own prefix cache, {computed_whole:.0f} computed "
-            f"({share:.1%} of those not cached loaded); chunks stored {stored:.0f}"
+            f"({share:.1%} of those the pool held loaded; the prefill worker's failed stores: "
+            f"{not_stored / CHUNK:.0f} chunks); chunks stored {stored:.0f}"
         )
         assert share >= 0.9
-        assert stored == 0
+        assert stored * CHUNK <= DECODE_RANKS * computed_whole  # each rank stores only chunks it computed
 
         with PoolClient.connect(f"unix://{work}/pool-kv.sock") as c:
             wait_until(lambda: settled(c), 60, what="no pins and no reservations in the pool")
