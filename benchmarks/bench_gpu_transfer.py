@@ -80,7 +80,6 @@ def main() -> int:
         rows = {}
         n = 0
         for name, kernels in configs:
-            fmt = transfer.copy_format("cuda", kernels)
             for registered in (True, False):
                 side = MaruWorkerSide(
                     namespace=f"bgpu-{name}",
@@ -91,7 +90,6 @@ def main() -> int:
                     use_lmcache_kernels=kernels,
                     enable_fused_load=kernels,
                     blocks_per_chunk=bpc,
-                    expected_format=fmt,
                     write_behind=False,
                 )
                 side.register_kv_caches(kv, "FLASH_ATTN", "LBHNC")  # the layout `big` has

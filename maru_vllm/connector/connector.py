@@ -56,7 +56,7 @@ from maru_vllm.connector.sides import SchedulerSide, WorkerSide
 from maru_vllm.connector.startup import copy_path, stack_line
 from maru_vllm.connector.stats import MaruConnectorStats, MaruPromMetrics, TransferCounters
 from maru_vllm.connector.token_sources import TokenSources
-from maru_vllm.connector.transfer import FORMAT_PAGES, copy_format
+from maru_vllm.connector.transfer import copy_format
 from maru_vllm.connector.upstream_check import moved_contracts
 from maru_vllm.versions import VLLM
 
@@ -136,13 +136,11 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Before any INFO line: ours reach the engine log only through vLLM's logging set-up.
         follow_vllm_logging(bool(vllm_config.logging_config.configure_logging))
         self.config = parse_config(transfer.kv_connector_extra_config, block_size)
-        # Engines that copy in different object formats (transfer.py) must never share objects.
+        # Which copier writes (its start-up line); every copier reads every order (transfer.py).
         from vllm.platforms import current_platform
 
         self.copy_format = copy_format(str(current_platform.device_type), self.config.use_lmcache_kernels)
-        salt = (
-            self.config.namespace if self.copy_format == FORMAT_PAGES else f"{self.config.namespace}|{self.copy_format}"
-        )
+        salt = self.config.namespace
         support = engine_support(vllm_config, kv_cache_config)
         moved = moved_contracts()
         if moved:
@@ -166,7 +164,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
             transfer.kv_load_failure_policy = "recompute"
         place = ParallelPlace.of_engine(vllm_config)
-        splits = place.splits(reads_other_tp=self.copy_format == FORMAT_PAGES)
+        splits = place.splits()
         ranks = place.tp * place.pp
         geometry = ChunkGeometry(block_size, self.config.blocks_per_chunk, ranks, splits)
         who = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
@@ -198,7 +196,6 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 store_pool=store_pool,
                 write_behind=self.can_load and not self.config.store_inline,
                 blocks_per_chunk=self.config.blocks_per_chunk,
-                expected_format=self.copy_format,
                 heads=place.heads,
                 block_size=block_size,
                 num_blocks=getattr(kv_cache_config, "num_blocks", None),

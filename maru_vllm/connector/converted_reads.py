@@ -1,13 +1,14 @@
 """Reading objects that are not in this rank's own format but hold what it needs, bit for bit.
 
 `KVCacheSet.unpack` copies an object in the cache set's own format as it is. It comes here when
-the object's format trailer (object_format.py) states the same content in another page order,
-or more KV heads than this rank holds (a writer that split the heads coarser, or replicated
-heads when a model has fewer KV heads than TP ranks): each layer's pages are viewed in the
-writer's axes, the rank's head range is taken, and the result is permuted into the rank's page
-order while it is copied (torch copies: the fast path is the own format's). `unpack_heads`
-assembles one rank's heads from the objects of writers that split them finer. Everything is
-checked before anything is copied; a failed check is `LayoutMismatch`, a miss.
+the object's format trailer (object_format.py) states the same content in another page order
+or in LMCache's block order (its kernel's objects), or more KV heads than this rank holds (a
+writer that split the heads coarser, or replicated heads when a model has fewer KV heads than
+TP ranks): each layer's pages are viewed in the writer's axes, the rank's head range is taken,
+and the result is permuted into the rank's page order while it is copied (torch copies: the
+fast path is the own format's). `unpack_heads` assembles one rank's heads from the objects of
+writers that split them finer. Everything is checked before anything is copied; a failed check
+is `LayoutMismatch`, a miss.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from typing import Any, Protocol
 
 import torch
 
-from maru_vllm.connector.object_format import TRAILER_BYTES, ObjectFormat, converted_pages, page_dim_of, read_format
+from maru_vllm.connector.object_format import (
+    ORDER_LMCACHE,
+    TRAILER_BYTES,
+    ObjectFormat,
+    converted_pages,
+    lmcache_layer_pages,
+    page_dim_of,
+    read_format,
+)
 from maru_vllm.connector.page_copies import byte_tensor, copy_runs
 from maru_vllm.connector.page_layout import LayoutMismatch, PageLayout, block_runs
 
@@ -70,11 +79,15 @@ def convert_unpack(
     lo, hi = heads if heads is not None else (own.heads.lo, own.heads.hi)
     span, mine = written.heads.hi - written.heads.lo, own.heads.hi - own.heads.lo
     runs = block_runs(block_ids)
+    by_layer: list[torch.Tensor] = []
+    if written.order == ORDER_LMCACHE:  # layers interleaved with K and V: strided views of the object
+        dtype = codec.layouts[codec.unique_layers[0]].dtype
+        by_layer = lmcache_layer_pages(flat[: flat.numel() - TRAILER_BYTES].view(dtype), written, n)
     off = 0
-    for name in codec.unique_layers:
+    for index, name in enumerate(codec.unique_layers):
         lay = codec.layouts[name]
         size = n * lay.page_nbytes * span // mine
-        src = flat[off : off + size].view(lay.dtype).view(n, -1)
+        src = by_layer[index] if by_layer else flat[off : off + size].view(lay.dtype).view(n, -1)
         dst, shape = codec.pages_of(name), list(lay.page_shape)
         if (lo, hi) != (own.heads.lo, own.heads.hi):
             at = page_dim_of(lay, "heads", own.heads.mla)

@@ -20,6 +20,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from maru_vllm.connector.object_format import ObjectFormat
+
 
 @dataclasses.dataclass(frozen=True)
 class WholeChunk:
@@ -37,7 +39,12 @@ class Copier(Protocol):
 
     @property
     def format(self) -> str:
-        """The object format it reads and writes (part of the namespace: `transfer.copy_format`)."""
+        """The object order it writes (`transfer.copy_format`, for logs: every copier reads every
+        order its objects' trailers state, object_format.py)."""
+
+    @property
+    def object_format(self) -> ObjectFormat | None:
+        """The format trailer its objects carry (None: none given yet)."""
 
     @property
     def name(self) -> str:

@@ -1,9 +1,11 @@
 """What a pool object's bytes mean: the format trailer every connector object ends with.
 
-The pages of an object are in the storing engine's byte order (layouts.py). Two engines of one
-model may lay their pages out differently (heads before tokens or after, K/V fused into one
-axis or split into an axis of their own, kernel blocks) and still share a namespace, so the
-object says how its bytes are ordered and every load checks it before it copies anything:
+An object's bytes are in the order its writer's copier made them: layer after layer of the
+storing engine's pages (the torch copies, layouts.py), or LMCache's block order (LMCache's
+kernel, transfer.py). Two engines of one model may lay their pages out differently (heads before
+tokens or after, K/V fused into one axis or split into an axis of their own, kernel blocks) or
+copy with different copiers and still share a namespace, so the object says how its bytes are
+ordered and every load checks it before it copies anything:
 
 * the same format as the reader's: the pages are copied as they are (the fast path; comparing
   64 bytes is all it costs);
@@ -23,7 +25,12 @@ copy). Everything little-endian::
     4       2     FORMAT_VERSION
     6       1     kind: 1 K/V heads, 2 MLA latent, 3 opaque (pages not described axis by axis)
     7       1     dtype code (`_DTYPES`)
-    8       4     unique layers in the object
+    8       2     unique layers in the object
+    10      1     object order: 0 layer after layer of pages ``[layers, blocks, *page axes]``;
+                  1 LMCache's block order: ``[kv, layers, blocks, *the other page axes]``
+                  when the page axes start with ``kv`` (K and V apart), else
+                  ``[layers, blocks, *page axes]`` (blocks then being tokens of the object)
+    11      1     0
     12      2     kernel blocks per block (vLLM's kernel-block split)
     14      2     first KV head this object holds
     16      2     one past its last KV head
@@ -31,6 +38,10 @@ copy). Everything little-endian::
     20      4     opaque kind: a digest of the layout signature; else 0
     24      8     page axes in storage order, one code each (`_AXES`; 0 ends the list)
     32      32    their sizes, uint32 each
+
+Bytes 8-11 were one 4-byte layer count before the order byte: a reader that predates it reads
+an LMCache-order object as one with 65,536 more layers than it has, a miss, and objects of
+layer order read the same either way.
 
 Axes of size 1 are left out (where they sit does not move a byte). vLLM 0.31's 4-D views
 ``[B, H, N, C]`` keep K then V in C, so a C of K/V heads is written as a ``kv`` axis of 2 over a
@@ -54,6 +65,8 @@ FORMAT_VERSION = 2  # 1: pages without a trailer
 TRAILER_BYTES = 64
 MAGIC = b"MKVF"
 KIND_KV, KIND_MLA, KIND_OPAQUE = 1, 2, 3
+ORDER_PAGES, ORDER_LMCACHE = 0, 1
+_ORDERS = {ORDER_PAGES: "pages", ORDER_LMCACHE: "lmcache-block"}
 _KINDS = {KIND_KV: "kv", KIND_MLA: "mla", KIND_OPAQUE: "opaque"}
 _AXES = {"kv": 1, "tokens": 2, "heads": 3, "dim": 4, "latent": 5, "tgroup": 6, "kvdim": 7}
 _AXIS_NAMES = {v: k for k, v in _AXES.items()}
@@ -71,7 +84,7 @@ _DTYPE_NAMES = (
 )
 _DTYPES = {getattr(torch, n): i + 1 for i, n in enumerate(_DTYPE_NAMES) if hasattr(torch, n)}
 _DTYPE_BY_CODE = {v: k for k, v in _DTYPES.items()}
-_HEAD = struct.Struct("<4sHBBIHHHHI8s8I")
+_HEAD = struct.Struct("<4sHBBHBBHHHHI8s8I")
 assert _HEAD.size == TRAILER_BYTES
 
 # The logical dims of each cache tensor shape vLLM hands over, by (rank, block dim); "C" is the
@@ -114,6 +127,7 @@ class ObjectFormat:
     axes: tuple[tuple[str, int], ...] = ()
     opaque_digest: int = 0
     version: int = FORMAT_VERSION
+    order: int = ORDER_PAGES
 
     def trailer(self) -> bytes:
         codes = bytes(_AXES[name] for name, _ in self.axes).ljust(8, b"\0")
@@ -125,6 +139,8 @@ class ObjectFormat:
             self.kind,
             self.dtype,
             self.layers,
+            self.order,
+            0,
             self.group,
             h.lo,
             h.hi,
@@ -139,15 +155,20 @@ class ObjectFormat:
         """The format a trailer states; LayoutMismatch when it is not one this code reads."""
         if len(raw) != TRAILER_BYTES or raw[:4] != MAGIC:
             raise LayoutMismatch("the object has no format trailer (an older object format)")
-        _m, version, kind, dtype, layers, group, lo, hi, total, digest, codes, *sizes = _HEAD.unpack(raw)
+        _m, version, kind, dtype, layers, order, spare, group, lo, hi, total, digest, codes, *sizes = _HEAD.unpack(raw)
         if version != FORMAT_VERSION:
             raise LayoutMismatch(f"object format version {version} is not supported (supported: {FORMAT_VERSION})")
+        if order not in _ORDERS or spare:
+            raise LayoutMismatch(f"the object's byte order {order}.{spare} is not one this code reads")
         n = codes.find(b"\0") if b"\0" in codes else 8
         if kind not in _KINDS or any(c not in _AXIS_NAMES for c in codes[:n]) or any(codes[n:]):
             raise LayoutMismatch(f"the object's format trailer is malformed (kind {kind}, axes {codes.hex()})")
         axes = tuple((_AXIS_NAMES[c], s) for c, s in zip(codes[:n], sizes))
         heads = HeadRange(lo, hi, total, kind == KIND_MLA)
-        return cls(kind, dtype, layers, group, heads, axes, digest, version)
+        fmt = cls(kind, dtype, layers, group, heads, axes, digest, version, order)
+        if order == ORDER_LMCACHE and kind == KIND_OPAQUE:
+            raise LayoutMismatch(f"the object's format trailer is malformed ({fmt.describe()})")
+        return fmt
 
     def describe(self) -> str:
         dt = _DTYPE_BY_CODE.get(self.dtype)
@@ -156,6 +177,8 @@ class ObjectFormat:
             order = f"opaque pages #{self.opaque_digest:08x}"
         else:
             order = "[" + ", ".join(f"{n}={s}" for n, s in self.axes) + "]"
+        if self.order != ORDER_PAGES:
+            order = f"{_ORDERS.get(self.order, self.order)} {order}"
         h = self.heads
         return (
             f"v{self.version} {_KINDS.get(self.kind, self.kind)} {order} {dtype} layers={self.layers} "
@@ -277,3 +300,40 @@ def converted_pages(
             names.remove("heads")
     order = [0] + [1 + names.index(name) for name, _ in own.axes if name in names]
     return src.permute(order).reshape(n, *page_shape)
+
+
+def lmcache_format(
+    dtype: torch.dtype, layers: int, heads: HeadRange, block_size: int, head_count: int, head_size: int, kv_size: int
+) -> ObjectFormat:
+    """The format of LMCache's block objects, from its shape descriptor (`head_count` x
+    `head_size` per token, `kv_size` 2 when K and V are apart), stated as pages of `block_size`
+    tokens (axes of size 1 left out, as for pages):
+
+    * K and V apart (``kv_size`` 2): ``[2, layers, tokens, heads, head_size]``;
+    * one fused K|V per head (vLLM 0.31's ``[B, H, N, C]``, ``kv_size`` 1): ``[layers, tokens,
+      heads, C]``, C being K then V, as in the pages;
+    * MLA (``heads.mla``): ``[layers, tokens, latent]``.
+    """
+    axes: list[tuple[str, int]]
+    if heads.mla:
+        axes = [("tokens", block_size), ("latent", head_count * head_size)]
+    elif kv_size == 2:
+        axes = [("kv", 2), ("tokens", block_size), ("heads", head_count), ("dim", head_size)]
+    elif head_size % 2 == 0:
+        axes = [("tokens", block_size), ("heads", head_count), ("kv", 2), ("dim", head_size // 2)]
+    else:
+        axes = [("tokens", block_size), ("heads", head_count), ("kvdim", head_size)]
+    kind = KIND_MLA if heads.mla else KIND_KV
+    kept = tuple((name, int(size)) for name, size in axes if size != 1)
+    return ObjectFormat(kind, _DTYPES.get(dtype, 0), layers, 1, heads, kept, order=ORDER_LMCACHE)
+
+
+def lmcache_layer_pages(payload: torch.Tensor, written: ObjectFormat, n: int) -> list[torch.Tensor]:
+    """Each layer's pages ``[n, *written page axes]`` of an LMCache-order object of `n` blocks
+    (`payload`: its elements, typed, without the trailer), as strided views of it."""
+    sizes = [size for _, size in written.axes]
+    if written.axes and written.axes[0][0] == "kv":
+        obj = payload.view(sizes[0], written.layers, n, *sizes[1:])
+        return [obj[:, layer].movedim(0, 1) for layer in range(written.layers)]
+    obj = payload.view(written.layers, n, *sizes)
+    return [obj[layer] for layer in range(written.layers)]

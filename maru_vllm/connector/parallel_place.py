@@ -59,9 +59,8 @@ class ParallelPlace:
     def slice(self) -> Slice:
         return own_slice(self.total_heads, self.tp, self.tp_rank, self.pp_rank, self.mla)
 
-    def splits(self, reads_other_tp: bool) -> tuple[Split, ...]:
-        """The splits this engine reads, its own first (only its own unless `reads_other_tp`)."""
+    def splits(self) -> tuple[Split, ...]:
+        """The splits this engine reads, its own first (only its own when the head count is unknown)."""
         if self.total_heads <= 0:
             return (rank_split(self.tp * self.pp),)
-        found = splits_for(self.total_heads, self.tp, self.pp, self.mla)
-        return found if reads_other_tp else found[:1]
+        return splits_for(self.total_heads, self.tp, self.pp, self.mla)

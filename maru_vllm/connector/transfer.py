@@ -11,17 +11,20 @@ chosen once per KV cache group by `make_copier`:
 * `LMCacheBlockCopier` (CUDA, `maru_use_lmcache_kernels: true` and LMCache's compiled
   ``multi_layer_block_kv_transfer`` resolves): one kernel launch moves every layer of a chunk
   (or, for a fused load, of every chunk of the step) between the paged cache and pool objects
-  in LMCache's object format (``lmcache-block``: [2,] layers x tokens x heads*head_size),
-  reading and writing the CUDA-registered pool region directly (see cuda_host.py). The engine
-  KV format and page geometry come from LMCache's own detector, so the kernel gets exactly what
-  LMCache itself would pass. Should a kernel launch fail at run time, the copier switches to
-  LMCache's torch implementation of the same kernel (same object format), logged once, where the
-  release ships one (0.4.7 and later); on older releases every later copy of that worker fails
-  at once (a miss: recomputed, not stored), logged once.
+  in LMCache's block order (``lmcache-block``: [2,] layers x tokens x heads*head_size, then the
+  same format trailer, stating that order), reading and writing the CUDA-registered pool region
+  directly (see cuda_host.py). The engine KV format and page geometry come from LMCache's own
+  detector, so the kernel gets exactly what LMCache itself would pass. Should a kernel launch
+  fail at run time, the copier switches to LMCache's torch implementation of the same kernel
+  (same object format), logged once, where the release ships one (0.4.7 and later); on older
+  releases every later copy of that worker fails at once (a miss: recomputed, not stored),
+  logged once.
 
-The two formats are not interchangeable, so the format is part of the KV namespace
-(`copy_format` is computed identically by the scheduler and the worker processes): engines that
-copy differently never load each other's objects. On CPU nothing changes: ``maru-pages``.
+Both orders live in one namespace and every load reads the trailer first: an object in the
+copier's own format takes its fast path (the kernel only ever reads objects it wrote the way it
+reads them); any other object the trailer says it can read (the other copier's order, another
+page order, another TP split's heads) goes through `KVCacheSet`'s converting torch copies, and
+the rest is a miss. So engines with and without LMCache's kernel, at any TP size, share chunks.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 from maru_vllm.connector.copier import Copier, WholeChunk
 from maru_vllm.connector.kernels import LMCacheKernels, lmcache_copier_api, resolve_lmcache_kernels
 from maru_vllm.connector.layouts import KVCacheSet
+from maru_vllm.connector.object_format import TRAILER_BYTES, HeadRange, ObjectFormat, lmcache_format
 from maru_vllm.connector.page_layout import LayoutMismatch
 from maru_vllm.connector.payload_digests import PayloadDigests
 from maru_vllm.pool.objects import checksum_from_digest
@@ -54,7 +58,8 @@ def block_kernel_available(kernels: LMCacheKernels | None) -> bool:
 
 
 def copy_format(device_type: str, use_lmcache_kernels: bool) -> str:
-    """The object format an engine on `device_type` with this config writes and reads."""
+    """The object order an engine on `device_type` with this config writes (for its start-up
+    line: it reads every order, object_format.py)."""
     if device_type != "cuda" or not use_lmcache_kernels:
         return FORMAT_PAGES
     return FORMAT_LMCACHE_BLOCK if block_kernel_available(resolve_lmcache_kernels(True)) else FORMAT_PAGES
@@ -66,6 +71,11 @@ class TorchPageCopier:
 
     def __init__(self, codec: KVCacheSet) -> None:
         self.codec = codec
+
+    @property
+    def object_format(self) -> ObjectFormat | None:
+        """The format its objects state (None until the cache set is given one)."""
+        return self.codec.format
 
     @property
     def name(self) -> str:
@@ -194,10 +204,15 @@ class LMCacheBlockCopier:
         blocks_per_chunk: int,
         kv_layout: str | None = None,
         name: str = "lmcache",
+        heads: HeadRange | None = None,
+        pages: TorchPageCopier | None = None,
     ) -> None:
         """``kv_layout``: vLLM's resolved layout (``KVCacheLayout`` name, e.g. ``LBNHC``). A fused
         K/V page's head and token axes cannot be told apart by shape, so LMCache reads them by it;
-        None leaves LMCache's platform default (heads first on CPU, tokens first elsewhere)."""
+        None leaves LMCache's platform default (heads first on CPU, tokens first elsewhere).
+        ``heads``: the KV heads these caches hold (default: all of a model with the caches' head
+        count). ``pages``: the torch copies over the same caches, for objects not in this copier's
+        own format (without: those are misses)."""
         self._api = lmcache_copier_api()  # the installed release's helpers (kernels.py); ImportError: none
         self.name = name
         unique: dict[int, torch.Tensor] = {}
@@ -216,6 +231,21 @@ class LMCacheBlockCopier:
         width = int(d.nh) * int(d.hs)
         self._tokens_shape = ((2, self.num_layers) if int(d.kv_size) == 2 else (self.num_layers,), width)
         self.bytes_per_token = int(d.kv_size) * self.num_layers * width * self.dtype.itemsize
+        nh = int(d.nh)
+        own_heads = heads if heads is not None else HeadRange(0, nh, nh)
+        _check_kv_order(self.engine_format, int(d.kv_size), own_heads.mla)
+        self.object_format = lmcache_format(
+            self.dtype, self.num_layers, own_heads, block_size, nh, int(d.hs), int(d.kv_size)
+        )
+        self._trailer = self.object_format.trailer()
+        self._pages = pages
+        if pages is not None:  # LMCache's reading of the caches must be the one vLLM laid out
+            span = own_heads.hi - own_heads.lo
+            if self.chunk_nbytes(1) != pages.chunk_nbytes(1) or (span and nh != span):
+                raise LayoutMismatch(
+                    f"LMCache's kernel reads these caches as {self.object_format.describe()}, but vLLM "
+                    f"laid them out as {pages.codec.layout_signature()} holding {span} KV heads"
+                )
         self._kernel = kernel
         self._compiled = _is_compiled(kernel)
         # Set when the compiled kernel failed and this LMCache release has no torch version of it.
@@ -230,20 +260,34 @@ class LMCacheBlockCopier:
             self._ptrs = torch.from_numpy(ptrs).to(self.device)
 
     def chunk_nbytes(self, n_blocks: int) -> int:
-        return n_blocks * self.block_size * self.bytes_per_token
+        return n_blocks * self.block_size * self.bytes_per_token + TRAILER_BYTES
 
     def _object(self, buf: Any, n_blocks: int) -> torch.Tensor:
-        """A pool buffer as the CPU tensor LMCache's object format expects (no copy)."""
-        mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+        """A pool buffer's payload (its trailer left out) as the CPU tensor LMCache's object
+        format expects (no copy)."""
+        mv = _bytes(buf)
         if mv.nbytes != self.chunk_nbytes(n_blocks):
             raise LayoutMismatch(f"object has {mv.nbytes} bytes, {n_blocks} blocks need {self.chunk_nbytes(n_blocks)}")
         lead, width = self._tokens_shape
-        flat = torch.frombuffer(mv, dtype=torch.uint8)
+        flat = torch.frombuffer(mv, dtype=torch.uint8)[: mv.nbytes - TRAILER_BYTES]
         return flat.view(self.dtype).view(*lead, n_blocks * self.block_size, width)
+
+    def _own(self, buf: Any) -> bool:
+        """Whether the object is in this copier's own format (its trailer, 64 bytes compared)."""
+        mv = _bytes(buf)
+        return mv.nbytes >= TRAILER_BYTES and mv[-TRAILER_BYTES:] == self._trailer
+
+    def _other(self) -> TorchPageCopier:
+        """The torch copies for an object in another format (LayoutMismatch: none, a miss)."""
+        if self._pages is None:
+            raise LayoutMismatch(f"the object is not in this copier's format ({self.object_format.describe()})")
+        return self._pages
 
     def pack(self, block_ids: Sequence[int], out: Any) -> int | None:
         """A DMA copy on the device: no checksum computed on the way (the pool client hashes)."""
-        self._launch([self._object(out, len(block_ids))], list(block_ids), store=True, skip=0)
+        obj = self._object(out, len(block_ids))
+        _bytes(out)[-TRAILER_BYTES:] = self._trailer  # bytes the kernel does not write
+        self._launch([obj], list(block_ids), store=True, skip=0)
         return None
 
     def unpack(
@@ -255,6 +299,9 @@ class LMCacheBlockCopier:
         chunk_blocks: int | None = None,
         hasher: Any = None,
     ) -> None:
+        if not self._own(src):  # another copier's order, page order or TP split: converted copies
+            self._other().unpack(block_ids, src, skip_blocks=skip_blocks, chunk_blocks=chunk_blocks, hasher=hasher)
+            return
         if hasher is not None:  # the kernel reads the object itself: hash it in one pass first
             hasher.update(src if isinstance(src, memoryview) else memoryview(src))
         # The kernel indexes block ids by position in the object; the skipped leading positions
@@ -269,13 +316,15 @@ class LMCacheBlockCopier:
         self._launch([obj], ids, store=False, skip=skip_blocks)
 
     def unpack_heads(self, block_ids: Sequence[int], srcs: Sequence[Any], *, skip_blocks: int = 0) -> None:
-        raise LayoutMismatch("LMCache's block objects hold one rank's pages: read only at the same TP size")
+        """Objects of a finer TP split, in either order: the torch copies assemble this rank's heads."""
+        self._other().unpack_heads(block_ids, srcs, skip_blocks=skip_blocks)
 
     def unpack_many(self, items: Sequence[tuple[Sequence[int], Any, int]]) -> None:
-        """Fused load: every whole chunk of the step in one launch (a partial first chunk alone)."""
-        whole = [(ids, src) for ids, src, skip in items if skip == 0]
+        """Fused load: every whole chunk of the step in one launch (a partial first chunk, and
+        objects in another format, one by one)."""
+        whole = [(ids, src) for ids, src, skip in items if skip == 0 and self._own(src)]
         for ids, src, skip in items:
-            if skip:
+            if skip or not self._own(src):
                 self.unpack(ids, src, skip_blocks=skip)
         if not whole:
             return
@@ -341,6 +390,26 @@ class LMCacheBlockCopier:
             self._launch(objects, block_ids, store=store, skip=skip)
 
 
+def _check_kv_order(engine_format: Any, kv_size: int, mla: bool) -> None:
+    """The object order `lmcache_format` states for `kv_size` must be the one LMCache's kernel
+    uses for this engine format: K and V apart (a ``TWO`` in the format's name) with a `kv_size`
+    of 2, one fused K|V per head (``CS``) or MLA's latent with 1. LayoutMismatch otherwise."""
+    name = str(getattr(engine_format, "name", engine_format))
+    parts = name.split("_")
+    expect = 1 if mla else 2 if "TWO" in parts else 1 if "CS" in parts else 0
+    if expect == 0 or kv_size != expect:
+        raise LayoutMismatch(
+            f"LMCache's kernel copies engine format {name} with K/V size {kv_size}: an object order "
+            "this connector does not describe"
+        )
+
+
+def _bytes(buf: Any) -> memoryview:
+    """A buffer's bytes as a flat memoryview."""
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
 def _is_compiled(fn: Any) -> bool:
     """A pybind/C++ binding (takes device pointers) rather than a Python function (takes tensors)."""
     return isinstance(fn, types.BuiltinFunctionType) or not isinstance(fn, types.FunctionType)
@@ -357,14 +426,20 @@ def make_copier(
     kv_layout: str | None = None,
 ) -> Copier:
     """The copier for these caches: LMCache's block kernel on CUDA when it resolved, else torch."""
+    pages = TorchPageCopier(codec)
     if codec.device.type == "cuda" and block_kernel_available(kernels):
         assert kernels is not None and kernels.multi_layer_block_kv_transfer is not None
-        return LMCacheBlockCopier(
-            kernels.multi_layer_block_kv_transfer,
-            kv_caches,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            blocks_per_chunk=blocks_per_chunk,
-            kv_layout=kv_layout,
-        )
-    return TorchPageCopier(codec)
+        try:
+            return LMCacheBlockCopier(
+                kernels.multi_layer_block_kv_transfer,
+                kv_caches,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                blocks_per_chunk=blocks_per_chunk,
+                kv_layout=kv_layout,
+                heads=None if codec.format is None else codec.format.heads,
+                pages=pages,
+            )
+        except LayoutMismatch as exc:
+            logger.warning("%s; copying with torch instead of LMCache's kernel", exc)
+    return pages

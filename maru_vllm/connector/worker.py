@@ -44,7 +44,7 @@ from maru_vllm.connector.sides import WorkerSide
 from maru_vllm.connector.slice_pins import SlicePins, flat_pins, load_keys
 from maru_vllm.connector.stats import TransferCounters
 from maru_vllm.connector.store_writer import StoreWriter
-from maru_vllm.connector.transfer import FORMAT_PAGES, make_copier
+from maru_vllm.connector.transfer import make_copier
 from maru_vllm.pool import PartPin, ReadPin
 from maru_vllm.pool.objects import checksum_from_digest, checksum_of, payload_hasher
 
@@ -71,7 +71,6 @@ class MaruWorkerSide(WorkerSide):
         store_pool: ConnectorPool | None = None,
         write_behind: bool = True,
         blocks_per_chunk: int = 1,
-        expected_format: str = FORMAT_PAGES,
         heads: HeadRange | None = None,
         slot: Slice | None = None,
         splits: tuple[Split, ...] = (),
@@ -96,9 +95,6 @@ class MaruWorkerSide(WorkerSide):
         self.num_blocks = num_blocks
         self.codec: KVCacheSet | None = None
         self.blocks_per_chunk = blocks_per_chunk
-        # The object format the namespace was made for (transfer.copy_format): a worker that
-        # cannot copy in that format must not touch the pool.
-        self.expected_format = expected_format
         # The KV heads this rank's pages hold, stated in every object it writes (object_format.py).
         self.heads = heads if heads is not None else HeadRange(0, 0, 0)
         self.copier: Copier | None = None
@@ -147,14 +143,6 @@ class MaruWorkerSide(WorkerSide):
             )
             self.codec = None
             return
-        if copier.format != self.expected_format:
-            logger.error(
-                "Maru connector disabled on this worker: it copies %s objects but its namespace is for %s objects",
-                copier.format,
-                self.expected_format,
-            )
-            self.codec = None
-            return
         if self.fused_load and not copier.fuses_loads:
             logger.warning(
                 "maru_enable_fused_load needs LMCache's block kernel on a CUDA KV cache; loading "
@@ -184,7 +172,7 @@ class MaruWorkerSide(WorkerSide):
             codec.layout_signature(),
             copier.name,
             copier.format,
-            f", format {object_format.describe()}" if copier.format == FORMAT_PAGES else "",
+            f", format {(copier.object_format or object_format).describe()}",
             self.fused_load,
             "write-behind" if self.write_behind else "inline",
         )

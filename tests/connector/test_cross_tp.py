@@ -130,7 +130,5 @@ def test_engines_of_every_tp_size_get_one_namespace_and_each_others_splits(tiny_
     place2 = ParallelPlace.of_engine(config)
     assert tp1 == tp2
     assert place1.slice.name == "p0h0-2" and place2.slice.name == "p0h0-1"  # scheduler-side view: rank 0
-    assert [s.writer_tp for s in place1.splits(reads_other_tp=True)] == [1, 2]
-    assert [s.writer_tp for s in place2.splits(reads_other_tp=True)] == [2, 1]
-    # LMCache-format engines (no trailer to read a head range by) look only under their own split.
-    assert [s.writer_tp for s in place2.splits(reads_other_tp=False)] == [2]
+    assert [s.writer_tp for s in place1.splits()] == [1, 2]
+    assert [s.writer_tp for s in place2.splits()] == [2, 1]

@@ -11,7 +11,6 @@ The tests at the end run the real thing and skip, saying why, without a CUDA dev
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from maru_vllm.connector import transfer
 from maru_vllm.connector.cuda_host import HOST_REGISTER_FLAGS, HostRegistry, buffer_address
 from maru_vllm.connector.layouts import KVCacheSet
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
+from maru_vllm.connector.object_format import HeadRange
 from maru_vllm.connector.page_layout import LayoutMismatch
 from maru_vllm.connector.transfer import LMCacheBlockCopier, TorchPageCopier, make_copier
 from maru_vllm.launch.stack import PoolProcess
@@ -68,10 +68,13 @@ def test_block_kernel_store_then_load_into_other_blocks_of_another_cache() -> No
     b.unpack([9, 12], memoryview(obj))
     assert all(torch.equal(x, y) for x, y in zip(pages(dst, 9), pages(src, 3)))
     assert all(torch.equal(x, y) for x, y in zip(pages(dst, 12), pages(src, 4)))
-    # LMCache's object format, not Maru's page format: the namespaces must keep them apart.
+    # LMCache's block order, not the page order: the same size, other bytes, and a trailer each
+    # saying which (test_lmcache_order.py reads each in the other).
     maru = bytearray(a.chunk_nbytes(BPC))
-    TorchPageCopier(KVCacheSet(src, BS, num_blocks=NB, backend_name="CPU_ATTN")).pack([3, 4], memoryview(maru))
-    assert len(maru) == len(obj) and maru != obj
+    codec = KVCacheSet(src, BS, num_blocks=NB, backend_name="CPU_ATTN")
+    codec.use_format(HeadRange(0, H, H))
+    TorchPageCopier(codec).pack([3, 4], memoryview(maru))
+    assert len(maru) == len(obj) and maru[:-64] != obj[:-64]
 
 
 def test_block_kernel_load_skips_the_blocks_the_engine_has() -> None:
@@ -135,6 +138,8 @@ def test_compiled_kernel_gets_pointers_and_at_most_four_objects_per_launch() -> 
     rec = RecordingCompiledKernel()
     cp = block_copier(kv, rec)
     objs = [bytearray(cp.chunk_nbytes(BPC)) for _ in range(6)]
+    for o in objs:  # objects in its own format (a kernel is never handed another's)
+        o[-64:] = cp.object_format.trailer()
     cp.unpack_many([([2 * i, 2 * i + 1], memoryview(o), 0) for i, o in enumerate(objs)])
     assert [len(c[1]) for c in rec.calls] == [4, 2]  # LMCache's per-launch object limit
     ptrs, obj_ptrs, block_ids = rec.calls[0][:3]
@@ -174,22 +179,6 @@ def test_cpu_caches_always_use_torch_pages_even_when_kernels_resolve(monkeypatch
     assert transfer.copy_format("cuda", False) == transfer.FORMAT_PAGES
     monkeypatch.setattr(transfer, "resolve_lmcache_kernels", lambda enabled: None)
     assert transfer.copy_format("cuda", True) == transfer.FORMAT_PAGES
-
-
-def test_worker_whose_copier_does_not_match_its_namespace_stays_off_the_pool(tmp_path: Path) -> None:
-    side = worker_side(
-        f"unix://{tmp_path}/x.sock",
-        "ns",
-        caches(1),
-        block_size=BS,
-        num_blocks=NB,
-        timeout_s=1.0,
-        who="t",
-        expected_format=transfer.FORMAT_LMCACHE_BLOCK,
-    )
-    assert side.codec is None and side.writer is None
-    side.load(MaruConnectorMetadata(loads=[ChunkLoad("r", b"k", [0, 1])]))
-    assert side.take_failed_blocks() == {0, 1}
 
 
 # ---- CUDA host registration ------------------------------------------------------------------
@@ -252,12 +241,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 
 @cuda
 def test_cuda_store_and_load_through_the_registered_region(pool: PoolProcess) -> None:
-    for use_kernels in (False, True):
-        ns = f"cuda-{use_kernels}"
+    # Every pair of copiers: the torch copies and LMCache's kernel each read the other's objects.
+    for kernels_a, kernels_b in ((False, False), (True, True), (True, False), (False, True)):
+        ns = f"cuda-{kernels_a}-{kernels_b}"
         kv_a, kv_b = caches(1, "cuda"), caches(2, "cuda")
-        fmt = transfer.copy_format("cuda", use_kernels)
         sides = []
-        for kv in (kv_a, kv_b):
+        for kv, use_kernels in ((kv_a, kernels_a), (kv_b, kernels_b)):
             side = worker_side(
                 pool.address,
                 ns,
@@ -270,7 +259,6 @@ def test_cuda_store_and_load_through_the_registered_region(pool: PoolProcess) ->
                 enable_fused_load=use_kernels,
                 kv_layout=HND,
                 blocks_per_chunk=BPC,
-                expected_format=fmt,
             )
             assert side.codec is not None and side.host_registry is not None
             sides.append(side)

@@ -39,7 +39,6 @@ def sides(path: ServingPath) -> tuple[Any, Any]:
         store_pool=None,
         write_behind=True,
         blocks_per_chunk=2,
-        expected_format="maru-pages",
         block_size=16,
         num_blocks=100,
         use_lmcache_kernels=False,

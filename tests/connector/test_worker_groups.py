@@ -14,7 +14,6 @@ from maru_vllm.connector.chunks import placeholder_meta
 from maru_vllm.connector.kv_groups import FULL, SLIDING, KVGroup
 from maru_vllm.connector.metadata import ChunkLoad, ChunkStore, MaruConnectorMetadata
 from maru_vllm.connector.pool_access import PoolAccess
-from maru_vllm.connector.transfer import FORMAT_PAGES
 from maru_vllm.connector.worker_groups import GroupedWorkerSide
 from maru_vllm.launch.stack import PoolProcess
 
@@ -44,7 +43,6 @@ def grouped_worker(address: str, seed: int | None) -> tuple[GroupedWorkerSide, d
         use_lmcache_kernels=False,
         enable_fused_load=False,
         blocks_per_chunk=2,
-        expected_format=FORMAT_PAGES,
     )
     side.register_kv_caches(caches, "CPU_ATTN")
     return side, caches

@@ -31,7 +31,7 @@ def worker_side(
     **options: Any,
 ) -> MaruWorkerSide:
     """A `MaruWorkerSide` with `caches` registered (attention `backend`, vLLM's `kv_layout`);
-    `options` go to its constructor (write_behind, blocks_per_chunk, expected_format)."""
+    `options` go to its constructor (write_behind, blocks_per_chunk)."""
     side = MaruWorkerSide(
         namespace=namespace,
         rank=0,
