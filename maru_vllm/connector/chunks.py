@@ -166,10 +166,12 @@ class ChunkGeometry:
         first = chunk_index * self.blocks_per_chunk
         return [hash_bytes(block_hashes[b]) for b in range(first, first + self.blocks_per_chunk - 1)]
 
-    def keys_all_ranks(self, block_hashes: Sequence[Any], num_chunks: int, split: int = 0) -> list[bytes]:
-        """Keys of chunks 0..num_chunks-1 under split `split`, every slice of a chunk next to each other."""
+    def keys_all_ranks(
+        self, block_hashes: Sequence[Any], num_chunks: int, split: int = 0, first: int = 0
+    ) -> list[bytes]:
+        """Keys of chunks first..num_chunks-1 under split `split`, every slice of a chunk next to each other."""
         names = [s.name for s in self.splits[split].slices]
-        return [chunk_key(self.chunk_hash(block_hashes, c), n) for c in range(num_chunks) for n in names]
+        return [chunk_key(self.chunk_hash(block_hashes, c), n) for c in range(first, num_chunks) for n in names]
 
     def chunk_meta(
         self,

@@ -71,8 +71,9 @@ class RequestState:
     checked_blocks: int = -1
     pool_chunks: int = 0
     part_blocks: int = 0
-    # Which of the geometry's splits holds those whole chunks (0: this engine's own TP split).
-    split: int = 0
+    # Which of the geometry's splits holds each of those whole chunks (0: this engine's own TP
+    # split; chunks past the list's end: 0).
+    chunk_splits: list[int] = dataclasses.field(default_factory=list)
     # Tokens computed locally (prefix cache) when vLLM asked; where a load starts.
     local_tokens: int = 0
     # Load decided in update_state_after_alloc, emitted in the next build_connector_meta.
@@ -131,17 +132,17 @@ class MaruSchedulerSide(SchedulerSide):
         if st.checked_blocks != max_blocks:
             g = self.geometry
             max_chunks = max_blocks // g.blocks_per_chunk
-            present = split = 0
+            present, splits = 0, list[int]()
             if max_chunks:
                 keys = g.keys_all_ranks(request.block_hashes, max_chunks)
                 present, fetching = self._lookup(st, keys)
                 if fetching:
                     return None, False  # vLLM asks again next step
                 present //= g.objects_per_chunk()
-                if present < max_chunks:
-                    present, split = self._other_splits(request, max_chunks, present)
+                if present < max_chunks and len(g.splits) > 1:
+                    present, splits = self._other_splits(request, max_chunks, present)
             st.checked_blocks = max_blocks
-            st.pool_chunks, st.split = present, split
+            st.pool_chunks, st.chunk_splits = present, splits
             st.part_blocks = self._shared_part(request, st.pool_chunks, max_blocks)
             # Chunks the pool has need no store.
             st.next_store_chunk = max(st.next_store_chunk, st.pool_chunks)
@@ -162,17 +163,27 @@ class MaruSchedulerSide(SchedulerSide):
                 st.fetch_asked = now
         return present, lower
 
-    def _other_splits(self, request: Request, max_chunks: int, own: int) -> tuple[int, int]:
-        """(whole leading chunks, split) of the split that holds the most, when another TP size's
-        split holds more than this engine's own (`own` chunks); ties keep the own split."""
+    def _other_splits(self, request: Request, max_chunks: int, own: int) -> tuple[int, list[int]]:
+        """(whole leading chunks, the split of each) when the own split holds the first `own`: from
+        the first chunk it lacks, the split holding the most chunks in a row takes them, and so on
+        until no split holds the next chunk (a prefix written partly by engines of one TP size and
+        continued by another's loads whole). Ties keep the own split, then the lower TP size."""
         g = self.geometry
-        best, split = own, 0
-        for s in range(1, len(g.splits)):
-            keys = g.keys_all_ranks(request.block_hashes, max_chunks, s)
-            found = self.pool.lookup_prefix(keys, self.namespace) // g.objects_per_chunk(s)
-            if found > best:
-                best, split = found, s
-        return best, split
+        chosen, at = [0] * own, own
+        while at < max_chunks:
+            best, split = 0, 0
+            for s in range(len(g.splits)):
+                if s == 0 and at == own:
+                    continue  # the own split's lookup stopped here
+                keys = g.keys_all_ranks(request.block_hashes, max_chunks, s, first=at)
+                found = self.pool.lookup_prefix(keys, self.namespace) // g.objects_per_chunk(s)
+                if found > best:
+                    best, split = found, s
+            if best == 0:
+                break
+            chosen += [split] * best
+            at += best
+        return at, chosen
 
     def _shared_part(self, request: Request, chunk: int, max_blocks: int) -> int:
         """How many leading blocks of `chunk` (not in the pool whole) some pool chunk holds, on
@@ -243,7 +254,8 @@ class MaruSchedulerSide(SchedulerSide):
                 last_block = min((c + 1) * bpc, end_block)
                 block_ids = st.block_ids[first_block:last_block]
                 if last_block == (c + 1) * bpc:
-                    key, chunk_blocks, split = g.chunk_hash(req.block_hashes, c), 0, st.split
+                    split = st.chunk_splits[c] if c < len(st.chunk_splits) else 0
+                    key, chunk_blocks = g.chunk_hash(req.block_hashes, c), 0
                 else:  # the chunk shared in part: found by the part key of its last shared block (own split)
                     key, chunk_blocks, split = hash_bytes(req.block_hashes[last_block - 1]), bpc, 0
                 skip = first_block - c * bpc

@@ -101,8 +101,10 @@ def check_step(sim: Sim, rec: StepRecord, client: PoolClient | None = None) -> N
                 assert ld.chunk_blocks == BPC and ld.key == hash_bytes(req.block_hashes[last - 1])
         assert sum(len(ld.block_ids) for ld in loads) * BLOCK_SIZE == ext
         if client is not None:
-            whole = [ld for ld in loads if not ld.chunk_blocks]
-            present = client.lookup([chunk_key(ld.key, SLOT) for ld in whole], sim.namespace)
+            # Every object of every whole chunk, under the split the load names.
+            splits = sim.conn.scheduler_side.geometry.splits
+            keys = [chunk_key(ld.key, sl.name) for ld in loads if not ld.chunk_blocks for sl in splits[ld.split].slices]
+            present = client.lookup(keys, sim.namespace)
             assert all(present), f"{rid} loads chunks the pool does not hold: {present}"
             parts = [ld for ld in loads if ld.chunk_blocks]
             units = client.lookup_parts([chunk_key(ld.key, SLOT) for ld in parts], sim.namespace)
@@ -205,6 +207,27 @@ def test_pool_hit_loads_chunks_beyond_nothing(new_sim, client):
     assert not rec.meta.stores  # the only full chunks are the pool's
     run_checked(sim, client)
     assert not sim.stores
+
+
+@pytest.mark.parametrize(
+    "writers", [("own", "tp2", "tp2"), ("tp2", "own", "tp2"), ("tp2", "tp2", "tp2")], ids=lambda w: "-".join(w)
+)
+def test_a_prefix_written_by_engines_of_two_tp_sizes_loads_whole(new_sim, client, writers):
+    # The tiny model has 2 KV heads: a TP 1 engine's split is one slice, a TP 2 engine's two.
+    # Each chunk is in the pool under one of them only (a conversation whose turns ran on
+    # engines of both sizes): every chunk loads, each under the split that holds it.
+    sim = new_sim()
+    req = make_request("mixed", tokens(14, 1000), max_tokens=2)
+    slots = {"own": [SLOT], "tp2": ["p0h0-1", "p0h1-2"]}
+    for c, writer in enumerate(writers):
+        for slot in slots[writer]:
+            assert client.put(pool_keys(req, c + 1, slot)[c], b"x" * 64, sim.namespace)
+    sim.add(req)
+    rec = _admit(sim, req, client)
+    assert rec.allocs["mixed"] == 3 * CHUNK_TOKENS
+    assert [ld.split for ld in rec.meta.loads] == [0 if w == "own" else 1 for w in writers]
+    assert [ld.block_ids for ld in rec.meta.loads] == [rec.blocks["mixed"][2 * c : 2 * c + 2] for c in range(3)]
+    run_checked(sim, client)
 
 
 def test_pool_hit_beyond_a_local_hit_that_ends_mid_chunk(new_sim, client):
