@@ -77,22 +77,39 @@ def main() -> int:
         configs = [("torch", False)]
         if transfer.copy_format("cuda", True) == transfer.FORMAT_LMCACHE_BLOCK:
             configs.append(("lmcache", True))
-        rows = {}
+        rows: dict[str, dict[str, float]] = {}
         n = 0
+
+        def make_side(namespace: str, kernels: bool) -> MaruWorkerSide:
+            side = MaruWorkerSide(
+                namespace=namespace,
+                rank=0,
+                pool=PoolAccess(address, None, 30.0, True, "bench"),
+                block_size=args.block_size,
+                num_blocks=num_blocks,
+                use_lmcache_kernels=kernels,
+                enable_fused_load=kernels,
+                blocks_per_chunk=bpc,
+                write_behind=False,
+            )
+            side.register_kv_caches(kv, "FLASH_ATTN", "LBHNC")  # the layout `big` has
+            return side
+
+        def chunk_stores(tag: str) -> list[ChunkStore]:
+            return [
+                ChunkStore("r", f"{tag}-{c}".encode(), list(range(c * bpc, (c + 1) * bpc)), placeholder_meta(c))
+                for c in range(args.chunks)
+            ]
+
+        def chunk_loads(stores: list[ChunkStore]) -> list[ChunkLoad]:
+            return [
+                ChunkLoad("r2", s.key, list(range(num_blocks // 2 + i * bpc, num_blocks // 2 + (i + 1) * bpc)))
+                for i, s in enumerate(stores)
+            ]
+
         for name, kernels in configs:
             for registered in (True, False):
-                side = MaruWorkerSide(
-                    namespace=f"bgpu-{name}",
-                    rank=0,
-                    pool=PoolAccess(address, None, 30.0, True, "bench"),
-                    block_size=args.block_size,
-                    num_blocks=num_blocks,
-                    use_lmcache_kernels=kernels,
-                    enable_fused_load=kernels,
-                    blocks_per_chunk=bpc,
-                    write_behind=False,
-                )
-                side.register_kv_caches(kv, "FLASH_ATTN", "LBHNC")  # the layout `big` has
+                side = make_side(f"bgpu-{name}", kernels)
                 if not registered:
                     side.host_registry = side.writer.host_registry = None
                 chunk_bytes = side.copier.chunk_nbytes(bpc)
@@ -107,22 +124,15 @@ def main() -> int:
                 }
                 for _ in range(args.repeats + 1):
                     n += 1
-                    stores = [
-                        ChunkStore("r", f"{n}-{c}".encode(), list(range(c * bpc, (c + 1) * bpc)), placeholder_meta(c))
-                        for c in range(args.chunks)
-                    ]
+                    stores = chunk_stores(str(n))
                     side.take_counters()
                     side.store(MaruConnectorMetadata(stores=stores))
                     if side.writer is not None:  # write-behind: the copy finishes on the writer thread
                         side.writer.wait(timeout=60)
                     c = side.take_counters()
                     best["store"] = min(best["store"], c.store_seconds)
-                    loads = [
-                        ChunkLoad("r2", s.key, list(range(num_blocks // 2 + i * bpc, num_blocks // 2 + (i + 1) * bpc)))
-                        for i, s in enumerate(stores)
-                    ]
                     t0 = time.perf_counter()
-                    side.load(MaruConnectorMetadata(loads=loads))
+                    side.load(MaruConnectorMetadata(loads=chunk_loads(stores)))
                     torch.cuda.synchronize()
                     best["load"] = min(best["load"], time.perf_counter() - t0)
                     assert not side.take_failed_blocks()
@@ -148,6 +158,30 @@ def main() -> int:
                     side.host_registry.close()
                 side.pool.close()
                 del src, host
+        if len(configs) == 2:
+            # One namespace for both copiers: each loads the other's objects (converted by torch).
+            for writer, reader in ((False, True), (True, False)):
+                w, r = make_side("bgpu-mixed", writer), make_side("bgpu-mixed", reader)
+                best_load = float("inf")
+                for _ in range(args.repeats + 1):
+                    n += 1
+                    stores = chunk_stores(str(n))
+                    w.store(MaruConnectorMetadata(stores=stores))
+                    if w.writer is not None:
+                        w.writer.wait(timeout=60)
+                    t0 = time.perf_counter()
+                    r.load(MaruConnectorMetadata(loads=chunk_loads(stores)))
+                    torch.cuda.synchronize()
+                    best_load = min(best_load, time.perf_counter() - t0)
+                    assert not r.take_failed_blocks()
+                    admin.remove(None, "bgpu-mixed")
+                label = f"{'lmcache' if reader else 'torch'} loading {'lmcache' if writer else 'torch'} objects"
+                rows[label] = {"load_GBps": w.copier.chunk_nbytes(bpc) * args.chunks / best_load / 1e9}
+                for side in (w, r):
+                    side.shutdown()
+                    if side.host_registry is not None:
+                        side.host_registry.close()
+                    side.pool.close()
         admin.close()
         results["copiers"] = rows
     if args.json:
@@ -158,6 +192,9 @@ def main() -> int:
         f"min of {args.repeats}"
     )
     for name, r in rows.items():
+        if "store_GBps" not in r:
+            print(f"  {name:36s} load {r['load_GBps']:6.2f} GB/s")
+            continue
         print(
             f"  {name:36s} store {r['store_GBps']:6.2f} GB/s ({r['store_over_memcpy']:.2f}x cudaMemcpy D2H "
             f"{r['memcpy_D2H_GBps']:.1f}) | load {r['load_GBps']:6.2f} GB/s ({r['load_over_memcpy']:.2f}x "
