@@ -95,6 +95,12 @@ def main() -> int:
             side.register_kv_caches(kv, "FLASH_ATTN", "LBHNC")  # the layout `big` has
             return side
 
+        def close_side(side: MaruWorkerSide) -> None:
+            side.shutdown()
+            if side.host_registry is not None:
+                side.host_registry.close()
+            side.pool.close()
+
         def chunk_stores(tag: str) -> list[ChunkStore]:
             return [
                 ChunkStore("r", f"{tag}-{c}".encode(), list(range(c * bpc, (c + 1) * bpc)), placeholder_meta(c))
@@ -153,10 +159,7 @@ def main() -> int:
                     "load_over_memcpy": best["memcpy H2D"] / best["load"],
                     "bytes": total,
                 }
-                side.shutdown()
-                if side.host_registry is not None:
-                    side.host_registry.close()
-                side.pool.close()
+                close_side(side)
                 del src, host
         if len(configs) == 2:
             # One namespace for both copiers: each loads the other's objects (converted by torch).
@@ -177,11 +180,8 @@ def main() -> int:
                     admin.remove(None, "bgpu-mixed")
                 label = f"{'lmcache' if reader else 'torch'} loading {'lmcache' if writer else 'torch'} objects"
                 rows[label] = {"load_GBps": w.copier.chunk_nbytes(bpc) * args.chunks / best_load / 1e9}
-                for side in (w, r):
-                    side.shutdown()
-                    if side.host_registry is not None:
-                        side.host_registry.close()
-                    side.pool.close()
+                close_side(w)
+                close_side(r)
         admin.close()
         results["copiers"] = rows
     if args.json:

@@ -222,6 +222,14 @@ def _without_heads(axes: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
     return sorted(a for a in axes if a[0] != "heads")
 
 
+def _c_axes(size: int, mla: bool) -> list[tuple[str, int]]:
+    """The logical axes of a last dim "C" of `size`: MLA's latent, or K then V (a ``kv`` axis of 2
+    over a ``dim`` axis; ``kvdim`` when it does not halve)."""
+    if mla:
+        return [("latent", size)]
+    return [("kv", 2), ("dim", size // 2)] if size % 2 == 0 else [("kvdim", size)]
+
+
 def _page_axes(lay: PageLayout, mla: bool) -> tuple[tuple[str, int], ...] | None:
     """The page's logical axes in storage order (size-1 axes left out); None when unknown."""
     rank = len(lay.perm) - (1 if lay.group > 1 else 0)
@@ -235,13 +243,11 @@ def _page_axes(lay: PageLayout, mla: bool) -> tuple[tuple[str, int], ...] | None
     for d, size in zip(lay.perm[1:], lay.page_shape):
         name = names_l[d]
         if name == "C":
-            if mla:
-                name = "latent"
-            elif size % 2 == 0:  # K then V
-                axes += [("kv", 2), ("dim", size // 2)]
+            c_axes = _c_axes(int(size), mla)
+            if len(c_axes) > 1:
+                axes += c_axes
                 continue
-            else:
-                name = "kvdim"
+            ((name, size),) = c_axes
         if size != 1:
             axes.append((name, int(size)))
     return tuple(axes)
@@ -316,13 +322,11 @@ def lmcache_format(
     """
     axes: list[tuple[str, int]]
     if heads.mla:
-        axes = [("tokens", block_size), ("latent", head_count * head_size)]
+        axes = [("tokens", block_size), *_c_axes(head_count * head_size, True)]
     elif kv_size == 2:
         axes = [("kv", 2), ("tokens", block_size), ("heads", head_count), ("dim", head_size)]
-    elif head_size % 2 == 0:
-        axes = [("tokens", block_size), ("heads", head_count), ("kv", 2), ("dim", head_size // 2)]
     else:
-        axes = [("tokens", block_size), ("heads", head_count), ("kvdim", head_size)]
+        axes = [("tokens", block_size), ("heads", head_count), *_c_axes(head_size, False)]
     kind = KIND_MLA if heads.mla else KIND_KV
     kept = tuple((name, int(size)) for name, size in axes if size != 1)
     return ObjectFormat(kind, _DTYPES.get(dtype, 0), layers, 1, heads, kept, order=ORDER_LMCACHE)

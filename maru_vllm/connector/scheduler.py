@@ -132,7 +132,8 @@ class MaruSchedulerSide(SchedulerSide):
         if st.checked_blocks != max_blocks:
             g = self.geometry
             max_chunks = max_blocks // g.blocks_per_chunk
-            present, splits = 0, list[int]()
+            present = 0
+            splits: list[int] = []
             if max_chunks:
                 keys = g.keys_all_ranks(request.block_hashes, max_chunks)
                 present, fetching = self._lookup(st, keys)

@@ -322,9 +322,11 @@ class LMCacheBlockCopier:
     def unpack_many(self, items: Sequence[tuple[Sequence[int], Any, int]]) -> None:
         """Fused load: every whole chunk of the step in one launch (a partial first chunk, and
         objects in another format, one by one)."""
-        whole = [(ids, src) for ids, src, skip in items if skip == 0 and self._own(src)]
+        whole: list[tuple[Sequence[int], Any]] = []
         for ids, src, skip in items:
-            if skip or not self._own(src):
+            if skip == 0 and self._own(src):
+                whole.append((ids, src))
+            else:
                 self.unpack(ids, src, skip_blocks=skip)
         if not whole:
             return
